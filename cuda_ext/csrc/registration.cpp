@@ -1,0 +1,58 @@
+// The one place where ops are declared and dispatched: schemas in a single TORCH_LIBRARY block,
+// one TORCH_LIBRARY_IMPL per backend. Autograd and fake (meta) kernels are registered from
+// Python beside the typed wrappers (cuda_ext/trilinear.py, upsample.py, gelu.py).
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+// Importing cuda_ext._C loads this library, which runs the registrations below. The module
+// itself exports nothing: the ops are reached through torch.ops.cuda_ext.
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(cuda_ext, m) {
+  m.def("trilinear_interpolate(Tensor feats, Tensor points) -> Tensor");
+  // Gradients that were not requested come back as empty tensors (shape (0,)).
+  m.def(
+      "trilinear_interpolate_backward(Tensor grad_out, Tensor feats, Tensor points, "
+      "bool feats_requires_grad, bool points_requires_grad) -> (Tensor, Tensor)");
+  m.def("grid_interpolate(Tensor grid, Tensor points) -> Tensor");
+  m.def(
+      "grid_interpolate_backward(Tensor grad_out, Tensor grid, Tensor points, "
+      "bool grid_requires_grad, bool points_requires_grad) -> (Tensor, Tensor)");
+  m.def("upsample_bilinear2d(Tensor x, int scale_factor, bool align_corners) -> Tensor");
+  m.def(
+      "upsample_bilinear2d_backward(Tensor grad_out, int input_height, int input_width, "
+      "int scale_factor, bool align_corners) -> Tensor");
+  m.def("gelu(Tensor x, str approximate) -> Tensor");
+  m.def("gelu_backward(Tensor grad_out, Tensor x, str approximate) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
+  m.impl("trilinear_interpolate", &cuda_ext::trilinear_interpolate_cpu);
+  m.impl("trilinear_interpolate_backward", &cuda_ext::trilinear_interpolate_backward_cpu);
+  m.impl("grid_interpolate", &cuda_ext::grid_interpolate_cpu);
+  m.impl("grid_interpolate_backward", &cuda_ext::grid_interpolate_backward_cpu);
+  m.impl("upsample_bilinear2d", &cuda_ext::upsample_bilinear2d_cpu);
+  m.impl("upsample_bilinear2d_backward", &cuda_ext::upsample_bilinear2d_backward_cpu);
+  m.impl("gelu", &cuda_ext::gelu_cpu);
+  m.impl("gelu_backward", &cuda_ext::gelu_backward_cpu);
+}
+
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
+  m.impl("trilinear_interpolate", &cuda_ext::trilinear_interpolate_cuda);
+  m.impl("trilinear_interpolate_backward", &cuda_ext::trilinear_interpolate_backward_cuda);
+  m.impl("grid_interpolate", &cuda_ext::grid_interpolate_cuda);
+  m.impl("grid_interpolate_backward", &cuda_ext::grid_interpolate_backward_cuda);
+  m.impl("upsample_bilinear2d", &cuda_ext::upsample_bilinear2d_cuda);
+  m.impl("upsample_bilinear2d_backward", &cuda_ext::upsample_bilinear2d_backward_cuda);
+  m.impl("gelu", &cuda_ext::gelu_cuda);
+  m.impl("gelu_backward", &cuda_ext::gelu_backward_cuda);
+}
+#endif

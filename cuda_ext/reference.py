@@ -1,0 +1,70 @@
+"""Pure-PyTorch references for every op in :mod:`cuda_ext`, with the same signatures.
+
+They define what the custom kernels compute, serve as the ``ops=torch`` backend of the model,
+and are what the tests compare against. Autograd differentiates them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["trilinear_interpolate", "grid_interpolate", "upsample_bilinear2d", "gelu"]
+
+
+def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """Blend each point's 8 cell-corner features (the tutorial's formula).
+
+    Args:
+        feats: (N, 8, F) corner features; corner ``k = 4*iu + 2*iv + iw``.
+        points: (N, 3) local coordinates (x, y, z) in [-1, 1].
+    Returns:
+        (N, F) with (u, v, w) = (points + 1) / 2 and corner k weighted by
+        ``(u if iu else 1-u) * (v if iv else 1-v) * (w if iw else 1-w)``.
+    """
+    u = (points[:, 0:1] + 1) / 2
+    v = (points[:, 1:2] + 1) / 2
+    w = (points[:, 2:3] + 1) / 2
+    a = (1 - v) * (1 - w)
+    b = (1 - v) * w
+    c = v * (1 - w)
+    d = v * w
+    return (1 - u) * (a * feats[:, 0] + b * feats[:, 1] + c * feats[:, 2] + d * feats[:, 3]) + u * (
+        a * feats[:, 4] + b * feats[:, 5] + c * feats[:, 6] + d * feats[:, 7]
+    )
+
+
+def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """Trilinear lookup of a dense channels-last grid at continuous points (8-corner gather).
+
+    Args:
+        grid: (R0, R1, R2, C) voxel values.
+        points: (N, 3) coordinates in [-1, 1] along grid axes 0, 1, 2.
+    Returns:
+        (N, C). Per axis, ``p = (point + 1) / 2 * (R - 1)`` clamped to [0, R - 1]
+        (align_corners=True, border padding), then the trilinear blend of the 8 voxels around p.
+    """
+    sizes = torch.tensor(grid.shape[:3], device=points.device)
+    p = ((points + 1) / 2 * (sizes - 1).to(points.dtype)).clamp(min=0)
+    p = torch.minimum(p, (sizes - 1).to(points.dtype))
+    lo = torch.minimum(p.floor().long(), (sizes - 2).clamp(min=0))  # keep lo+1 inside the grid; t then reaches 1 at the end
+    t = p - lo.to(p.dtype)
+    hi = torch.minimum(lo + 1, sizes - 1)
+    out = torch.zeros(points.shape[0], grid.shape[3], dtype=grid.dtype, device=grid.device)
+    for corner in range(8):
+        bits = [(corner >> 2) & 1, (corner >> 1) & 1, corner & 1]
+        idx = [hi[:, a] if bits[a] else lo[:, a] for a in range(3)]
+        weight = torch.ones_like(t[:, 0])
+        for a in range(3):
+            weight = weight * (t[:, a] if bits[a] else 1 - t[:, a])
+        out = out + weight[:, None].to(grid.dtype) * grid[idx[0], idx[1], idx[2]]
+    return out
+
+
+def upsample_bilinear2d(x: torch.Tensor, scale_factor: int, align_corners: bool = False) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C, H*s, W*s) bilinear upsampling (``F.interpolate``)."""
+    return F.interpolate(x, scale_factor=scale_factor, mode="bilinear", align_corners=align_corners)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """Elementwise GELU, exact (``"none"``, erf) or ``"tanh"`` (``F.gelu``)."""
+    return F.gelu(x, approximate=approximate)

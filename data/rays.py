@@ -1,0 +1,87 @@
+"""Camera rays through pixel positions, for full- and low-resolution renders.
+
+Conventions
+-----------
+Cameras are pinhole, OpenGL style (as in the NeRF-synthetic "blender" scenes): in camera space the camera looks
+down -z, +y is up and +x is right. ``c2w`` maps camera to world: its columns are the world-space right, up and
+backward axes and the camera position. Pixel positions are continuous: pixel (row y, column x) covers
+[x, x+1) x [y, y+1) and its centre is (x + 0.5, y + 0.5). The principal point is the image centre (W/2, H/2),
+so the camera-space direction through position (u, v) is ((u - W/2) / f, -(v - H/2) / f, -1). Returned
+directions have unit length, so a distance t along a ray is Euclidean (``near``/``far`` are distances).
+
+Low-resolution rays and bilinear upsampling (the image-space decoder)
+---------------------------------------------------------------------
+A decoder renders features at low resolution, one ray per s x s block of target pixels, and upsamples them by s
+with ``F.interpolate(x, scale_factor=s, mode="bilinear", align_corners=False)``. That call treats low-res sample
+j as sitting at output pixel-index coordinate (j + 0.5) * s - 0.5, i.e. at continuous position s * (j + 0.5):
+the centre of block j. So low-res ray (i, j) must pass through continuous position
+
+    (u, v) = (s * (j + 0.5), s * (i + 0.5))          (plus the patch corner (x0, y0) for a patch)
+
+For odd s that is the centre of full-res pixel (s*j + (s-1)/2); for even s it is the corner shared by the four
+middle pixels of the block. With the rays placed so, the upsampled features at full-res pixel centre x + 0.5
+are the linear interpolation of the two low-res samples whose positions bracket it, which is exact for any
+quantity linear in the pixel position. Within s/2 pixels of a patch's border the target pixel lies outside the
+outermost low-res positions and ``F.interpolate`` clamps (repeats the edge sample) instead of extrapolating.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def pixel_rays(
+    c2w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, focal: float, width: int, height: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rays through continuous pixel positions.
+
+    c2w: (*S, 4, 4) (or broadcastable to that), u, v: (*S) column and row positions in full-res pixel units.
+    Returns origins and unit directions, each (*S, 3), in c2w's dtype.
+    """
+    rot = c2w[..., :3, :3]
+    dx = ((u - 0.5 * width) / focal).unsqueeze(-1)
+    dy = (-(v - 0.5 * height) / focal).unsqueeze(-1)
+    # rot @ (dx, dy, -1) written as a sum of columns: elementwise, so bit-identical for any thread count
+    directions = rot[..., :, 0] * dx + rot[..., :, 1] * dy - rot[..., :, 2]
+    directions = directions / torch.linalg.vector_norm(directions, dim=-1, keepdim=True)
+    origins = c2w[..., :3, 3].expand_as(directions).contiguous()
+    return origins, directions
+
+
+def block_centres(count: int, scale: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """(count,) positions s * (j + 0.5): the centres of consecutive blocks of ``scale`` pixels (see module doc)."""
+    return (torch.arange(count, dtype=dtype, device=device) + 0.5) * scale
+
+
+def camera_rays(
+    c2w: torch.Tensor, height: int, width: int, focal: float, scale: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ray per pixel centre (scale=1) or per centre of each s x s pixel block (scale=s).
+
+    c2w: (4, 4) or (..., 4, 4). Returns origins and unit directions, each (..., height//scale, width//scale, 3).
+    With scale=s these are the low-resolution rays whose renders, upsampled by s (bilinear,
+    align_corners=False), line up with the full-resolution pixels (see module doc).
+    """
+    if not isinstance(scale, int) or scale < 1:
+        raise ValueError(f"camera_rays: scale must be a positive int, got {scale!r}")
+    if height % scale or width % scale:
+        raise ValueError(f"camera_rays: height {height} and width {width} must be divisible by scale {scale}")
+    if c2w.shape[-2:] != (4, 4):
+        raise ValueError(f"camera_rays: c2w must have shape (..., 4, 4), got {tuple(c2w.shape)}")
+    dtype = c2w.dtype if c2w.is_floating_point() else torch.float32
+    rows = block_centres(height // scale, scale, dtype, c2w.device)
+    cols = block_centres(width // scale, scale, dtype, c2w.device)
+    v, u = torch.meshgrid(rows, cols, indexing="ij")
+    return pixel_rays(c2w.to(dtype)[..., None, None, :, :], u, v, focal, width, height)
+
+
+def project_to_pixels(c2w: torch.Tensor, directions: torch.Tensor, focal: float, width: int, height: int) -> torch.Tensor:
+    """Inverse of :func:`pixel_rays` for directions: (*S, 3) world directions -> (*S, 2) positions (u, v).
+
+    c2w: (*S, 4, 4) or broadcastable. Used to check where rays pass (tests, debugging).
+    """
+    rot = c2w[..., :3, :3]
+    local = (rot * directions.unsqueeze(-1)).sum(-2)  # rot^T @ d
+    depth = -local[..., 2]
+    u = 0.5 * width + focal * local[..., 0] / depth
+    v = 0.5 * height - focal * local[..., 1] / depth
+    return torch.stack([u, v], dim=-1)

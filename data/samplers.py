@@ -1,0 +1,145 @@
+"""Random training batches drawn from a :class:`Scene`, built on the scene's device every step.
+
+The hot path has no host synchronisation: indices come from ``torch.randint`` on the images' device, pixels are
+gathered from the uint8 images and converted to float on the fly, and rays are computed from the gathered
+cameras (nothing per-pixel is precomputed, so memory stays at the images' size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from data.rays import block_centres, pixel_rays
+from data.scene import Scene
+
+
+@dataclass
+class RayBatch:
+    """origins, directions (B, 3) float32 (unit directions); rgb (B, 3) float32 in [0, 1].
+
+    views (B,) and pixels (B, 2) (row, column) int64 say where each ray came from.
+    """
+
+    origins: torch.Tensor
+    directions: torch.Tensor
+    rgb: torch.Tensor
+    views: torch.Tensor | None = None
+    pixels: torch.Tensor | None = None
+
+
+@dataclass
+class PatchBatch:
+    """n square patches for the image-space decoder, with P the low-res patch size and s the scale.
+
+    origins, directions: (n, P, P, 3) low-res rays through the centres of s x s pixel blocks.
+    hr_directions:       (n, sP, sP, 3) one ray per target pixel centre (same origins).
+    rgb:                 (n, sP, sP, 3) float32 target pixels in [0, 1].
+    views (n,) and top_left (n, 2) (row y0, column x0) int64 say where each patch came from.
+    """
+
+    origins: torch.Tensor
+    directions: torch.Tensor
+    hr_directions: torch.Tensor
+    rgb: torch.Tensor
+    views: torch.Tensor | None = None
+    top_left: torch.Tensor | None = None
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_generator(scene: Scene, generator: torch.Generator | None) -> None:
+    if generator is not None and torch.device(generator.device).type != scene.images.device.type:
+        raise ValueError(
+            f"generator is on {generator.device} but the scene's images are on {scene.images.device}: "
+            "create the generator on the scene's device"
+        )
+
+
+class _SceneSampler:
+    """Shared state: the scene's images, cameras and intrinsics, and the random generator."""
+
+    def __init__(self, scene: Scene, generator: torch.Generator | None):
+        _check_generator(scene, generator)
+        self.scene = scene
+        self.generator = generator
+        self.device = scene.images.device
+        self.c2w = scene.c2w.to(self.device)
+        self.intrinsics = (scene.focal, scene.width, scene.height)
+
+    def _randint(self, high: int, size: int) -> torch.Tensor:
+        return torch.randint(high, (size,), device=self.device, generator=self.generator)
+
+    def _pixels(self, views: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Float rgb in [0, 1] of the uint8 images at broadcast index tensors -> (*shape, 3)."""
+        return self.scene.images[views, rows, cols].float().div_(255.0)
+
+
+class RaySampler(_SceneSampler):
+    """Uniformly random pixels over all views: ``sample()`` -> :class:`RayBatch` of ``batch_size`` rays."""
+
+    def __init__(self, scene: Scene, batch_size: int, generator: torch.Generator | None = None):
+        super().__init__(scene, generator)
+        self.batch_size = _positive_int("RaySampler batch_size", batch_size)
+
+    def sample(self) -> RayBatch:
+        height, width = self.scene.height, self.scene.width
+        flat = self._randint(self.scene.num_views * height * width, self.batch_size)  # one draw: view, row, column
+        views = torch.div(flat, height * width, rounding_mode="floor")
+        within = flat - views * (height * width)
+        rows = torch.div(within, width, rounding_mode="floor")
+        cols = within - rows * width
+        origins, directions = pixel_rays(self.c2w[views], cols + 0.5, rows + 0.5, *self.intrinsics)
+        return RayBatch(origins, directions, self._pixels(views, rows, cols), views, torch.stack([rows, cols], -1))
+
+
+class PatchSampler(_SceneSampler):
+    """Random square patches: ``sample()`` -> :class:`PatchBatch` of ``patches_per_batch`` patches.
+
+    A patch covers patch_size*scale target pixels per side from any integer corner (y0, x0), together with the
+    patch_size x patch_size low-res rays through the centres of its scale x scale blocks (alignment: data.rays).
+    """
+
+    def __init__(
+        self,
+        scene: Scene,
+        patch_size: int,
+        scale: int,
+        patches_per_batch: int,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__(scene, generator)
+        self.patch_size = _positive_int("PatchSampler patch_size", patch_size)
+        self.scale = _positive_int("PatchSampler scale", scale)
+        self.patches_per_batch = _positive_int("PatchSampler patches_per_batch", patches_per_batch)
+        side = patch_size * scale
+        if side > scene.height or side > scene.width:
+            raise ValueError(
+                f"PatchSampler: patch_size*scale = {side} exceeds the {scene.height}x{scene.width} images"
+            )
+        self.corner_range = (scene.height - side + 1, scene.width - side + 1)
+        self.lr_offsets = block_centres(patch_size, scale, device=self.device)  # (P,)
+        self.hr_offsets = torch.arange(side, device=self.device)  # (sP,)
+
+    def sample(self) -> PatchBatch:
+        n_rows, n_cols = self.corner_range
+        flat = self._randint(self.scene.num_views * n_rows * n_cols, self.patches_per_batch)
+        views = torch.div(flat, n_rows * n_cols, rounding_mode="floor")
+        within = flat - views * (n_rows * n_cols)
+        y0 = torch.div(within, n_cols, rounding_mode="floor")
+        x0 = within - y0 * n_cols
+
+        c2w = self.c2w[views][:, None, None]  # (n, 1, 1, 4, 4)
+        y0f, x0f = y0.float()[:, None, None], x0.float()[:, None, None]
+        lr = self.lr_offsets
+        origins, directions = pixel_rays(c2w, x0f + lr[None, None, :], y0f + lr[None, :, None], *self.intrinsics)
+
+        rows = y0[:, None, None] + self.hr_offsets[None, :, None]  # (n, sP, 1)
+        cols = x0[:, None, None] + self.hr_offsets[None, None, :]  # (n, 1, sP)
+        _, hr_directions = pixel_rays(c2w, cols + 0.5, rows + 0.5, *self.intrinsics)
+        rgb = self._pixels(views[:, None, None], rows, cols)
+        return PatchBatch(origins, directions, hr_directions, rgb, views, torch.stack([y0, x0], -1))

@@ -1,0 +1,65 @@
+"""The in-memory form of one split of a scene: images, cameras and the intrinsics they share."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Scene:
+    """One split of a posed-image scene.
+
+    images:     (V, H, W, 3) uint8, already composited on ``background``.
+    c2w:        (V, 4, 4) float32 camera-to-world, OpenGL convention (camera looks down -z, y up, x right).
+    height, width: image size in pixels.
+    focal:      focal length in pixels (square pixels, principal point at the image centre).
+    near, far:  ray distance range (Euclidean, along unit-length directions).
+    bbox:       (2, 3) float32 min and max corners of the scene box.
+    background: RGB in [0, 1] that transparent pixels were composited on.
+    split:      the split's name (``"train"``, ``"val"``, ``"test"``, ...).
+    names:      the frames' ``file_path`` as written in the transforms file.
+    """
+
+    images: torch.Tensor
+    c2w: torch.Tensor
+    height: int
+    width: int
+    focal: float
+    near: float
+    far: float
+    bbox: torch.Tensor
+    background: tuple[float, float, float]
+    split: str
+    names: list[str]
+
+    def __post_init__(self) -> None:
+        views = self.images.shape[0] if self.images.dim() == 4 else -1
+        if self.images.dtype != torch.uint8 or tuple(self.images.shape[1:]) != (self.height, self.width, 3):
+            raise ValueError(
+                f"Scene.images must be uint8 of shape (V, {self.height}, {self.width}, 3), "
+                f"got {self.images.dtype} {tuple(self.images.shape)}"
+            )
+        if self.c2w.dtype != torch.float32 or tuple(self.c2w.shape) != (views, 4, 4):
+            raise ValueError(f"Scene.c2w must be float32 of shape ({views}, 4, 4), got {self.c2w.dtype} {tuple(self.c2w.shape)}")
+        if tuple(self.bbox.shape) != (2, 3):
+            raise ValueError(f"Scene.bbox must have shape (2, 3), got {tuple(self.bbox.shape)}")
+        if len(self.names) != views:
+            raise ValueError(f"Scene.names has {len(self.names)} entries for {views} views")
+        if not 0.0 <= self.near < self.far:
+            raise ValueError(f"Scene needs 0 <= near < far, got near={self.near}, far={self.far}")
+
+    @property
+    def num_views(self) -> int:
+        return self.images.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.images.device
+
+    def to(self, device: torch.device | str) -> "Scene":
+        """A copy with images, cameras and box on ``device`` (the images stay uint8)."""
+        return dataclasses.replace(
+            self, images=self.images.to(device), c2w=self.c2w.to(device), bbox=self.bbox.to(device)
+        )

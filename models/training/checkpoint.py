@@ -1,0 +1,189 @@
+"""Checkpoints that survive crashes, RNG state capture, and graceful Ctrl-C / SIGTERM handling.
+
+A checkpoint is a dict saved with ``torch.save``. Writes are atomic: the bytes go to a temporary file in
+the destination folder, are flushed to disk, and only then renamed over the destination, so ``path``
+always holds either the previous checkpoint or the new one, whole, even if the process is killed.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import torch
+
+# Temporary files are created 0600; the finished checkpoint gets the usual permissions instead.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing or unreadable; the message names the file."""
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
+    """Atomically write ``state`` (a dict of tensors, state dicts and plain values) to ``path``.
+
+    The parent folder is created if needed. On any error (including KeyboardInterrupt) the temporary file
+    is removed and ``path`` is left as it was. A SIGKILL mid-write can leave a ``.<name>.*.tmp`` file
+    behind, but never a partial file at ``path``.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            if hasattr(os, "fchmod"):
+                os.fchmod(file.fileno(), 0o666 & ~_UMASK)
+            os.fsync(file.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        try:
+            os.unlink(temp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(path.parent)  # makes the rename itself durable
+
+
+def _fsync_directory(folder: Path) -> None:
+    if not hasattr(os, "O_DIRECTORY"):  # e.g. Windows: directories cannot be opened for fsync
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: Any = None, weights_only: bool = True) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint`.
+
+    ``weights_only=True`` (the default) unpickles only tensors and plain containers, which is all that
+    :func:`save_checkpoint` callers should store (state dicts, numbers, strings, :func:`capture_rng_state`).
+    Raises :class:`CheckpointError` naming ``path`` if the file is missing, unreadable or not a dict.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint is not a file")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as error:  # torch.load raises many types for damaged files (pickle, zip, EOF, Runtime)
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: cannot read checkpoint ({type(error).__name__}: {detail})") from error
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: checkpoint holds a {type(state).__name__}, expected a dict")
+    return state
+
+
+def capture_rng_state() -> dict:
+    """Snapshot of every random generator training uses: Python, NumPy, torch CPU and each CUDA device.
+
+    Stored as tensors and plain Python values so it round-trips through ``torch.load(weights_only=True)``.
+    """
+    numpy_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    """Restore generators from :func:`capture_rng_state` output (tensors may be on any device).
+
+    CUDA states are restored for the devices present in both the snapshot and this machine; a mismatch
+    in device count is warned about rather than fatal, so a run can resume on different hardware.
+    """
+    missing = {"python", "numpy", "torch"} - set(state)
+    if missing:
+        raise ValueError(f"state is missing RNG entries: {', '.join(sorted(missing))}")
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))  # a loader may have turned the tuple into a list
+    numpy_state = state["numpy"]
+    np.random.set_state({
+        "bit_generator": numpy_state["bit_generator"],
+        "state": {"key": numpy_state["key"].cpu().numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+        "has_gauss": numpy_state["has_gauss"],
+        "gauss": numpy_state["gauss"],
+    })
+    torch.set_rng_state(state["torch"].cpu())
+    cuda_states = list(state.get("cuda") or [])
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(cuda_states) != available and (cuda_states or available):
+        warnings.warn(
+            f"RNG snapshot has {len(cuda_states)} CUDA generator(s) but {available} device(s) are available; "
+            "restoring the ones both have",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    for device, cuda_state in enumerate(cuda_states[:available]):
+        torch.cuda.set_rng_state(cuda_state.cpu(), device)
+
+
+class InterruptGuard:
+    """Turn SIGINT / SIGTERM into a polite stop request while the ``with`` block runs.
+
+    Inside the block the first SIGINT or SIGTERM only sets :attr:`requested` (and :attr:`signum`), so the
+    training loop can finish its step, save a checkpoint and exit. A SIGINT after a stop was already
+    requested raises KeyboardInterrupt as usual (press Ctrl-C twice to abort now). The previous handlers
+    are restored on exit. Signal handlers can only be installed from the main thread.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signum: signal.Signals | None = None
+        self._previous: dict[int, Any] | None = None
+
+    def __enter__(self) -> "InterruptGuard":
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("InterruptGuard must be entered from the main thread (signal handlers live there)")
+        if self._previous is not None:
+            raise RuntimeError("InterruptGuard is already active")
+        self.requested = False
+        self.signum = None
+        self._previous = {sig: signal.getsignal(sig) for sig in self._SIGNALS}
+        for sig in self._SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        previous, self._previous = self._previous, None
+        for sig, handler in previous.items():
+            # None means the handler was installed outside Python; the default is the closest we can restore
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        return False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self.requested:
+            self.requested = True
+            self.signum = signal.Signals(signum)
+
+    @property
+    def exit_code(self) -> int:
+        """Conventional shell exit status for the received signal (128 + number); 0 if none arrived."""
+        return 128 + int(self.signum) if self.signum is not None else 0

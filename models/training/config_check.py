@@ -1,0 +1,148 @@
+"""Up-front validation of the training config, so a typo fails in one clear line before any work starts."""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEVICES = ("auto", "cpu", "cuda")
+OP_BACKENDS = ("custom", "torch")
+OP_NAMES = ("trilinear", "upsample", "gelu")
+DATASETS = ("synthetic", "blender")
+_ABSENT = object()
+
+
+class ConfigError(ValueError):
+    """The config cannot be used; the one-line message starts with the offending key."""
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    """Value at dotted ``key``, or ``_ABSENT`` when the key (or a parent) is missing."""
+    try:
+        return OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=True)
+    except OmegaConfBaseException as error:  # '???' placeholders, broken interpolations
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{key}: cannot read value ({message})") from None
+
+
+def _check_choice(cfg: DictConfig, key: str, choices: tuple[str, ...], noun: str) -> Any:
+    value = _get(cfg, key)
+    if value is not _ABSENT and value not in choices:
+        raise ConfigError(f"{key}: unknown {noun} {value!r} (expected {_one_of(choices)})")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(cfg: DictConfig, key: str, minimum: int, maximum: int | None = None, rule: str | None = None) -> None:
+    """Integer in [minimum, maximum]; ``rule`` rewords the lower bound (e.g. "> 0" reads better for counts)."""
+    value = _get(cfg, key)
+    if value is _ABSENT:
+        return
+    if not _is_int(value):
+        raise ConfigError(f"{key}: must be an integer (got {value!r})")
+    if value < minimum:
+        raise ConfigError(f"{key}: must be {rule or f'>= {minimum}'} (got {value})")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{key}: must be <= {maximum} (got {value})")
+
+
+def _check_nonnegative_number(cfg: DictConfig, key: str) -> None:
+    value = _get(cfg, key)
+    if value is _ABSENT:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{key}: must be a number (got {value!r})")
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: must be finite (got {value})")
+    if value < 0:
+        raise ConfigError(f"{key}: must be >= 0 (got {value:g})")
+
+
+def _check_bool(cfg: DictConfig, key: str) -> None:
+    value = _get(cfg, key)
+    if value is not _ABSENT and not isinstance(value, bool):
+        raise ConfigError(f"{key}: must be true or false (got {value!r})")
+
+
+def _check_device(cfg: DictConfig) -> None:
+    if _check_choice(cfg, "device", DEVICES, "device") == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda requested but CUDA is not available (use device=auto or device=cpu)")
+
+
+def _check_ops(cfg: DictConfig) -> None:
+    for name in OP_NAMES:
+        _check_choice(cfg, f"ops.{name}", OP_BACKENDS, "backend")
+
+
+def _check_data(cfg: DictConfig) -> None:
+    name = _check_choice(cfg, "data.name", DATASETS, "dataset")
+    _check_int(cfg, "data.downscale", minimum=1)
+    if name != "blender":
+        return  # the synthetic scene is generated, whatever data.root says
+    root = _get(cfg, "data.root")
+    if root is _ABSENT or root is None or root == "":
+        raise ConfigError("data.root: required for data.name=blender (the folder holding transforms_*.json)")
+    if not isinstance(root, (str, os.PathLike)):
+        raise ConfigError(f"data.root: must be a path (got {root!r})")
+    folder = Path(root).expanduser()
+    if not folder.exists():
+        raise ConfigError(f"data.root: {root} does not exist")
+    if not folder.is_dir():
+        raise ConfigError(f"data.root: {root} is not a directory")
+    if not any(folder.glob("transforms_*.json")):
+        raise ConfigError(f"data.root: {root} contains no transforms_*.json (not a blender-format scene)")
+
+
+def _check_seed(cfg: DictConfig) -> None:
+    if _get(cfg, "seed") is not None:  # null: let the run pick a random seed
+        _check_int(cfg, "seed", minimum=0, maximum=2**32 - 1)  # numpy's seeding range
+
+
+def _check_train(cfg: DictConfig) -> None:
+    _check_int(cfg, "train.iters", minimum=1, rule="> 0")
+    _check_nonnegative_number(cfg, "train.lr")
+    _check_nonnegative_number(cfg, "train.lr_decoder")
+
+
+def _check_render_only(cfg: DictConfig) -> None:
+    _check_bool(cfg, "render_only")
+
+
+_CHECKS: tuple[Callable[[DictConfig], None], ...] = (
+    _check_device,
+    _check_seed,
+    _check_ops,
+    _check_train,
+    _check_data,
+    _check_render_only,
+)
+
+
+def validate_config(cfg: DictConfig | Mapping) -> None:
+    """Raise :class:`ConfigError` (one line, naming the key) for the first unusable setting in ``cfg``.
+
+    Checked when present (a missing key is left to the caller's defaults): ``device`` in auto|cpu|cuda
+    (cuda needs a visible GPU), ``seed`` an integer in [0, 2**32) or null, ``ops.{trilinear,upsample,gelu}``
+    in custom|torch, ``train.iters`` > 0, ``train.lr`` and ``train.lr_decoder`` >= 0, ``data.name`` in
+    synthetic|blender, ``data.root`` an existing folder with transforms_*.json when data.name=blender,
+    ``data.downscale`` an integer >= 1, ``render_only`` a bool.
+    """
+    if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(dict(cfg))
+    if not isinstance(cfg, DictConfig):
+        raise TypeError(f"cfg must be an OmegaConf DictConfig or a mapping, got {type(cfg).__name__}")
+    for check in _CHECKS:
+        check(cfg)

@@ -1,0 +1,104 @@
+"""Smoke test of the op benchmark (bench/bench_ops.py) at tiny sizes on the CPU, so the script cannot rot.
+
+Speed is never asserted here: only that every measurement is made, recorded and reported, and that one
+failing op is recorded as an error while the rest of the run goes on.
+"""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cuda_ext
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_ops.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_ops", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def _positive(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench, tmp_path, monkeypatch):
+    def broken_gelu(*args, **kwargs):
+        raise RuntimeError("deliberately broken by the test")
+
+    monkeypatch.setattr(cuda_ext.reference, "gelu", broken_gelu)
+    json_path, md_path = tmp_path / "out.json", tmp_path / "out.md"
+    bench.main(["--device", "cpu", "--size", "tiny", "--repeats", "3", "--json", str(json_path),
+                "--markdown", str(md_path)])
+
+    report = json.loads(json_path.read_text())
+    for key in ("date", "torch", "device", "size", "copy", "counting_rules", "results", "targets", "errors"):
+        assert key in report, key
+    assert report["device"]["type"] == "cpu" and report["size"] == "tiny"
+    assert _positive(report["copy"]["GBps"])
+
+    rows = {(r["op"], r["case"], r["variant"]): r for r in report["results"]}
+    expected_cases = {("trilinear", "grad=feats"), ("trilinear", "grad=feats+points"), ("grid", "random"),
+                      ("grid", "rays"), ("upsample", "x2"), ("gelu", "exact")}
+    assert {(op, case) for op, case, _ in rows} == expected_cases
+    errors = {(e["op"], e["case"], e["variant"], e["phase"]): e["error"] for e in report["errors"]}
+
+    # The pure-PyTorch variants run everywhere: each has positive times, bandwidths and custom-speed-up slots.
+    timed = [key for key in rows if key[2] == "builtin" or (key[2] == "reference" and key[0] != "gelu")]
+    assert len(timed) == 5 + 3  # reference: trilinear x2, grid x2, upsample; builtin: grid x2, upsample, gelu
+    for key in timed:
+        row = rows[key]
+        for field in ("fw_ms", "fwbw_ms", "bw_ms", "fw_GBps", "fw_pct_copy", "fwbw_GBps"):
+            assert _positive(row[field]), (key, field, row[field])
+        assert row["fw"]["runs"] >= 3 and row["fwbw"]["runs"] >= 3
+        assert "custom_speedup" in row
+    for key in [k for k in timed if k[2] == "builtin"]:
+        assert rows[key]["rel_err_vs_reference"] < 1e-5, key  # F.grid_sample / F.interpolate / F.gelu agree
+
+    # The broken op is an error row, not a crash, and the ops after it were still measured.
+    assert "deliberately broken" in errors[("gelu", "exact", "reference", "fw")]
+    assert rows[("gelu", "exact", "reference")]["fw_ms"] is None
+
+    # Custom ops are either measured or recorded as failing, whatever state their kernels are in.
+    for key, row in rows.items():
+        if key[2] == "custom":
+            assert _positive(row["fw_ms"]) or key + ("fw",) in errors, key
+
+    markdown = md_path.read_text()
+    assert markdown.count("\n| ") >= 1 + len(rows) and "errors:" in markdown
+    assert [t["name"] for t in report["targets"]] == ["CPU grid random fwbw >= 2x reference"]
+
+
+def test_ray_points_lie_in_the_box_and_advance_along_each_ray(bench):
+    gen = torch.Generator().manual_seed(1)
+    rays, samples = 50, 32
+    points = bench.ray_points(rays, samples, gen).reshape(rays, samples, 3)
+    assert points.abs().max() <= 1
+    steps = points.diff(dim=1)
+    direction = steps[:, :1] / steps[:, :1].norm(dim=-1, keepdim=True)
+    # Consecutive samples of a ray are evenly spaced along one direction (ray-major order).
+    assert torch.allclose(steps, steps[:, :1].expand_as(steps), atol=1e-5)
+    assert (steps.norm(dim=-1) > 0).all() and torch.allclose(
+        (steps * direction).sum(-1), steps.norm(dim=-1), atol=1e-5)
+
+
+def test_targets_pass_miss_and_missing_numbers(bench):
+    def row(variant, fwbw_ms):
+        return {"op": "grid", "case": "random", "variant": variant, "fwbw_ms": fwbw_ms}
+
+    def status(custom_ms):
+        rows = [row("reference", 10.0), row("custom", custom_ms)]
+        return bench.evaluate_targets(rows, "cpu", "small")[0]["status"]
+
+    assert status(4.0) == "PASS"  # 2.5x
+    assert status(6.0) == "MISS"  # 1.7x
+    assert status(None) == "n/a"  # the custom op failed
