@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One GPU session in one command: install the pure-Python wheels, build the extension for Hopper,
+# then run the requested stages, logging each under $OUT (default: ./gpu_out).
+#
+#   bench/gpu_session.sh [tests] [bench] [train] [lego] [lego-torch]
+#
+# tests:      the whole pytest suite (CUDA tests included)
+# bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md
+# train:      the default `python train.py` (built-in scene), custom ops then ops=torch, timed
+# lego:       the shipped blender experiment on $LEGO (default ../shared/data/lego_400 or ./lego_400)
+# lego-torch: the same with ops=torch
+# A stage that fails is logged and the next one still runs; the exit code is the number of failures.
+# Everything is written under a work folder and packed into $OUT/session.tgz at the end (the device tool
+# returns at most 8 files), with session.log and bench.json beside it.
+set -u
+FINAL=${OUT:-$PWD/gpu_out}
+OUT=/tmp/gpu_session
+rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests bench)
+failures=0
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/session.log"; }
+stage() {  # stage NAME CMD...: run CMD with its output in $OUT/NAME.log
+  local name=$1; shift
+  local start=$SECONDS
+  log "start $name: $*"
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    log "ok    $name ($((SECONDS - start)) s)"
+  else
+    log "FAIL  $name ($((SECONDS - start)) s, exit $?)"; tail -n 40 "$OUT/$name.log"
+    failures=$((failures + 1))
+  fi
+}
+
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+stage build python3 -m pip install -v --no-build-isolation --no-deps -e .
+grep -E "spill|registers" "$OUT/build.log" | sort | uniq -c | sort -rn | head -40 >"$OUT/ptxas.txt"
+python3 -c "import cuda_ext, torch; assert cuda_ext.has_cuda_kernels(), 'no CUDA kernels built'; print(torch.__version__)" \
+  || { log "extension has no CUDA kernels: stopping"; exit 99; }
+
+LEGO=${LEGO:-}
+if [ -z "$LEGO" ]; then
+  for candidate in ../shared/data/lego_400 shared/data/lego_400 lego_400; do
+    [ -d "$candidate" ] && LEGO=$candidate && break
+  done
+fi
+
+for s in "${stages[@]}"; do
+  case $s in
+    tests) stage tests python3 -m pytest -q -rs --durations=15 ;;
+    bench) stage bench python3 bench/bench_ops.py --device cuda --size full --json "$OUT/bench.json" --markdown "$OUT/bench.md" ;;
+    train)
+      stage train_custom python3 train.py hydra.run.dir="$OUT/train_custom"
+      stage train_torch python3 train.py ops=torch hydra.run.dir="$OUT/train_torch" ;;
+    lego) stage lego python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
+    lego-torch) stage lego_torch python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
+    profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=300 hydra.run.dir="$OUT/profile" ;;
+    *) log "unknown stage $s"; failures=$((failures + 1)) ;;
+  esac
+done
+log "done: $failures failure(s)"
+# keep what comes back small: checkpoints and videos stay on the device machine
+find "$OUT" \( -name "*.pt" -o -name "*.mp4" \) -delete
+tar -C "$OUT" -czf "$FINAL/session.tgz" .
+cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
+exit $failures
