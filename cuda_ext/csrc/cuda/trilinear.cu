@@ -1,9 +1,520 @@
-// STUB: replaced by the trilinear-family implementation.
+// CUDA kernels of the trilinear family: the pairwise (N, 8, F) blend and the fused dense-grid
+// lookup, forward and backward. float32/float64/float16/bfloat16, accumulation in float32 (float64
+// for float64), 64-bit offsets throughout. Weight math and validation: ../trilinear.h.
+//
+// Pairwise op (memory bound, every byte read or written once): a group of G lanes (a power of two
+// <= 32, inside one warp) owns a point and walks its F features in 16-byte vectors, G vectors
+// apart, so each corner row is read with coalesced 16-byte loads and the point's weights are
+// computed once per lane. The backward for feats is a pure streaming write (w_k * grad_out); the
+// point gradient needs a reduction over F, done with shuffles inside the group in the same pass
+// and written by lane 0: no atomics, no zero-fill.
+//
+// Grid op: one thread per point. A voxel's C channels are contiguous (channels-last), so a thread
+// reads each of its 8 voxels with 4-channel vector loads. The backward scatters w_k * grad_out into
+// grad_grid with atomics; see grid_backward_kernel for what limits it.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
 #include "ops.h"
-#include <c10/util/Exception.h>
+#include "trilinear.h"
+
 namespace cuda_ext {
-at::Tensor trilinear_interpolate_cuda(const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "trilinear_interpolate: CUDA kernel not written yet"); }
-std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool) { TORCH_CHECK(false, "trilinear_interpolate_backward: CUDA kernel not written yet"); }
-at::Tensor grid_interpolate_cuda(const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "grid_interpolate: CUDA kernel not written yet"); }
-std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool) { TORCH_CHECK(false, "grid_interpolate_backward: CUDA kernel not written yet"); }
+namespace {
+
+using namespace trilinear;
+
+constexpr int kThreads = 256;
+
+// ------------------------------------------------------------------------------ vector memory access
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <int Bytes>
+struct RawWord;
+template <>
+struct RawWord<16> {
+  using type = uint4;
+};
+template <>
+struct RawWord<8> {
+  using type = uint2;
+};
+template <>
+struct RawWord<4> {
+  using type = unsigned int;
+};
+template <>
+struct RawWord<2> {
+  using type = unsigned short;
+};
+
+// Loads N elements as whole 16-byte (or smaller) words. kStreaming marks data read exactly once
+// (evict-first), so it does not push reused data out of L2.
+template <typename T, int N, bool kStreaming>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
+  constexpr int kBytes = sizeof(Vec<T, N>);
+  constexpr int kWordBytes = kBytes < 16 ? kBytes : 16;
+  using Word = typename RawWord<kWordBytes>::type;
+  const Word* src = reinterpret_cast<const Word*>(p);
+  Word words[kBytes / kWordBytes];
+#pragma unroll
+  for (int i = 0; i < kBytes / kWordBytes; ++i) words[i] = kStreaming ? __ldcs(src + i) : __ldg(src + i);
+  Vec<T, N> out;
+  memcpy(&out, words, kBytes);
+  return out;
+}
+
+// Streaming store (the outputs are not read again by the kernel).
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& value) {
+  constexpr int kBytes = sizeof(Vec<T, N>);
+  constexpr int kWordBytes = kBytes < 16 ? kBytes : 16;
+  using Word = typename RawWord<kWordBytes>::type;
+  Word words[kBytes / kWordBytes];
+  memcpy(words, &value, kBytes);
+  Word* dst = reinterpret_cast<Word*>(p);
+#pragma unroll
+  for (int i = 0; i < kBytes / kWordBytes; ++i) __stcs(dst + i, words[i]);
+}
+
+template <typename acc_t, typename T, int N>
+__device__ __forceinline__ void widen(const Vec<T, N>& v, acc_t (&out)[N]) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) out[e] = static_cast<acc_t>(v.v[e]);
+}
+
+template <typename T, typename acc_t, int N>
+__device__ __forceinline__ Vec<T, N> narrow(const acc_t (&in)[N]) {
+  Vec<T, N> v;
+#pragma unroll
+  for (int e = 0; e < N; ++e) v.v[e] = static_cast<T>(in[e]);
+  return v;
+}
+
+// dst[0..N) += value[0..N) atomically. Hopper (sm_90) has a 16-byte float4 atomic: one L2
+// transaction instead of four.
+template <typename acc_t, int N>
+__device__ __forceinline__ void atomic_add_vec(acc_t* dst, const acc_t (&value)[N]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (std::is_same<acc_t, float>::value && N == 4) {
+    atomicAdd(reinterpret_cast<float4*>(dst), make_float4(value[0], value[1], value[2], value[3]));
+  } else
+#endif
+  {
+#pragma unroll
+    for (int e = 0; e < N; ++e) atomicAdd(dst + e, value[e]);
+  }
+}
+
+template <typename T>
+bool aligned_to(const T* p, int64_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(bytes) == 0;
+}
+
+// Calls fn(std::integral_constant<int, VEC>) with VEC = kWide if `wide`, else 1.
+template <int kWide, typename Fn>
+void with_vector_width(bool wide, Fn&& fn) {
+  if (wide) {
+    fn(std::integral_constant<int, kWide>{});
+  } else {
+    fn(std::integral_constant<int, 1>{});
+  }
+}
+
+unsigned int block_count(int64_t threads, const char* op) {
+  const int64_t blocks = (threads + kThreads - 1) / kThreads;
+  TORCH_CHECK(blocks <= std::numeric_limits<int>::max(), op, ": too many points for one launch (", threads,
+              " threads)");
+  return static_cast<unsigned int>(blocks);
+}
+
+// ------------------------------------------------------------------------------ pairwise op
+
+// Pairwise kernels move 16-byte vectors of features: 4 float, 8 half/bfloat16, 2 double.
+template <typename scalar_t>
+constexpr int kPairVec = 16 / static_cast<int>(sizeof(scalar_t));
+
+// How lanes are assigned to points: 2^group_shift lanes per point.
+struct PairLayout {
+  int group_shift;
+  unsigned int blocks;
+};
+
+PairLayout pair_layout(int64_t n_points, int64_t vectors_per_point, const char* op) {
+  int shift = 0;
+  while (shift < 5 && (int64_t(1) << shift) < vectors_per_point) ++shift;
+  return {shift, block_count(n_points << shift, op)};
+}
+
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ void load_fractions(const scalar_t* __restrict__ point, acc_t t[3]) {
+#pragma unroll
+  for (int a = 0; a < 3; ++a) t[a] = local_fraction(static_cast<acc_t>(point[a]));
+}
+
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    pair_forward_kernel(const scalar_t* __restrict__ feats, const scalar_t* __restrict__ points,
+                        scalar_t* __restrict__ out, int64_t n_points, int64_t f, int group_shift) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t n = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> group_shift;
+  if (n >= n_points) return;
+  const int lane = threadIdx.x & ((1 << group_shift) - 1);
+  acc_t t[3], w[8];
+  load_fractions(points + 3 * n, t);
+  corner_weights(t[0], t[1], t[2], w);
+  const scalar_t* corners = feats + n * 8 * f;
+  scalar_t* row = out + n * f;
+  for (int64_t j = int64_t(lane) * VEC; j < f; j += int64_t(VEC) << group_shift) {
+    acc_t acc[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] = acc_t(0);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      acc_t v[VEC];
+      widen(load_vec<scalar_t, VEC, true>(corners + k * f + j), v);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] += w[k] * v[e];
+    }
+    store_vec(row + j, narrow<scalar_t>(acc));
+  }
+}
+
+template <typename scalar_t, int VEC, bool kFeatsGrad, bool kPointsGrad>
+__global__ void __launch_bounds__(kThreads)
+    pair_backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ feats,
+                         const scalar_t* __restrict__ points, scalar_t* __restrict__ grad_feats,
+                         scalar_t* __restrict__ grad_points, int64_t n_points, int64_t f, int group_shift) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t n = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> group_shift;
+  const bool active = n < n_points;
+  // Lanes past the end stay for the group shuffles below (whole warps must take part).
+  if (!kPointsGrad && !active) return;
+  const int lane = threadIdx.x & ((1 << group_shift) - 1);
+  acc_t t[3] = {acc_t(0), acc_t(0), acc_t(0)}, w[8];
+  if (active) load_fractions(points + 3 * n, t);
+  corner_weights(t[0], t[1], t[2], w);
+  acc_t dots[8];  // <grad_out, feats[n, k]> over this lane's features
+#pragma unroll
+  for (int k = 0; k < 8; ++k) dots[k] = acc_t(0);
+  const int64_t end = active ? f : 0;
+  for (int64_t j = int64_t(lane) * VEC; j < end; j += int64_t(VEC) << group_shift) {
+    acc_t g[VEC];
+    widen(load_vec<scalar_t, VEC, true>(grad_out + n * f + j), g);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      if (kFeatsGrad) {
+        acc_t out[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) out[e] = w[k] * g[e];
+        store_vec(grad_feats + (n * 8 + k) * f + j, narrow<scalar_t>(out));
+      }
+      if (kPointsGrad) {
+        acc_t v[VEC];
+        widen(load_vec<scalar_t, VEC, true>(feats + (n * 8 + k) * f + j), v);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dots[k] += g[e] * v[e];
+      }
+    }
+  }
+  if (kPointsGrad) {
+    acc_t grad[3];
+    fraction_grads(t[0], t[1], t[2], dots, grad);  // linear in dots: reduce after combining
+    const int group = 1 << group_shift;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+      for (int offset = group / 2; offset > 0; offset /= 2) {
+        grad[a] += __shfl_xor_sync(0xffffffffu, grad[a], offset, group);
+      }
+    }
+    if (active && lane == 0) {
+#pragma unroll
+      for (int a = 0; a < 3; ++a) grad_points[3 * n + a] = static_cast<scalar_t>(grad[a] / acc_t(2));  // du/dx
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ grid op
+
+// Grid kernels move 4 channels at a time (C % 4 == 0); 16 bytes for float32.
+constexpr int kGridVec = 4;
+// Up to this many 4-channel vectors (C <= 16) the channel count is a template argument: the loop
+// over channels unrolls and all 8 * C / 4 gathers of a point are in flight together.
+constexpr int kMaxUnrolledChannelVecs = 4;
+
+// Calls fn(integral_constant<int, V>) with V = channels / VEC when VEC == kGridVec and that is a
+// small count, else V = 0 (channel count known at run time only).
+template <int VEC, typename Fn>
+void with_channel_vectors(int64_t channels, Fn&& fn) {
+  if constexpr (VEC == kGridVec) {
+    switch (channels / VEC) {
+      case 1: return fn(std::integral_constant<int, 1>{});
+      case 2: return fn(std::integral_constant<int, 2>{});
+      case 3: return fn(std::integral_constant<int, 3>{});
+      case kMaxUnrolledChannelVecs: return fn(std::integral_constant<int, kMaxUnrolledChannelVecs>{});
+      default: break;
+    }
+  }
+  fn(std::integral_constant<int, 0>{});
+}
+
+struct GridDims {
+  int64_t r0, r1, r2, channels;
+};
+
+GridDims grid_dims(const at::Tensor& grid) { return {grid.size(0), grid.size(1), grid.size(2), grid.size(3)}; }
+
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ void locate(const scalar_t* __restrict__ point, const GridDims& d,
+                                       GridCorners<acc_t>& c) {
+  locate_in_grid(static_cast<acc_t>(point[0]), static_cast<acc_t>(point[1]), static_cast<acc_t>(point[2]), d.r0,
+                 d.r1, d.r2, d.channels, c);
+}
+
+template <typename scalar_t, int VEC, int kChannelVecs>
+__global__ void __launch_bounds__(kThreads)
+    grid_forward_kernel(const scalar_t* __restrict__ grid, const scalar_t* __restrict__ points,
+                        scalar_t* __restrict__ out, int64_t n_points, GridDims d) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= n_points) return;
+  GridCorners<acc_t> c;
+  locate(points + 3 * n, d, c);
+  const int64_t channels = kChannelVecs > 0 ? int64_t(kChannelVecs) * VEC : d.channels;
+#pragma unroll
+  for (int64_t j = 0; j < channels; j += VEC) {
+    // Gathers first, then the blend, so several random misses per thread can be in flight at once.
+    Vec<scalar_t, VEC> corner[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) corner[k] = load_vec<scalar_t, VEC, false>(grid + c.offset[k] + j);
+    acc_t acc[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] = acc_t(0);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      acc_t v[VEC];
+      widen(corner[k], v);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] += c.weight[k] * v[e];
+    }
+    store_vec(out + n * channels + j, narrow<scalar_t>(acc));
+  }
+}
+
+// What limits this kernel: grad_grid receives 8 * C atomic adds per point at random addresses. On
+// the H100 these are fire-and-forget reductions (RED) executed in L2, so the cost is the number of
+// atomic transactions, plus DRAM traffic for the lines they touch (the grid is larger than L2).
+// What we do: fp32 (and the fp32 buffer used for half/bfloat16) adds 4 channels per float4 atomic
+// on sm_90 (a quarter of the transactions); each point's grad_out row is read once and its corner
+// offsets/weights computed once for all channels. Points sorted along rays make neighbouring
+// threads hit the same voxels, which serialises those atomics in L2 (not addressed here:
+// a warp-level pre-reduction would be the next step).
+template <typename scalar_t, int VEC, int kChannelVecs, bool kGridGrad, bool kPointsGrad>
+__global__ void __launch_bounds__(kThreads)
+    grid_backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ grid,
+                         const scalar_t* __restrict__ points, at::opmath_type<scalar_t>* __restrict__ grad_grid,
+                         scalar_t* __restrict__ grad_points, int64_t n_points, GridDims d) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= n_points) return;
+  GridCorners<acc_t> c;
+  locate(points + 3 * n, d, c);
+  acc_t dots[8];  // <grad_out[n], voxel k>
+#pragma unroll
+  for (int k = 0; k < 8; ++k) dots[k] = acc_t(0);
+  const int64_t channels = kChannelVecs > 0 ? int64_t(kChannelVecs) * VEC : d.channels;
+#pragma unroll
+  for (int64_t j = 0; j < channels; j += VEC) {
+    acc_t g[VEC];
+    widen(load_vec<scalar_t, VEC, true>(grad_out + n * channels + j), g);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      if (kGridGrad) {
+        acc_t add[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) add[e] = c.weight[k] * g[e];
+        atomic_add_vec(grad_grid + c.offset[k] + j, add);
+      }
+      if (kPointsGrad) {
+        acc_t v[VEC];
+        widen(load_vec<scalar_t, VEC, false>(grid + c.offset[k] + j), v);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dots[k] += g[e] * v[e];
+      }
+    }
+  }
+  if (kPointsGrad) {
+    acc_t grad[3];
+    grid_point_grads(c, dots, grad);
+#pragma unroll
+    for (int a = 0; a < 3; ++a) grad_points[3 * n + a] = static_cast<scalar_t>(grad[a]);
+  }
+}
+
+// Calls fn(bool_constant<A>, bool_constant<B>) for the runtime pair (a, b), not both false.
+template <typename Fn>
+void with_gradient_flags(bool a, bool b, Fn&& fn) {
+  if (a && b) {
+    fn(std::true_type{}, std::true_type{});
+  } else if (a) {
+    fn(std::true_type{}, std::false_type{});
+  } else {
+    fn(std::false_type{}, std::true_type{});
+  }
+}
+
+at::Tensor no_grad_placeholder(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ entry points
+
+at::Tensor trilinear_interpolate_cuda(const at::Tensor& feats_in, const at::Tensor& points_in) {
+  const char* op = "trilinear_interpolate";
+  check_pair_inputs(feats_in, points_in, at::kCUDA, op);
+  const c10::cuda::CUDAGuard guard(feats_in.device());
+  const at::Tensor feats = feats_in.contiguous(), points = points_in.contiguous();
+  const int64_t n = feats.size(0), f = feats.size(2);
+  at::Tensor out = at::empty({n, f}, feats.options());
+  if (out.numel() == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, feats.scalar_type(), "trilinear_interpolate_cuda", [&] {
+    constexpr int kVec = kPairVec<scalar_t>;
+    const scalar_t* feats_ptr = feats.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    const bool wide = f % kVec == 0 && aligned_to(feats_ptr, 16) && aligned_to(out_ptr, 16);
+    with_vector_width<kVec>(wide, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      const PairLayout layout = pair_layout(n, f / VEC + (f % VEC != 0), op);
+      pair_forward_kernel<scalar_t, VEC><<<layout.blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          feats_ptr, points.data_ptr<scalar_t>(), out_ptr, n, f, layout.group_shift);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cuda(const at::Tensor& grad_out_in,
+                                                                      const at::Tensor& feats_in,
+                                                                      const at::Tensor& points_in,
+                                                                      bool feats_requires_grad,
+                                                                      bool points_requires_grad) {
+  const char* op = "trilinear_interpolate_backward";
+  check_pair_inputs(feats_in, points_in, at::kCUDA, op);
+  const int64_t n = feats_in.size(0), f = feats_in.size(2);
+  check_grad_out(grad_out_in, n, f, feats_in, "feats", op);
+  const c10::cuda::CUDAGuard guard(feats_in.device());
+  const at::Tensor grad_out = grad_out_in.contiguous(), feats = feats_in.contiguous(), points = points_in.contiguous();
+  at::Tensor grad_feats = feats_requires_grad ? at::empty({n, 8, f}, feats.options()) : no_grad_placeholder(feats);
+  at::Tensor grad_points = points_requires_grad ? at::empty({n, 3}, points.options()) : no_grad_placeholder(points);
+  if (points_requires_grad && f == 0) grad_points.zero_();  // no features: the gradient is exactly 0
+  if (n == 0 || f == 0 || !(feats_requires_grad || points_requires_grad)) return {grad_feats, grad_points};
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, feats.scalar_type(), "trilinear_interpolate_backward_cuda", [&] {
+        constexpr int kVec = kPairVec<scalar_t>;
+        const scalar_t* grad_out_ptr = grad_out.data_ptr<scalar_t>();
+        const scalar_t* feats_ptr = feats.data_ptr<scalar_t>();
+        scalar_t* grad_feats_ptr = feats_requires_grad ? grad_feats.data_ptr<scalar_t>() : nullptr;
+        scalar_t* grad_points_ptr = points_requires_grad ? grad_points.data_ptr<scalar_t>() : nullptr;
+        const bool wide = f % kVec == 0 && aligned_to(grad_out_ptr, 16) && aligned_to(feats_ptr, 16) &&
+                          aligned_to(grad_feats_ptr, 16);  // nullptr counts as aligned
+        with_vector_width<kVec>(wide, [&](auto vec) {
+          constexpr int VEC = decltype(vec)::value;
+          const PairLayout layout = pair_layout(n, f / VEC + (f % VEC != 0), op);
+          with_gradient_flags(feats_requires_grad, points_requires_grad, [&](auto feats_grad, auto points_grad) {
+            pair_backward_kernel<scalar_t, VEC, decltype(feats_grad)::value, decltype(points_grad)::value>
+                <<<layout.blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+                    grad_out_ptr, feats_ptr, points.data_ptr<scalar_t>(), grad_feats_ptr, grad_points_ptr, n, f,
+                    layout.group_shift);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+        });
+      });
+  return {grad_feats, grad_points};
+}
+
+at::Tensor grid_interpolate_cuda(const at::Tensor& grid_in, const at::Tensor& points_in) {
+  const char* op = "grid_interpolate";
+  check_grid_inputs(grid_in, points_in, at::kCUDA, op);
+  const c10::cuda::CUDAGuard guard(grid_in.device());
+  const at::Tensor grid = grid_in.contiguous(), points = points_in.contiguous();
+  const int64_t n = points.size(0), channels = grid.size(3);
+  at::Tensor out = at::empty({n, channels}, grid.options());
+  if (out.numel() == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grid.scalar_type(), "grid_interpolate_cuda", [&] {
+    const scalar_t* grid_ptr = grid.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    const int64_t vec_bytes = kGridVec * sizeof(scalar_t);
+    const bool wide = channels % kGridVec == 0 && aligned_to(grid_ptr, vec_bytes) && aligned_to(out_ptr, vec_bytes);
+    with_vector_width<kGridVec>(wide, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      with_channel_vectors<VEC>(channels, [&](auto channel_vecs) {
+        grid_forward_kernel<scalar_t, VEC, decltype(channel_vecs)::value>
+            <<<block_count(n, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+                grid_ptr, points.data_ptr<scalar_t>(), out_ptr, n, grid_dims(grid));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tensor& grad_out_in,
+                                                                 const at::Tensor& grid_in,
+                                                                 const at::Tensor& points_in, bool grid_requires_grad,
+                                                                 bool points_requires_grad) {
+  const char* op = "grid_interpolate_backward";
+  check_grid_inputs(grid_in, points_in, at::kCUDA, op);
+  const int64_t n = points_in.size(0), channels = grid_in.size(3);
+  check_grad_out(grad_out_in, n, channels, grid_in, "grid", op);
+  const c10::cuda::CUDAGuard guard(grid_in.device());
+  const at::Tensor grad_out = grad_out_in.contiguous(), grid = grid_in.contiguous(), points = points_in.contiguous();
+  // Atomics accumulate in float32 for half/bfloat16 (then cast), in place for float32/float64.
+  const auto acc_dtype = at::toOpMathType(grid.scalar_type());
+  at::Tensor grad_acc = grid_requires_grad ? at::zeros(grid.sizes(), grid.options().dtype(acc_dtype))
+                                           : no_grad_placeholder(grid);
+  at::Tensor grad_points = points_requires_grad ? at::zeros({n, 3}, points.options()) : no_grad_placeholder(points);
+  if (grad_out.numel() > 0 && (grid_requires_grad || points_requires_grad)) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, grid.scalar_type(), "grid_interpolate_backward_cuda", [&] {
+          using acc_t = at::opmath_type<scalar_t>;
+          const scalar_t* grad_out_ptr = grad_out.data_ptr<scalar_t>();
+          const scalar_t* grid_ptr = grid.data_ptr<scalar_t>();
+          const int64_t vec_bytes = kGridVec * sizeof(scalar_t);
+          // grad_acc is a fresh allocation: aligned for any vector width.
+          const bool wide =
+              channels % kGridVec == 0 && aligned_to(grad_out_ptr, vec_bytes) && aligned_to(grid_ptr, vec_bytes);
+          acc_t* grad_acc_ptr = grid_requires_grad ? grad_acc.data_ptr<acc_t>() : nullptr;
+          scalar_t* grad_points_ptr = points_requires_grad ? grad_points.data_ptr<scalar_t>() : nullptr;
+          with_vector_width<kGridVec>(wide, [&](auto vec) {
+            constexpr int VEC = decltype(vec)::value;
+            with_channel_vectors<VEC>(channels, [&](auto channel_vecs) {
+              with_gradient_flags(grid_requires_grad, points_requires_grad, [&](auto grid_grad, auto points_grad) {
+                grid_backward_kernel<scalar_t, VEC, decltype(channel_vecs)::value, decltype(grid_grad)::value,
+                                     decltype(points_grad)::value>
+                    <<<block_count(n, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+                        grad_out_ptr, grid_ptr, points.data_ptr<scalar_t>(), grad_acc_ptr, grad_points_ptr, n,
+                        grid_dims(grid));
+                C10_CUDA_KERNEL_LAUNCH_CHECK();
+              });
+            });
+          });
+        });
+  }
+  at::Tensor grad_grid = grid_requires_grad && acc_dtype != grid.scalar_type() ? grad_acc.to(grid.scalar_type())
+                                                                                : grad_acc;
+  return {grad_grid, grad_points};
+}
+
 }  // namespace cuda_ext

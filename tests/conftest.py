@@ -1,0 +1,53 @@
+"""Shared pytest setup.
+
+``@pytest.mark.requires_cuda`` marks a test that needs a CUDA device and the extension's CUDA kernels;
+without them the test is reported as skipped (never as passed).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def cuda_kernels_available() -> bool:
+    """A GPU is visible and cuda_ext was built with its CUDA kernels."""
+    if not torch.cuda.is_available():
+        return False
+    import cuda_ext
+
+    return cuda_ext.has_cuda_kernels()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "requires_cuda: needs a CUDA GPU and cuda_ext built with CUDA kernels")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if cuda_kernels_available():
+        return
+    reason = "no CUDA device" if not torch.cuda.is_available() else "cuda_ext was built without CUDA kernels"
+    skip = pytest.mark.skip(reason=f"requires_cuda: {reason}")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A seeded CPU generator: every test draws reproducible random inputs."""
+    return torch.Generator().manual_seed(1234)
+
+
+def _poison_cuda_cache() -> None:
+    # All-ones bytes are NaN in float64/32/16 and bfloat16 alike. Many small blocks feed the
+    # allocator's small pool (< 1 MB requests), one big block its large pool.
+    blocks = [torch.full((1 << 16,), -1, dtype=torch.int32, device="cuda") for _ in range(64)]
+    blocks.append(torch.full((1 << 26,), -1, dtype=torch.int32, device="cuda"))
+    del blocks
+
+
+@pytest.fixture
+def poison_cuda_cache():
+    """A callable that leaves NaN-filled blocks in the CUDA caching allocator, so an output element a
+    kernel forgets to write shows up as NaN instead of a lucky zero. Call it right before the op."""
+    return _poison_cuda_cache
