@@ -39,10 +39,12 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
-stage build python3 -m pip install -v --no-build-isolation --no-deps -e .
+# in-place build: the GPU machine's pip falls back to `setup.py develop`, which wants to download setuptools
+stage build python3 setup.py build_ext --inplace
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 grep -E "spill|registers" "$OUT/build.log" | sort | uniq -c | sort -rn | head -40 >"$OUT/ptxas.txt"
 python3 -c "import cuda_ext, torch; assert cuda_ext.has_cuda_kernels(), 'no CUDA kernels built'; print(torch.__version__)" \
-  || { log "extension has no CUDA kernels: stopping"; exit 99; }
+  || { log "extension has no CUDA kernels: stopping"; grep -nE "error|Error" "$OUT/build.log" | head -60 >"$FINAL/build_errors.txt"; cp "$OUT/build.log" "$FINAL/"; exit 99; }
 
 LEGO=${LEGO:-}
 if [ -z "$LEGO" ]; then

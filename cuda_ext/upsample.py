@@ -1,6 +1,91 @@
-"""STUB wrapper (no autograd yet): replaced by the upsample implementation."""
+"""Bilinear upsampling by an integer factor: the typed wrapper of ``torch.ops.cuda_ext.upsample_bilinear2d``,
+its fake (meta) kernel for ``torch.compile``, and its autograd formula (a gather kernel, no atomics).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
 import torch
+
+__all__ = ["upsample_bilinear2d"]
+
+
+def _checked_scale_factor(scale_factor: Any) -> int:
+    """scale_factor as an int >= 1, or ValueError naming it."""
+    try:
+        if isinstance(scale_factor, bool):
+            raise TypeError
+        value = operator.index(scale_factor)
+    except TypeError:
+        raise ValueError(
+            f"scale_factor must be an integer >= 1, got {scale_factor!r} of type {type(scale_factor).__name__}"
+        ) from None
+    if value < 1:
+        raise ValueError(f"scale_factor must be an integer >= 1, got {value}")
+    return value
 
 
 def upsample_bilinear2d(x: torch.Tensor, scale_factor: int, align_corners: bool = False) -> torch.Tensor:
-    return torch.ops.cuda_ext.upsample_bilinear2d(x, scale_factor, align_corners)
+    """Bilinear upsampling, equal to ``F.interpolate(x, scale_factor=s, mode="bilinear", align_corners=...)``.
+
+    Args:
+        x: (B, C, H, W) float32/float64 tensor (float16/bfloat16 on CUDA, computed in float32).
+        scale_factor: integer s >= 1, the same along H and W.
+        align_corners: as in ``F.interpolate``.
+    Returns:
+        (B, C, H*s, W*s), contiguous, same dtype and device as ``x``. Differentiable in ``x``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor of shape (B, C, H, W), got {type(x).__name__}")
+    if not isinstance(align_corners, bool):
+        raise ValueError(f"align_corners must be a bool, got {align_corners!r}")
+    return torch.ops.cuda_ext.upsample_bilinear2d(x, _checked_scale_factor(scale_factor), align_corners)
+
+
+@torch.library.register_fake("cuda_ext::upsample_bilinear2d")
+def _upsample_fake(x: torch.Tensor, scale_factor: int, align_corners: bool) -> torch.Tensor:
+    torch._check(x.dim() == 4, lambda: f"upsample_bilinear2d: x must be 4-D (B, C, H, W), got {x.dim()}-D")
+    torch._check(scale_factor >= 1, lambda: f"upsample_bilinear2d: scale_factor must be >= 1, got {scale_factor}")
+    b, c, h, w = x.shape
+    return x.new_empty((b, c, h * scale_factor, w * scale_factor))
+
+
+@torch.library.register_fake("cuda_ext::upsample_bilinear2d_backward")
+def _upsample_backward_fake(
+    grad_out: torch.Tensor, input_height: int, input_width: int, scale_factor: int, align_corners: bool
+) -> torch.Tensor:
+    torch._check(grad_out.dim() == 4, lambda: f"upsample_bilinear2d_backward: grad_out must be 4-D, got {grad_out.dim()}-D")
+    return grad_out.new_empty((grad_out.shape[0], grad_out.shape[1], input_height, input_width))
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, scale_factor, align_corners = inputs
+    ctx.input_size = (x.shape[2], x.shape[3])
+    ctx.scale_factor = scale_factor
+    ctx.align_corners = align_corners
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    height, width = ctx.input_size
+    grad_x = torch.ops.cuda_ext.upsample_bilinear2d_backward(grad, height, width, ctx.scale_factor, ctx.align_corners)
+    return grad_x, None, None
+
+
+def _setup_backward_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    _, _, _, scale_factor, align_corners = inputs
+    ctx.scale_factor = scale_factor
+    ctx.align_corners = align_corners
+
+
+def _backward_of_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    # The backward is linear in grad_out and is the adjoint of the forward, so its own gradient is
+    # the forward applied to the incoming gradient (this is what makes double backward work).
+    grad_grad_out = torch.ops.cuda_ext.upsample_bilinear2d(grad, ctx.scale_factor, ctx.align_corners)
+    return grad_grad_out, None, None, None, None
+
+
+torch.library.register_autograd("cuda_ext::upsample_bilinear2d", _backward, setup_context=_setup_context)
+torch.library.register_autograd(
+    "cuda_ext::upsample_bilinear2d_backward", _backward_of_backward, setup_context=_setup_backward_context
+)

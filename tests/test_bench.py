@@ -54,15 +54,17 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
 
     # The pure-PyTorch variants run everywhere: each has positive times, bandwidths and custom-speed-up slots.
     timed = [key for key in rows if key[2] == "builtin" or (key[2] == "reference" and key[0] != "gelu")]
-    assert len(timed) == 5 + 3  # reference: trilinear x2, grid x2, upsample; builtin: grid x2, upsample, gelu
+    assert len(timed) == 5 + 4  # reference: trilinear x2, grid x2, upsample; builtin: grid x2, upsample, gelu
     for key in timed:
         row = rows[key]
-        for field in ("fw_ms", "fwbw_ms", "bw_ms", "fw_GBps", "fw_pct_copy", "fwbw_GBps"):
+        for field in ("fw_ms", "fwbw_ms", "fw_GBps", "fw_pct_copy", "fwbw_GBps"):
             assert _positive(row[field]), (key, field, row[field])
+        # fwbw - fw: at tiny sizes timing noise can make it <= 0, which the bench reports as missing
+        assert row["bw_ms"] is None or _positive(row["bw_ms"]), (key, row["bw_ms"])
         assert row["fw"]["runs"] >= 3 and row["fwbw"]["runs"] >= 3
         assert "custom_speedup" in row
-    for key in [k for k in timed if k[2] == "builtin"]:
-        assert rows[key]["rel_err_vs_reference"] < 1e-5, key  # F.grid_sample / F.interpolate / F.gelu agree
+    for key in [k for k in timed if k[2] == "builtin" and k[0] != "gelu"]:  # gelu's reference is broken here
+        assert rows[key]["rel_err_vs_reference"] < 1e-5, key  # F.grid_sample / F.interpolate agree
 
     # The broken op is an error row, not a crash, and the ops after it were still measured.
     assert "deliberately broken" in errors[("gelu", "exact", "reference", "fw")]

@@ -9,8 +9,8 @@
 // point gradient needs a reduction over F, done with shuffles inside the group in the same pass
 // and written by lane 0: no atomics, no zero-fill.
 //
-// Grid op: one thread per point. A voxel's C channels are contiguous (channels-last), so a thread
-// reads each of its 8 voxels with 4-channel vector loads. The backward scatters w_k * grad_out into
+// Grid op: a quad of 4 lanes per point, each lane owning 2 of its 8 voxels. A voxel's C channels are
+// contiguous (channels-last), so a lane reads its voxels with 4-channel vector loads. The backward scatters w_k * grad_out into
 // grad_grid with atomics; see grid_backward_kernel for what limits it.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -276,11 +276,60 @@ struct GridDims {
 
 GridDims grid_dims(const at::Tensor& grid) { return {grid.size(0), grid.size(1), grid.size(2), grid.size(3)}; }
 
+// A point's 8 voxels are split over a quad of 4 consecutive lanes: lane q owns the pair of
+// voxels (b0, b1) = (q >> 1, q & 1) that are neighbours along axis 2, i.e. adjacent in memory.
+// Four lanes per point quadruple the independent random gathers in flight (the forward is bound
+// by DRAM latency, not bandwidth) at a quarter of the registers per lane; the quad then sums its
+// partial blends with two shuffles.
+constexpr int kQuad = 4;
+
+template <typename acc_t>
+struct VoxelPair {
+  int64_t offset_lo, offset_hi;  // element offsets of channel 0 of the low / high voxel along axis 2
+  acc_t weight_lo, weight_hi;
+  AxisSample<acc_t> axis[3];
+};
+
 template <typename acc_t, typename scalar_t>
-__device__ __forceinline__ void locate(const scalar_t* __restrict__ point, const GridDims& d,
-                                       GridCorners<acc_t>& c) {
-  locate_in_grid(static_cast<acc_t>(point[0]), static_cast<acc_t>(point[1]), static_cast<acc_t>(point[2]), d.r0,
-                 d.r1, d.r2, d.channels, c);
+__device__ __forceinline__ VoxelPair<acc_t> locate_pair(const scalar_t* __restrict__ point, const GridDims& d,
+                                                         int q) {
+  VoxelPair<acc_t> pair;
+  pair.axis[0] = sample_axis(static_cast<acc_t>(point[0]), d.r0);
+  pair.axis[1] = sample_axis(static_cast<acc_t>(point[1]), d.r1);
+  pair.axis[2] = sample_axis(static_cast<acc_t>(point[2]), d.r2);
+  const AxisSample<acc_t>&a0 = pair.axis[0], &a1 = pair.axis[1], &a2 = pair.axis[2];
+  const bool b0 = q & 2, b1 = q & 1;
+  const int64_t row = ((b0 ? a0.hi : a0.lo) * d.r1 + (b1 ? a1.hi : a1.lo)) * d.r2;
+  pair.offset_lo = (row + a2.lo) * d.channels;
+  pair.offset_hi = (row + a2.hi) * d.channels;
+  const acc_t w01 = (b0 ? a0.t : acc_t(1) - a0.t) * (b1 ? a1.t : acc_t(1) - a1.t);
+  pair.weight_lo = w01 * (acc_t(1) - a2.t);
+  pair.weight_hi = w01 * a2.t;
+  return pair;
+}
+
+template <int N, typename acc_t>
+__device__ __forceinline__ void quad_sum(acc_t (&v)[N], unsigned mask) {
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    v[e] += __shfl_xor_sync(mask, v[e], 1, kQuad);
+    v[e] += __shfl_xor_sync(mask, v[e], 2, kQuad);
+  }
+}
+
+// Blends one channel vector of the lane's voxel pair, sums it over the quad, and lets lane
+// (vector index mod 4) write it, so the quad's stores are spread over its lanes.
+template <typename scalar_t, typename acc_t, int VEC>
+__device__ __forceinline__ void blend_and_store(const Vec<scalar_t, VEC>& lo, const Vec<scalar_t, VEC>& hi,
+                                                const VoxelPair<acc_t>& pair, unsigned mask, int64_t vec_index,
+                                                int q, scalar_t* __restrict__ out) {
+  acc_t vlo[VEC], vhi[VEC], acc[VEC];
+  widen(lo, vlo);
+  widen(hi, vhi);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) acc[e] = pair.weight_lo * vlo[e] + pair.weight_hi * vhi[e];
+  quad_sum(acc, mask);
+  if ((vec_index & (kQuad - 1)) == q) store_vec(out + vec_index * VEC, narrow<scalar_t>(acc));
 }
 
 template <typename scalar_t, int VEC, int kChannelVecs>
@@ -288,78 +337,92 @@ __global__ void __launch_bounds__(kThreads)
     grid_forward_kernel(const scalar_t* __restrict__ grid, const scalar_t* __restrict__ points,
                         scalar_t* __restrict__ out, int64_t n_points, GridDims d) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n = thread / kQuad;
+  const int q = static_cast<int>(thread % kQuad);
+  const unsigned mask = __ballot_sync(0xffffffffu, n < n_points);  // quads are all in or all out
   if (n >= n_points) return;
-  GridCorners<acc_t> c;
-  locate(points + 3 * n, d, c);
-  const int64_t channels = kChannelVecs > 0 ? int64_t(kChannelVecs) * VEC : d.channels;
+  const VoxelPair<acc_t> pair = locate_pair<acc_t>(points + 3 * n, d, q);
+  if constexpr (kChannelVecs > 0) {
+    // Every gather first, then the blends: all 2 * kChannelVecs misses of the lane are in flight together.
+    Vec<scalar_t, VEC> lo[kChannelVecs], hi[kChannelVecs];
 #pragma unroll
-  for (int64_t j = 0; j < channels; j += VEC) {
-    // Gathers first, then the blend, so several random misses per thread can be in flight at once.
-    Vec<scalar_t, VEC> corner[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) corner[k] = load_vec<scalar_t, VEC, false>(grid + c.offset[k] + j);
-    acc_t acc[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] = acc_t(0);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      acc_t v[VEC];
-      widen(corner[k], v);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] += c.weight[k] * v[e];
+    for (int v = 0; v < kChannelVecs; ++v) {
+      lo[v] = load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + v * VEC);
+      hi[v] = load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + v * VEC);
     }
-    store_vec(out + n * channels + j, narrow<scalar_t>(acc));
+#pragma unroll
+    for (int v = 0; v < kChannelVecs; ++v) blend_and_store(lo[v], hi[v], pair, mask, v, q, out + n * kChannelVecs * VEC);
+  } else {
+    const int64_t vecs = d.channels / VEC;
+    for (int64_t v = 0; v < vecs; ++v) {
+      blend_and_store(load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + v * VEC),
+                      load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + v * VEC), pair, mask, v, q,
+                      out + n * d.channels);
+    }
   }
 }
 
 // What limits this kernel: grad_grid receives 8 * C atomic adds per point at random addresses. On
-// the H100 these are fire-and-forget reductions (RED) executed in L2, so the cost is the number of
-// atomic transactions, plus DRAM traffic for the lines they touch (the grid is larger than L2).
-// What we do: fp32 (and the fp32 buffer used for half/bfloat16) adds 4 channels per float4 atomic
-// on sm_90 (a quarter of the transactions); each point's grad_out row is read once and its corner
-// offsets/weights computed once for all channels. Points sorted along rays make neighbouring
-// threads hit the same voxels, which serialises those atomics in L2 (not addressed here:
-// a warp-level pre-reduction would be the next step).
+// Hopper these are fire-and-forget reductions (RED) executed in L2; with random points nearly every
+// one misses L2 (the grid is larger than it), so the cost is DRAM traffic for the sectors they touch
+// (read and written back) plus the number of atomic transactions. What we do: fp32 (and the fp32
+// buffer used for half/bfloat16) adds 4 channels per float4 atomic on sm_90 (a quarter of the
+// transactions); the 8 voxels are split over a quad of lanes as in the forward, so 4x more
+// reductions are issued in parallel; each point's grad_out row is read once per lane (one request
+// per quad) and its weights computed once. Points sorted along rays make neighbouring threads hit
+// the same voxels, which serialises those atomics in L2 but keeps them in cache, so that case is
+// still several times faster than random points.
 template <typename scalar_t, int VEC, int kChannelVecs, bool kGridGrad, bool kPointsGrad>
 __global__ void __launch_bounds__(kThreads)
     grid_backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ grid,
                          const scalar_t* __restrict__ points, at::opmath_type<scalar_t>* __restrict__ grad_grid,
                          scalar_t* __restrict__ grad_points, int64_t n_points, GridDims d) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t n = thread / kQuad;
+  const int q = static_cast<int>(thread % kQuad);
+  const unsigned mask = __ballot_sync(0xffffffffu, n < n_points);
   if (n >= n_points) return;
-  GridCorners<acc_t> c;
-  locate(points + 3 * n, d, c);
-  acc_t dots[8];  // <grad_out[n], voxel k>
-#pragma unroll
-  for (int k = 0; k < 8; ++k) dots[k] = acc_t(0);
+  const VoxelPair<acc_t> pair = locate_pair<acc_t>(points + 3 * n, d, q);
+  acc_t dot_lo = acc_t(0), dot_hi = acc_t(0);  // <grad_out[n], voxel> for the lane's two voxels
   const int64_t channels = kChannelVecs > 0 ? int64_t(kChannelVecs) * VEC : d.channels;
 #pragma unroll
   for (int64_t j = 0; j < channels; j += VEC) {
     acc_t g[VEC];
-    widen(load_vec<scalar_t, VEC, true>(grad_out + n * channels + j), g);
+    widen(load_vec<scalar_t, VEC, false>(grad_out + n * channels + j), g);
+    if (kGridGrad) {
+      acc_t add_lo[VEC], add_hi[VEC];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      if (kGridGrad) {
-        acc_t add[VEC];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) add[e] = c.weight[k] * g[e];
-        atomic_add_vec(grad_grid + c.offset[k] + j, add);
+      for (int e = 0; e < VEC; ++e) {
+        add_lo[e] = pair.weight_lo * g[e];
+        add_hi[e] = pair.weight_hi * g[e];
       }
-      if (kPointsGrad) {
-        acc_t v[VEC];
-        widen(load_vec<scalar_t, VEC, false>(grid + c.offset[k] + j), v);
+      atomic_add_vec(grad_grid + pair.offset_lo + j, add_lo);
+      atomic_add_vec(grad_grid + pair.offset_hi + j, add_hi);
+    }
+    if (kPointsGrad) {
+      acc_t vlo[VEC], vhi[VEC];
+      widen(load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + j), vlo);
+      widen(load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + j), vhi);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) dots[k] += g[e] * v[e];
+      for (int e = 0; e < VEC; ++e) {
+        dot_lo += g[e] * vlo[e];
+        dot_hi += g[e] * vhi[e];
       }
     }
   }
   if (kPointsGrad) {
-    acc_t grad[3];
-    grid_point_grads(c, dots, grad);
+    acc_t dots[8];  // corner k = 4*b0 + 2*b1 + b2 lives in lane k/2 of the quad, as its lo (b2=0) or hi
 #pragma unroll
-    for (int a = 0; a < 3; ++a) grad_points[3 * n + a] = static_cast<scalar_t>(grad[a]);
+    for (int k = 0; k < 8; ++k) dots[k] = __shfl_sync(mask, (k & 1) ? dot_hi : dot_lo, k >> 1, kQuad);
+    if (q == 0) {
+      const AxisSample<acc_t>*a = pair.axis;
+      acc_t grad[3];
+      fraction_grads(a[0].t, a[1].t, a[2].t, dots, grad);
+#pragma unroll
+      for (int i = 0; i < 3; ++i) grad_points[3 * n + i] = static_cast<scalar_t>(grad[i] * a[i].dt_dx);
+    }
   }
 }
 
@@ -461,7 +524,7 @@ at::Tensor grid_interpolate_cuda(const at::Tensor& grid_in, const at::Tensor& po
       constexpr int VEC = decltype(vec)::value;
       with_channel_vectors<VEC>(channels, [&](auto channel_vecs) {
         grid_forward_kernel<scalar_t, VEC, decltype(channel_vecs)::value>
-            <<<block_count(n, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            <<<block_count(kQuad * n, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
                 grid_ptr, points.data_ptr<scalar_t>(), out_ptr, n, grid_dims(grid));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -503,7 +566,7 @@ std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tens
               with_gradient_flags(grid_requires_grad, points_requires_grad, [&](auto grid_grad, auto points_grad) {
                 grid_backward_kernel<scalar_t, VEC, decltype(channel_vecs)::value, decltype(grid_grad)::value,
                                      decltype(points_grad)::value>
-                    <<<block_count(n, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+                    <<<block_count(kQuad * n, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
                         grad_out_ptr, grid_ptr, points.data_ptr<scalar_t>(), grad_acc_ptr, grad_points_ptr, n,
                         grid_dims(grid));
                 C10_CUDA_KERNEL_LAUNCH_CHECK();

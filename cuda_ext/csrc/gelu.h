@@ -1,0 +1,87 @@
+// GELU, exact (erf) or tanh approximation: argument checks and the scalar math, shared by the CPU
+// kernel (cpu/gelu.cpp) and the CUDA kernel (cuda/gelu.cu). Formulas follow F.gelu.
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+
+#include "kernel_common.h"
+
+namespace cuda_ext {
+
+enum class GeluApproximate { kNone, kTanh };
+
+inline GeluApproximate parse_gelu_approximate(c10::string_view approximate) {
+  if (approximate == "none") return GeluApproximate::kNone;
+  TORCH_CHECK(
+      approximate == "tanh", "gelu: approximate must be \"none\" or \"tanh\", got \"", approximate, "\"");
+  return GeluApproximate::kTanh;
+}
+
+inline void check_gelu_input(const at::Tensor& x, const char* op) {
+  check_floating_dtype(x, op, "x");
+}
+
+inline void check_gelu_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x) {
+  check_gelu_input(x, "gelu_backward");
+  check_same_device_and_dtype(grad_out, x, "gelu_backward", "grad_out", "x");
+  TORCH_CHECK(
+      grad_out.sizes() == x.sizes(), "gelu_backward: grad_out must have the shape of x ", x.sizes(), ", got ",
+      grad_out.sizes());
+}
+
+// Calls fn(std::true_type) for "tanh" and fn(std::false_type) for "none", so kernels get the mode as a
+// compile-time constant instead of a branch per element.
+template <typename Fn>
+void dispatch_gelu_approximate(GeluApproximate approximate, Fn&& fn) {
+  if (approximate == GeluApproximate::kTanh) {
+    fn(std::true_type{});
+  } else {
+    fn(std::false_type{});
+  }
+}
+
+// libm/CUDA math by precision: the float versions (erff, ...) are much cheaper than promoting to double.
+HOST_DEVICE inline float erf_of(float v) { return erff(v); }
+HOST_DEVICE inline double erf_of(double v) { return erf(v); }
+HOST_DEVICE inline float exp_of(float v) { return expf(v); }
+HOST_DEVICE inline double exp_of(double v) { return exp(v); }
+HOST_DEVICE inline float tanh_of(float v) { return tanhf(v); }
+HOST_DEVICE inline double tanh_of(double v) { return tanh(v); }
+
+// acc_t is float or double: the precision the kernels compute in.
+template <typename acc_t, bool kTanh>
+struct GeluMath {
+  static constexpr double kSqrtHalf = 0.70710678118654752440;     // 1/sqrt(2)
+  static constexpr double kInvSqrt2Pi = 0.39894228040143267794;   // 1/sqrt(2*pi)
+  static constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2/pi)
+  static constexpr double kKappa = 0.044715;
+
+  // gelu(x)
+  HOST_DEVICE static acc_t value(acc_t x) {
+    const acc_t half = acc_t(0.5), one = acc_t(1);
+    if constexpr (kTanh) {
+      const acc_t inner = acc_t(kSqrt2OverPi) * (x + acc_t(kKappa) * x * x * x);
+      return half * x * (one + tanh_of(inner));
+    } else {
+      return x * half * (one + erf_of(x * acc_t(kSqrtHalf)));
+    }
+  }
+
+  // d gelu / dx
+  HOST_DEVICE static acc_t derivative(acc_t x) {
+    const acc_t half = acc_t(0.5), one = acc_t(1);
+    if constexpr (kTanh) {
+      const acc_t x_sq = x * x;
+      const acc_t t = tanh_of(acc_t(kSqrt2OverPi) * (x + acc_t(kKappa) * x_sq * x));
+      const acc_t d_inner = acc_t(kSqrt2OverPi) * (one + acc_t(3 * kKappa) * x_sq);
+      return half * (one + t) + half * x * (one - t * t) * d_inner;
+    } else {
+      const acc_t cdf = half * (one + erf_of(x * acc_t(kSqrtHalf)));
+      const acc_t pdf = acc_t(kInvSqrt2Pi) * exp_of(-half * x * x);
+      return cdf + x * pdf;
+    }
+  }
+};
+
+}  // namespace cuda_ext
