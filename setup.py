@@ -25,13 +25,13 @@ def with_cuda() -> bool:
 
 def extension():
     cpp_sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3"]  # no -std: BuildExtension picks the standard this torch was built with (C++20 from 2.10 on)
     if sys.platform.startswith("linux"):
         cxx_flags.append("-fopenmp")  # at::parallel_for is header-inlined OpenMP: without it, CPU kernels run serially
     link_args = ["-fopenmp"] if sys.platform.startswith("linux") else []
     if with_cuda():
         cu_sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
-        nvcc_flags = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+        nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
         return CUDAExtension(
             "cuda_ext._C",
             cpp_sources + cu_sources,
