@@ -60,8 +60,8 @@ for s in "${stages[@]}"; do
     train)
       stage train_custom python3 train.py hydra.run.dir="$OUT/train_custom"
       stage train_torch python3 train.py ops=torch hydra.run.dir="$OUT/train_torch" ;;
-    lego) stage lego python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
-    lego-torch) stage lego_torch python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
+    lego) stage lego timeout "${LEGO_TIMEOUT:-480}" python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
+    lego-torch) stage lego_torch timeout "${LEGO_TIMEOUT:-480}" python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
     profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=300 hydra.run.dir="$OUT/profile" ;;
     *) log "unknown stage $s"; failures=$((failures + 1)) ;;
   esac
@@ -69,6 +69,7 @@ done
 log "done: $failures failure(s)"
 # keep what comes back small: checkpoints and videos stay on the device machine
 find "$OUT" \( -name "*.pt" -o -name "*.mp4" \) -delete
+find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -delete  # three views per run come back
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 exit $failures

@@ -90,6 +90,9 @@ def _check_ops(cfg: DictConfig) -> None:
 def _check_data(cfg: DictConfig) -> None:
     name = _check_choice(cfg, "data.name", DATASETS, "dataset")
     _check_int(cfg, "data.downscale", minimum=1)
+    for key in ("data.resolution", "data.n_train", "data.n_val"):  # the synthetic scene's size
+        _check_int(cfg, key, minimum=1, rule="> 0")
+    _check_int(cfg, "data.n_test", minimum=0)
     if name != "blender":
         return  # the synthetic scene is generated, whatever data.root says
     root = _get(cfg, "data.root")
@@ -115,6 +118,14 @@ def _check_train(cfg: DictConfig) -> None:
     _check_int(cfg, "train.iters", minimum=1, rule="> 0")
     _check_nonnegative_number(cfg, "train.lr")
     _check_nonnegative_number(cfg, "train.lr_decoder")
+    _check_nonnegative_number(cfg, "train.lr_final_factor")
+    for key in ("train.batch_rays", "train.patch_size", "train.patches_per_batch", "train.log_every", "train.render_chunk",
+                "train.turntable_max_side"):
+        _check_int(cfg, key, minimum=1, rule="> 0")
+    for key in ("train.checkpoint_every", "train.eval_every", "train.eval_views", "train.turntable_frames"):
+        _check_int(cfg, key, minimum=0)
+    for key in ("train.resume", "train.profile"):
+        _check_bool(cfg, key)
 
 
 def _check_render_only(cfg: DictConfig) -> None:
@@ -138,7 +149,8 @@ def validate_config(cfg: DictConfig | Mapping) -> None:
     (cuda needs a visible GPU), ``seed`` an integer in [0, 2**32) or null, ``ops.{trilinear,upsample,gelu}``
     in custom|torch, ``train.iters`` > 0, ``train.lr`` and ``train.lr_decoder`` >= 0, ``data.name`` in
     synthetic|blender, ``data.root`` an existing folder with transforms_*.json when data.name=blender,
-    ``data.downscale`` an integer >= 1, ``render_only`` a bool.
+    ``data.downscale`` an integer >= 1 (and the synthetic scene's sizes), ``render_only`` a bool, and the
+    trainer's counts (``train.batch_rays`` etc. > 0, ``train.checkpoint_every`` etc. >= 0) and flags.
     """
     if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(dict(cfg))

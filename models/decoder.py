@@ -1,0 +1,122 @@
+"""Deferred shading: composited per-pixel features + view direction -> RGB.
+
+Design (why): the first 3 feature channels are a diffuse colour, squashed per sample with a sigmoid and
+composited volumetrically like DirectVoxGO's direct-RGB grid, so most of the appearance is learnt by the grid
+at grid learning rates and is exact under alpha compositing. The small MLP (``ops.gelu`` activations) only
+adds a view-dependent residual from the remaining composited features, the composited diffuse colour and a
+low-frequency direction encoding (spherical harmonics or a few sine frequencies: high frequencies in the
+direction over-fit the training views). Running the MLP once per pixel after compositing (as SNeRG does)
+rather than once per sample makes it cheap, and allows decoding at a higher resolution than the rays were
+marched at (features are upsampled bilinearly in between). The residual's last layer starts at zero, so the
+decoder starts as the identity on the diffuse colour.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from models.ops import OpSet
+
+DIFFUSE_CHANNELS = 3
+
+_SH_C0 = 0.28209479177387814
+_SH_C1 = 0.4886025119029199
+_SH_C2 = (1.0925484305920792, -1.0925484305920792, 0.31539156525252005, -1.0925484305920792, 0.5462742152960396)
+_SH_C3 = (
+    -0.5900435899266435,
+    2.890611442640554,
+    -0.4570457994644658,
+    0.3731763325901154,
+    -0.4570457994644658,
+    1.445305721320277,
+    -0.5900435899266435,
+)
+
+
+def spherical_harmonics(directions: torch.Tensor, degree: int) -> torch.Tensor:
+    """Real SH basis of degree 0..3 at (N, 3) unit directions -> (N, (degree + 1)**2)."""
+    x, y, z = directions.unbind(-1)
+    terms = [torch.full_like(x, _SH_C0)]
+    if degree >= 1:
+        terms += [-_SH_C1 * y, _SH_C1 * z, -_SH_C1 * x]
+    if degree >= 2:
+        xx, yy, zz = x * x, y * y, z * z
+        terms += [
+            _SH_C2[0] * x * y,
+            _SH_C2[1] * y * z,
+            _SH_C2[2] * (2 * zz - xx - yy),
+            _SH_C2[3] * x * z,
+            _SH_C2[4] * (xx - yy),
+        ]
+    if degree >= 3:
+        terms += [
+            _SH_C3[0] * y * (3 * xx - yy),
+            _SH_C3[1] * x * y * z,
+            _SH_C3[2] * y * (4 * zz - xx - yy),
+            _SH_C3[3] * z * (2 * zz - 3 * xx - 3 * yy),
+            _SH_C3[4] * x * (4 * zz - xx - yy),
+            _SH_C3[5] * z * (xx - yy),
+            _SH_C3[6] * x * (xx - 3 * yy),
+        ]
+    return torch.stack(terms, dim=-1)
+
+
+def positional_encoding(directions: torch.Tensor, frequencies: int) -> torch.Tensor:
+    """(N, 3) -> (N, 3 + 6 * frequencies): the input, then sin and cos of 2^k * pi * input for k < frequencies."""
+    parts = [directions]
+    for k in range(frequencies):
+        scaled = directions * (math.pi * 2.0**k)
+        parts += [torch.sin(scaled), torch.cos(scaled)]
+    return torch.cat(parts, dim=-1)
+
+
+class DirectionEncoding(nn.Module):
+    """'none' (no direction input), 'sh<d>' (SH of degree d <= 3) or 'pe<n>' (n sine frequencies)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        if name == "none":
+            self.dim = 0
+        elif name.startswith("sh"):
+            self.dim = (int(name[2:]) + 1) ** 2
+        elif name.startswith("pe"):
+            self.dim = 3 + 6 * int(name[2:])
+        else:
+            raise ValueError(f"model.dir_encoding: unknown encoding {name!r} (expected none, sh<0-3> or pe<n>)")
+
+    def forward(self, directions: torch.Tensor) -> torch.Tensor:
+        if self.name == "none":
+            return directions.new_zeros(directions.shape[0], 0)
+        if self.name.startswith("sh"):
+            return spherical_harmonics(directions, int(self.name[2:]))
+        return positional_encoding(directions, int(self.name[2:]))
+
+
+class Decoder(nn.Module):
+    """Per-pixel MLP: the view-dependent residual added to the composited diffuse colour.
+
+    forward(diffuse (N,3), features (N,F'), opacity (N,), directions (N,3) unit) -> (N, 3) foreground colour
+    ``diffuse + opacity * residual``: premultiplied by opacity, so empty pixels get exactly the background.
+    """
+
+    def __init__(self, feature_dim: int, hidden: int, layers: int, dir_encoding: str, gelu_approximate: str, ops: OpSet):
+        super().__init__()
+        self.ops = ops
+        self.gelu_approximate = gelu_approximate
+        self.encoding = DirectionEncoding(dir_encoding)
+        widths = [DIFFUSE_CHANNELS + feature_dim + self.encoding.dim] + [hidden] * layers
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.out = nn.Linear(widths[-1], 3)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(
+        self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor
+    ) -> torch.Tensor:
+        x = torch.cat([diffuse, features, self.encoding(directions)], dim=-1)
+        for layer in self.hidden:
+            x = self.ops.gelu(layer(x), self.gelu_approximate)
+        return diffuse + opacity[:, None] * self.out(x)

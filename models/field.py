@@ -1,0 +1,151 @@
+"""Dense voxel grids over the scene box: the learnable value grids and the boolean occupancy grid.
+
+Conventions: a grid of shape (R0, R1, R2, C) is channels-last with its vertices spanning the box corner to
+corner (align_corners=True), so voxel i along axis a sits at ``bbox_min[a] + i * voxel_size``. Points are
+handed to the grids already mapped from the box to [-1, 1] (:func:`to_unit`), which is what
+``grid_interpolate`` expects; outside the box the lookup clamps to the border.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.ops import OpSet
+
+
+def grid_shape(extent: tuple[float, float, float], resolution: int) -> tuple[int, int, int]:
+    """Vertices per axis for ``resolution`` vertices along the box's longest side (cubic voxels)."""
+    voxel = max(extent) / (resolution - 1)
+    return tuple(max(2, round(e / voxel) + 1) for e in extent)
+
+
+def voxel_size(extent: tuple[float, float, float], shape: tuple[int, ...]) -> float:
+    """Edge length of the (cubic) voxels of a grid of ``shape`` vertices over a box of ``extent``."""
+    return max(e / (r - 1) for e, r in zip(extent, shape[:3]))
+
+
+def to_unit(points: torch.Tensor, bbox: torch.Tensor) -> torch.Tensor:
+    """(..., 3) world points -> (..., 3) box coordinates in [-1, 1] (bbox (2, 3): min and max corners)."""
+    return (points - bbox[0]) * (2.0 / (bbox[1] - bbox[0])) - 1.0
+
+
+def resample(grid: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Trilinear resample (align_corners=True) of a channels-last (R0, R1, R2, C) grid to ``shape`` + (C,)."""
+    if tuple(grid.shape[:3]) == tuple(shape):
+        return grid.clone()
+    channels_first = grid.permute(3, 0, 1, 2).unsqueeze(0)
+    resized = F.interpolate(channels_first, size=tuple(shape), mode="trilinear", align_corners=True)
+    return resized[0].permute(1, 2, 3, 0).contiguous()
+
+
+class VoxelGrid(nn.Module):
+    """A learnable (R0, R1, R2, C) channels-last grid, queried only through ``ops.grid_interpolate``."""
+
+    def __init__(self, shape: tuple[int, int, int], channels: int, init_std: float = 0.0, init_value: float = 0.0):
+        super().__init__()
+        values = torch.full((*shape, channels), float(init_value))
+        if init_std > 0:
+            values += init_std * torch.randn_like(values)
+        self.grid = nn.Parameter(values)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.grid.shape[:3])
+
+    def forward(self, unit_points: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        """(N, 3) points in [-1, 1] -> (N, C) trilinearly interpolated values."""
+        return ops.grid_interpolate(self.grid, unit_points)
+
+    @torch.no_grad()
+    def resize(self, shape: tuple[int, int, int]) -> None:
+        """Replace the parameter by its trilinear resample at ``shape`` (the field is kept, up to resampling)."""
+        self.grid = nn.Parameter(resample(self.grid.detach(), shape))
+
+    def total_variation(self, num_samples: int) -> torch.Tensor:
+        """Mean squared difference between neighbouring voxels, summed over the 3 axes (scalar).
+
+        ``num_samples`` > 0 estimates it on that many random voxels (and their +1 neighbours), which keeps the
+        cost and the gradient's footprint small on big grids; 0 (or more samples than voxels) uses the whole grid.
+        """
+        grid = self.grid
+        r0, r1, r2 = self.shape
+        if num_samples <= 0 or num_samples >= (r0 - 1) * (r1 - 1) * (r2 - 1):
+            return sum((torch.diff(grid, dim=axis) ** 2).mean() for axis in range(3))
+        device = grid.device
+        i = torch.randint(r0 - 1, (num_samples,), device=device)
+        j = torch.randint(r1 - 1, (num_samples,), device=device)
+        k = torch.randint(r2 - 1, (num_samples,), device=device)
+        centre = (i * r1 + j) * r2 + k
+        # one gather of each voxel and its +1 neighbour along every axis: a single grid-sized gradient in backward
+        index = torch.stack([centre, centre + r1 * r2, centre + r2, centre + 1])
+        values = grid.reshape(-1, grid.shape[3])[index.reshape(-1)].reshape(4, num_samples, -1)
+        return ((values[1:] - values[:1]) ** 2).mean(dim=(1, 2)).sum()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        # a checkpoint saved at another resolution: take its shape first, then load as usual
+        incoming = state_dict.get(prefix + "grid")
+        if isinstance(incoming, torch.Tensor) and incoming.dim() == 4 and incoming.shape[3] == self.grid.shape[3]:
+            if incoming.shape != self.grid.shape:
+                self.grid = nn.Parameter(torch.empty(incoming.shape, dtype=self.grid.dtype, device=self.grid.device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+class OccupancyGrid(nn.Module):
+    """Boolean (R0-1, R1-1, R2-1) mask over the cells between grid vertices: False = provably empty space.
+
+    A cell is empty when all 8 of its corner densities give an alpha below the threshold: trilinear
+    interpolation never exceeds the largest corner, so no point inside the cell can be more opaque than that.
+    """
+
+    def __init__(self, vertex_shape: tuple[int, int, int]):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(tuple(r - 1 for r in vertex_shape), dtype=torch.bool))
+
+    def fill(self, vertex_shape: tuple[int, int, int]) -> None:
+        """Mark everything occupied (before the warm-up ends, or to disable skipping)."""
+        self.mask = torch.ones(tuple(r - 1 for r in vertex_shape), dtype=torch.bool, device=self.mask.device)
+
+    @torch.no_grad()
+    def update(self, vertex_alpha: torch.Tensor, threshold: float, dilate: int) -> None:
+        """Rebuild from (R0, R1, R2) per-vertex alpha: occupied where any corner's alpha >= threshold.
+
+        ``dilate`` grows the occupied region by that many cells, so surfaces that are still moving can grow.
+        """
+        alpha = vertex_alpha[None, None]
+        cells = F.max_pool3d(alpha, kernel_size=2, stride=1)
+        if dilate > 0:
+            cells = F.max_pool3d(cells, kernel_size=2 * dilate + 1, stride=1, padding=dilate)
+        self.mask = cells[0, 0] >= threshold
+
+    def lookup(self, unit_points: torch.Tensor) -> torch.Tensor:
+        """(N, 3) points in [-1, 1] -> (N,) bool: is the cell holding each point occupied (clamped at the border)."""
+        s0, s1, s2 = self.mask.shape  # python ints: no host-to-device copy on the hot path
+        c0, c1, c2 = (((unit_points[:, a] + 1) * (0.5 * s)).long().clamp(0, s - 1) for a, s in enumerate((s0, s1, s2)))
+        return self.mask.reshape(-1)[(c0 * s1 + c1) * s2 + c2]
+
+    def occupied_fraction(self) -> float:
+        """Share of occupied cells (a host sync: for logs, not the hot path)."""
+        return float(self.mask.float().mean())
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        incoming = state_dict.get(prefix + "mask")
+        if isinstance(incoming, torch.Tensor) and incoming.dim() == 3 and incoming.shape != self.mask.shape:
+            self.mask = torch.empty(incoming.shape, dtype=torch.bool, device=self.mask.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+def optical_depth(raw_density: torch.Tensor, shift: float, step_scale: float) -> torch.Tensor:
+    """Optical depth of one sample, ``softplus(raw + shift) * step_scale`` (alpha = 1 - exp(-that))."""
+    return F.softplus(raw_density + shift) * step_scale
+
+
+__all__ = [
+    "grid_shape",
+    "voxel_size",
+    "to_unit",
+    "resample",
+    "VoxelGrid",
+    "OccupancyGrid",
+    "optical_depth",
+]

@@ -1,0 +1,301 @@
+"""VoxelNeRF: a DirectVoxGO/Plenoxels-style voxel-grid radiance field with deferred neural shading.
+
+One training step renders rays as follows (shapes for B rays, S samples per ray, N kept samples):
+1. ray/box intersection, S uniform samples per ray at ``step_ratio`` voxels apart (jittered per ray when
+   training) -> (B, S) distances and a validity mask;
+2. empty-space skipping: samples in cells the occupancy grid marks empty are dropped -> N packed samples;
+3. early ray termination: a no-grad pass over densities drops samples whose transmittance is below
+   ``early_termination`` (they cannot change the pixel by more than that);
+4. with gradients on the survivors: density -> optical depth ``softplus(d + shift) * step / base_voxel``
+   (density is measured per voxel of the final grid, so growing the grid keeps the field), compositing
+   weights, and per-ray sums of the sigmoid diffuse colour, the other features, the distance (depth) and the
+   weights (opacity); samples whose weight is below ``weight_threshold`` skip the feature lookup;
+5. deferred shading (models/decoder.py): per pixel, optionally after upsampling the composited low-res
+   feature image with ``ops.upsample_bilinear2d``; the background shows through ``1 - opacity``.
+
+Grids grow coarse to fine on the config's schedule (``on_step``); the occupancy grid is rebuilt from the
+density grid every ``occupancy.refresh_every`` steps after ``occupancy.warmup``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+
+from data.rays import camera_rays
+from data.samplers import PatchBatch
+from models.config import ModelConfig, parse_model_config
+from models.decoder import DIFFUSE_CHANNELS, Decoder
+from models.field import OccupancyGrid, VoxelGrid, grid_shape, optical_depth, to_unit, voxel_size
+from models.ops import OpSet
+from models.render import (
+    PackedSamples,
+    accumulate,
+    compositing_weights,
+    num_samples_per_ray,
+    pack,
+    ray_box_intersect,
+    transmittance_above,
+    uniform_samples,
+)
+
+
+def _check_rays(name: str, origins: torch.Tensor, directions: torch.Tensor) -> None:
+    if origins.dim() != 2 or origins.shape[-1] != 3 or directions.shape != origins.shape:
+        raise ValueError(
+            f"{name}: origins and directions must both have shape (B, 3), got {tuple(origins.shape)} and "
+            f"{tuple(directions.shape)}"
+        )
+
+
+class VoxelNeRF(nn.Module):
+    """Density grid (R0,R1,R2,1) + feature grid (R0,R1,R2,F) over ``bbox``, rendered between near and far.
+
+    Args:
+        bbox: (2, 3) min and max corners of the scene box.
+        near, far: ray distance range (unit directions: Euclidean distances).
+        cfg: the ``model`` config group (configs/model/default.yaml).
+        ops: the op backends (models.ops.build_ops).
+    """
+
+    def __init__(self, bbox: torch.Tensor, near: float, far: float, cfg: Mapping, ops: OpSet):
+        super().__init__()
+        bbox = torch.as_tensor(bbox, dtype=torch.float32)
+        if bbox.shape != (2, 3) or not bool((bbox[1] > bbox[0]).all()):
+            raise ValueError(f"bbox: expected (2, 3) min and max corners with max > min, got {bbox.tolist()}")
+        if not 0.0 <= near < far:
+            raise ValueError(f"near, far: need 0 <= near < far, got near={near}, far={far}")
+        self.config: ModelConfig = parse_model_config(cfg)
+        self.ops = ops
+        self.near, self.far = float(near), float(far)
+        self.extent = tuple(float(e) for e in (bbox[1] - bbox[0]).tolist())
+        self.register_buffer("bbox", bbox.clone())
+        self.register_buffer("background", torch.tensor(self.config.background, dtype=torch.float32))
+
+        c = self.config
+        shape = grid_shape(self.extent, self.resolution_at(0, 1))
+        # density in units of the final grid's voxel, so the field's meaning does not change as the grid grows
+        self.base_voxel = voxel_size(self.extent, grid_shape(self.extent, c.resolution_end))
+        self.density = VoxelGrid(shape, 1)
+        self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
+        self.occupancy = OccupancyGrid(shape)
+        self.decoder = Decoder(
+            c.feature_dim - DIFFUSE_CHANNELS, c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops
+        )
+        self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
+
+    # ------------------------------------------------------------------ geometry and schedule
+    @property
+    def scale(self) -> int:
+        """The decoder's upsample factor (1: per-pixel decoding)."""
+        return self.config.upsample
+
+    @property
+    def grid_shape(self) -> tuple[int, int, int]:
+        return self.density.shape
+
+    @property
+    def resolution(self) -> int:
+        """Vertices along the box's longest side."""
+        return max(self.density.shape)
+
+    @property
+    def step_size(self) -> float:
+        """Distance between samples along a ray: ``step_ratio`` voxels of the current grid."""
+        return self.config.step_ratio * voxel_size(self.extent, self.grid_shape)
+
+    def resolution_at(self, step: int, total_steps: int) -> int:
+        """Grid resolution scheduled after ``step`` optimiser steps: geometric from start to end over grow_at."""
+        c = self.config
+        if not c.grow_at:
+            return c.resolution_end  # no schedule: the final grid from the start
+        thresholds = [g if isinstance(g, int) else max(1, round(g * total_steps)) for g in c.grow_at]
+        level = sum(step >= t for t in thresholds)
+        ratio = c.resolution_end / c.resolution_start
+        return round(c.resolution_start * ratio ** (level / len(thresholds)))
+
+    def set_resolution(self, resolution: int) -> None:
+        """Resample both grids to ``resolution`` vertices along the longest side (replaces the parameters).
+
+        The occupancy grid is reset to all-occupied at the new shape (on_step rebuilds it after warm-up).
+        """
+        shape = grid_shape(self.extent, resolution)
+        self.density.resize(shape)
+        self.features.resize(shape)
+        self.occupancy.fill(shape)
+
+    @torch.no_grad()
+    def refresh_occupancy(self) -> None:
+        """Rebuild the occupancy grid from the density grid at the current sampling step."""
+        sigma_delta = optical_depth(self.density.grid[..., 0], self.config.density_shift, self.step_size / self.base_voxel)
+        alpha = -torch.expm1(-sigma_delta)
+        self.occupancy.update(alpha, self.config.occupancy_threshold, self.config.occupancy_dilate)
+
+    def on_step(self, step: int, total_steps: int) -> bool:
+        """Call after optimiser step number ``step`` (1-based) of ``total_steps``.
+
+        Grows the grids when the schedule says so and refreshes the occupancy grid; returns True when the
+        grid parameters were replaced (rebuild the optimiser with :meth:`param_groups`).
+        """
+        c = self.config
+        self.progress = step / max(total_steps, 1)
+        target = self.resolution_at(step, total_steps)
+        grown = target != self.resolution
+        if grown:
+            self.set_resolution(target)
+        due = step == c.occupancy_warmup or step % c.occupancy_refresh_every == 0
+        if step >= c.occupancy_warmup and (grown or due):
+            self.refresh_occupancy()
+        return grown
+
+    # ------------------------------------------------------------------ optimisation
+    def param_groups(self, lr_grid: float, lr_decoder: float) -> list[dict]:
+        """Adam parameter groups: the grids at ``lr_grid``, the decoder at ``lr_decoder``."""
+        return [
+            {"params": [self.density.grid, self.features.grid], "lr": lr_grid, "name": "grids"},
+            {"params": list(self.decoder.parameters()), "lr": lr_decoder, "name": "decoder"},
+        ]
+
+    def regularization(self) -> torch.Tensor:
+        """Weighted total variation of the density and feature grids (scalar; zero after ``tv_until``)."""
+        c = self.config
+        zero = self.density.grid.reshape(-1)[:1].sum() * 0.0  # stays in the graph, so backward() always works
+        if self.progress > c.tv_until:
+            return zero
+        total = zero
+        if c.tv_density > 0:
+            total = total + c.tv_density * self.density.total_variation(c.tv_samples)
+        if c.tv_features > 0:
+            total = total + c.tv_features * self.features.total_variation(c.tv_samples)
+        return total
+
+    # ------------------------------------------------------------------ rendering
+    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool) -> dict[str, torch.Tensor]:
+        """Composite B rays: (B, 3) origins and unit directions ->
+
+        dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count).
+        """
+        c = self.config
+        num_rays = origins.shape[0]
+        step = self.step_size
+        num_samples = num_samples_per_ray(self.extent, self.near, self.far, step, c.max_samples)
+        t_start, t_end = ray_box_intersect(origins, directions, self.bbox, self.near, self.far)
+        offset = torch.rand(num_rays, 1, device=origins.device) if jitter else 0.5
+        t, valid = uniform_samples(t_start, t_end, step, num_samples, offset)
+        points = to_unit(origins[:, None, :] + t[..., None] * directions[:, None, :], self.bbox)
+        valid = valid & self.occupancy.lookup(points.reshape(-1, 3)).reshape(valid.shape)
+        samples = pack(valid, t, points)
+
+        step_scale = step / self.base_voxel
+        if c.early_termination > 0 and len(samples) > 0:
+            with torch.no_grad():
+                depth_no_grad = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
+                samples = samples.select(transmittance_above(depth_no_grad, samples.ray, num_rays, c.early_termination))
+
+        sigma_delta = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
+        weights = compositing_weights(sigma_delta, samples.ray, num_rays)
+        geometry = accumulate(torch.stack([samples.t, torch.ones_like(samples.t)], dim=1), weights, samples.ray, num_rays)
+        shaded, shaded_weights = samples, weights
+        if c.weight_threshold > 0 and len(samples) > 0:
+            # samples that barely show need no colour (DVGO's fast_color_thres): skip their feature lookups
+            keep = (weights.detach() > c.weight_threshold).nonzero().squeeze(1)
+            shaded = PackedSamples(samples.ray[keep], samples.t[keep], samples.points[keep])
+            shaded_weights = weights[keep]
+        feats = self.features(shaded.points, self.ops)
+        values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
+        colour = accumulate(values, shaded_weights, shaded.ray, num_rays)
+        return {
+            "diffuse": colour[:, :DIFFUSE_CHANNELS],
+            "features": colour[:, DIFFUSE_CHANNELS:],
+            "depth": geometry[:, 0],
+            "opacity": geometry[:, 1],
+            "samples": torch.tensor(len(samples)),
+        }
+
+    def shade(self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+        """(M,3), (M,F-3), (M,), (M,3) unit directions -> (M,3) pixel colour over the background."""
+        foreground = self.decoder(diffuse, features, opacity, directions)
+        return foreground + (1.0 - opacity)[:, None] * self.background
+
+    def render_rays(self, origins: torch.Tensor, directions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-pixel path: (B,3) origins and unit directions -> dict(rgb (B,3), depth (B,), opacity (B,)).
+
+        Samples are jittered in training mode (``model.train()``).
+        """
+        _check_rays("render_rays", origins, directions)
+        out = self.march(origins, directions, jitter=self.training)
+        rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions)
+        return {"rgb": rgb, "depth": out["depth"], "opacity": out["opacity"], "samples": out["samples"]}
+
+    def _upsample(self, channels: torch.Tensor) -> torch.Tensor:
+        """(n, P, P, C) low-res composited channels -> (n, sP, sP, C) through ``ops.upsample_bilinear2d``."""
+        if self.scale == 1:
+            return channels
+        upsampled = self.ops.upsample_bilinear2d(channels.permute(0, 3, 1, 2).contiguous(), self.scale, False)
+        return upsampled.permute(0, 2, 3, 1)
+
+    def render_patches(self, batch: PatchBatch) -> dict[str, torch.Tensor]:
+        """Patch path: low-res rays (n,P,P,3) -> dict(rgb (n,sP,sP,3), depth (n,P,P), opacity (n,P,P)).
+
+        The composited diffuse colour, features and opacity are upsampled by s and decoded per full-res pixel
+        with ``batch.hr_directions`` (n,sP,sP,3).
+        """
+        n, p = batch.origins.shape[:2]
+        if batch.origins.shape != (n, p, p, 3) or batch.directions.shape != batch.origins.shape:
+            raise ValueError(f"render_patches: origins/directions must be (n, P, P, 3), got {tuple(batch.origins.shape)}")
+        side = p * self.scale
+        if batch.hr_directions.shape != (n, side, side, 3):
+            raise ValueError(
+                f"render_patches: hr_directions must be (n, sP, sP, 3) = {(n, side, side, 3)} for upsample={self.scale}, "
+                f"got {tuple(batch.hr_directions.shape)}"
+            )
+        out = self.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=self.training)
+        low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
+        high = self._upsample(low).reshape(n * side * side, -1)
+        rgb = self.shade(high[:, :DIFFUSE_CHANNELS], high[:, DIFFUSE_CHANNELS:-1], high[:, -1], batch.hr_directions.reshape(-1, 3))
+        return {
+            "rgb": rgb.reshape(n, side, side, 3),
+            "depth": out["depth"].reshape(n, p, p),
+            "opacity": out["opacity"].reshape(n, p, p),
+            "samples": out["samples"],
+        }
+
+    @torch.no_grad()
+    def render_image(self, c2w: torch.Tensor, height: int, width: int, focal: float, chunk: int = 8192) -> dict[str, torch.Tensor]:
+        """Render a full view (no jitter): dict(rgb (H,W,3) in [0,1], depth (H,W), opacity (H,W)).
+
+        With upsample s > 1, rays are marched at (H/s, W/s) (H and W must be divisible by s), the composited
+        channels (depth included) upsampled to (H, W) and decoded per pixel.
+        """
+        if chunk < 1:
+            raise ValueError(f"render_image: chunk must be >= 1, got {chunk}")
+        device = self.bbox.device
+        c2w = torch.as_tensor(c2w, dtype=torch.float32, device=device)
+        origins, directions = camera_rays(c2w, height, width, focal, self.scale)
+        low_h, low_w = origins.shape[:2]
+        origins, directions = origins.reshape(-1, 3), directions.reshape(-1, 3)
+        parts = []
+        for start in range(0, origins.shape[0], chunk):
+            out = self.march(origins[start : start + chunk], directions[start : start + chunk], jitter=False)
+            parts.append(torch.cat([out["diffuse"], out["features"], out["depth"][:, None], out["opacity"][:, None]], 1))
+        low = torch.cat(parts).reshape(1, low_h, low_w, -1)
+        channels = self._upsample(low).reshape(height * width, -1)
+        if self.scale > 1:
+            directions = camera_rays(c2w, height, width, focal, 1)[1].reshape(-1, 3)
+        rgb = torch.cat(
+            [
+                self.shade(
+                    channels[s : s + chunk, :DIFFUSE_CHANNELS],
+                    channels[s : s + chunk, DIFFUSE_CHANNELS:-2],
+                    channels[s : s + chunk, -1],
+                    directions[s : s + chunk],
+                )
+                for s in range(0, channels.shape[0], chunk)
+            ]
+        )
+        return {
+            "rgb": rgb.clamp(0.0, 1.0).reshape(height, width, 3),
+            "depth": channels[:, -2].reshape(height, width),
+            "opacity": channels[:, -1].reshape(height, width),
+        }

@@ -1,0 +1,124 @@
+"""Ray sampling and volume compositing on packed samples.
+
+A batch of B rays is sampled uniformly inside the scene box (clipped to [near, far]); the samples that survive
+empty-space skipping and early termination are kept *packed*: flat tensors of N samples plus, for each, the
+index of its ray. Samples of a ray are contiguous and in order along the ray (``nonzero`` on a (B, S) mask
+returns them so), which lets the per-ray transmittance be a segmented cumulative sum computed as one global
+cumsum minus a per-ray offset, and the per-ray sums be one ``index_add``.
+
+Compositing (optical depth s_i = sigma_i * delta_i of sample i):
+    T_i = exp(-sum_{j<i} s_j),  alpha_i = 1 - exp(-s_i),  w_i = T_i * alpha_i,
+    value = sum_i w_i v_i,  opacity = sum_i w_i = 1 - T_end.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def ray_box_intersect(
+    origins: torch.Tensor, directions: torch.Tensor, bbox: torch.Tensor, near: float, far: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entry and exit distances (B,), (B,) of (B, 3) rays with the box (2, 3), clipped to [near, far].
+
+    A ray that misses the box (or whose overlap with [near, far] is empty) gets t_end <= t_start.
+    """
+    safe = torch.where(directions.abs() < 1e-12, torch.full_like(directions, 1e-12), directions)
+    inverse = 1.0 / safe
+    t_low = (bbox[0] - origins) * inverse
+    t_high = (bbox[1] - origins) * inverse
+    t_start = torch.minimum(t_low, t_high).amax(dim=-1).clamp(min=near)
+    t_end = torch.maximum(t_low, t_high).amin(dim=-1).clamp(max=far)
+    return t_start, t_end
+
+
+def num_samples_per_ray(extent: tuple[float, float, float], near: float, far: float, step: float, cap: int) -> int:
+    """Samples needed to cross the longest possible chord (the box diagonal, or far - near), capped at ``cap``."""
+    chord = min(math.sqrt(sum(e * e for e in extent)), far - near)
+    return max(1, min(cap, math.ceil(chord / step)))
+
+
+def uniform_samples(
+    t_start: torch.Tensor, t_end: torch.Tensor, step: float, num_samples: int, offset: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distances (B, S) ``t_start + (k + offset) * step`` for k < S, and the (B, S) mask of those before t_end.
+
+    ``offset`` is (B, 1) uniform in [0, 1) for jittered training samples, or a float (0.5: interval midpoints).
+    """
+    k = torch.arange(num_samples, device=t_start.device, dtype=t_start.dtype)
+    t = t_start[:, None] + (k[None, :] + offset) * step
+    return t, t < t_end[:, None]
+
+
+@dataclass
+class PackedSamples:
+    """N samples in ray order: ray (N,) int64 ray index, t (N,) distance, points (N, 3) in box coordinates."""
+
+    ray: torch.Tensor
+    t: torch.Tensor
+    points: torch.Tensor
+
+    def select(self, keep: torch.Tensor) -> "PackedSamples":
+        """The samples where the (N,) bool ``keep`` is True (order kept; one host sync for the count)."""
+        index = keep.nonzero().squeeze(1)
+        return PackedSamples(self.ray[index], self.t[index], self.points[index])
+
+    def __len__(self) -> int:
+        return self.ray.shape[0]
+
+
+def pack(mask: torch.Tensor, t: torch.Tensor, points: torch.Tensor) -> PackedSamples:
+    """Packed samples from a (B, S) keep-mask, (B, S) distances and (B, S, 3) points (one host sync)."""
+    num_samples = mask.shape[1]
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    return PackedSamples(torch.div(flat, num_samples, rounding_mode="floor"), t.reshape(-1)[flat], points.reshape(-1, 3)[flat])
+
+
+def exclusive_segment_cumsum(values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
+    """(N,) per-ray exclusive prefix sums of ``values`` for samples grouped contiguously by ray (N,).
+
+    Computed as a global cumsum minus the cumsum at each ray's first sample. The global sum runs over every
+    sample of the batch, so it is taken in float64 to keep the per-ray differences accurate; the result has
+    ``values``' dtype. Differentiable.
+    """
+    # index of each ray's first sample (searchsorted, unlike bincount, needs no host sync on CUDA)
+    first = torch.searchsorted(ray, torch.arange(num_rays, device=ray.device, dtype=ray.dtype))
+    exclusive = torch.cumsum(values.double(), 0) - values.double()
+    return (exclusive - exclusive[first[ray]]).to(values.dtype)
+
+
+def compositing_weights(optical_depth: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
+    """(N,) weights w_i = T_i * alpha_i from per-sample optical depths s_i >= 0 (packed, ray order)."""
+    transmittance = torch.exp(-exclusive_segment_cumsum(optical_depth, ray, num_rays))
+    alpha = -torch.expm1(-optical_depth)
+    return transmittance * alpha
+
+
+def transmittance_above(optical_depth: torch.Tensor, ray: torch.Tensor, num_rays: int, threshold: float) -> torch.Tensor:
+    """(N,) bool: samples whose transmittance T_i (light reaching them) is still above ``threshold``.
+
+    Transmittance only decreases along a ray, so the survivors of each ray are a prefix of its samples and
+    their transmittances are unchanged by dropping the rest (early ray termination).
+    """
+    return exclusive_segment_cumsum(optical_depth, ray, num_rays) < -math.log(threshold)
+
+
+def accumulate(values: torch.Tensor, weights: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
+    """Per-ray weighted sums: (N, C) values, (N,) weights -> (B, C)."""
+    out = values.new_zeros(num_rays, values.shape[1])
+    return out.index_add(0, ray, values * weights[:, None])
+
+
+__all__ = [
+    "ray_box_intersect",
+    "num_samples_per_ray",
+    "uniform_samples",
+    "PackedSamples",
+    "pack",
+    "exclusive_segment_cumsum",
+    "compositing_weights",
+    "transmittance_above",
+    "accumulate",
+]

@@ -1,0 +1,633 @@
+"""Training and evaluation of a :class:`VoxelNeRF` from a resolved config: what ``train.py`` runs.
+
+:func:`run` is the whole program: validate the config, load the scene, train (with checkpoints, interruption
+handling and a progress bar) or restore a checkpoint, then evaluate on the held-out views and write
+``metrics.json`` and the renders into the run directory. It returns the process exit code; every expected
+failure (bad config, bad scene, missing checkpoint) is one line on stderr and exit code 2.
+
+Run directory layout::
+
+    checkpoints/last.pt   model, optimiser, step, RNG states, config, loss history (atomic writes)
+    metrics.json          final evaluation (see Trainer.metrics)
+    renders/              <view>_pred.png, <view>_compare.png (gt | pred | error), <view>_depth.png,
+                          turntable.gif (or .mp4), training_curve.png
+    profile.json          with train.profile=true
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import imageio.v3 as iio
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from data import PatchSampler, RaySampler, Scene, SceneError, ensure_synthetic_scene, eval_split, load_blender
+from data.cameras import look_at, orbit_positions
+from models.config import parse_model_config
+from models.metrics import psnr, ssim
+from models.model import VoxelNeRF
+from models.ops import OpSet, build_ops
+from models.training import (
+    CheckpointError,
+    ConfigError,
+    InterruptGuard,
+    capture_rng_state,
+    colorize_depth,
+    comparison_image,
+    load_checkpoint,
+    plot_curve,
+    restore_rng_state,
+    save_checkpoint,
+    to_uint8,
+    validate_config,
+    write_turntable,
+)
+from models.training.profiler import StepProfiler
+
+CHECKPOINT_FORMAT = 1
+EXIT_OK = 0
+EXIT_USAGE = 2  # bad config, bad scene, missing checkpoint
+EXIT_DIVERGED = 3  # NaN / inf loss
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = REPO_ROOT / ".cache" / "scenes"
+ADAM_BETAS = (0.9, 0.99)  # DirectVoxGO's: a shorter second-moment memory suits grids whose voxels see rays rarely
+
+
+class RunError(RuntimeError):
+    """An expected failure whose one-line message is shown to the user as is."""
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; ``cpu`` / ``cuda`` as given (validated earlier)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def describe_device(device: torch.device) -> str:
+    """e.g. ``"cpu"`` or ``"cuda:0 (NVIDIA H100 80GB HBM3)"``."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def seed_everything(seed: int | None) -> int:
+    """Seed python, numpy and torch (every device); ``None`` draws a seed. Returns the seed used."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return seed
+
+
+def scene_root(data_cfg: DictConfig) -> Path:
+    """The blender-format folder of the configured scene, generating the synthetic one on first use."""
+    if data_cfg.name == "blender":
+        return Path(data_cfg.root).expanduser()
+    cache = Path(data_cfg.cache_dir).expanduser() if data_cfg.get("cache_dir") else DEFAULT_CACHE
+    return ensure_synthetic_scene(
+        cache, resolution=data_cfg.resolution, n_train=data_cfg.n_train, n_val=data_cfg.n_val,
+        n_test=data_cfg.n_test, seed=data_cfg.scene_seed,
+    )
+
+
+def load_scenes(data_cfg: DictConfig, device: torch.device) -> tuple[Scene, Scene]:
+    """(train, eval) splits on ``device``; eval is the test split when present, else val."""
+    root = scene_root(data_cfg)
+    options = dict(
+        downscale=data_cfg.downscale, background=tuple(data_cfg.background), near=data_cfg.near,
+        far=data_cfg.far, scene_box=data_cfg.scene_box,
+    )
+    train = load_blender(root, "train", **options)
+    evaluation = load_blender(root, eval_split(root), **options)
+    return train.to(device), evaluation.to(device)
+
+
+def learning_rate_factor(step: int, total_steps: int, final_factor: float) -> float:
+    """Exponential decay from 1 at step 0 to ``final_factor`` (>= 0) at ``total_steps``."""
+    return final_factor ** (min(step, total_steps) / max(total_steps, 1))
+
+
+def orbit_cameras(c2w: torch.Tensor, count: int) -> torch.Tensor:
+    """(count, 4, 4) cameras on a circle around the origin (z up) at the mean radius and elevation of ``c2w``."""
+    positions = c2w[:, :3, 3].double().cpu().numpy()
+    radius = float(np.linalg.norm(positions, axis=-1).mean())
+    elevation = float(np.mean(np.arcsin(np.clip(positions[:, 2] / np.linalg.norm(positions, axis=-1), -1, 1))))
+    elevation = float(np.clip(elevation, -math.radians(80), math.radians(80)))  # look_at needs up != view axis
+    return torch.from_numpy(look_at(orbit_positions(count, radius, elevation)).astype(np.float32))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _write_json(path: Path, content: dict) -> None:
+    """Write through a temporary file and rename, so a reader never sees half a file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run keeps its files."""
+
+    root: Path
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "checkpoints" / "last.pt"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def renders(self) -> Path:
+        return self.root / "renders"
+
+    @property
+    def profile(self) -> Path:
+        return self.root / "profile.json"
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+    """Owns the model, optimiser, sampler and bookkeeping of one run.
+
+    Args:
+        cfg: the resolved config (plain, not struct).
+        paths: the run directory's files.
+        device: where the model and images live.
+        ops: the op backends.
+        train_scene, eval_scene: splits already on ``device``.
+        seed: the seed the run was started with (seeds the batch sampler's generator).
+    """
+
+    def __init__(self, cfg: DictConfig, paths: RunPaths, device: torch.device, ops: OpSet,
+                 train_scene: Scene, eval_scene: Scene, seed: int):
+        self.cfg, self.train_cfg = cfg, cfg.train
+        self.paths, self.device, self.seed = paths, device, seed
+        self.train_scene, self.eval_scene = train_scene, eval_scene
+        self.iters = int(cfg.train.iters)
+        self.profiler = StepProfiler(device, bool(cfg.train.profile))
+        self.ops = ops
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        self.model = VoxelNeRF(train_scene.bbox.cpu(), train_scene.near, train_scene.far, model_cfg,
+                               self.profiler.instrument_ops(ops)).to(device)
+        self.profiler.instrument_module(self.model.decoder, "decoder")
+        self._check_image_sizes()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.sampler: RaySampler | PatchSampler | None = None  # built by fit(): render_only needs none
+        self.optimizer = self._new_optimizer()
+        self.step = 0
+        self.history: dict[str, list[float]] = {"step": [], "loss": [], "psnr": []}
+        self.eval_history: list[dict] = []
+        self.train_seconds = 0.0
+        self.rays_done = 0
+        self.pixels_done = 0
+        self.samples_done = 0
+        self.checkpoint_seconds = 0.0  # kept out of train_seconds, reported beside it
+        self.last_saved_step: int | None = None
+
+    # ---------------------------------------------------------------- building blocks
+    def _check_image_sizes(self) -> None:
+        scale = self.model.scale
+        for scene in (self.train_scene, self.eval_scene):
+            if scene.height % scale or scene.width % scale:
+                raise ConfigError(
+                    f"model.upsample: the {scene.split} images ({scene.height}x{scene.width}) are not divisible by "
+                    f"{scale} (change model.upsample or data.downscale)"
+                )
+
+    def _build_sampler(self) -> RaySampler | PatchSampler:
+        if self.model.scale == 1:
+            return RaySampler(self.train_scene, self.train_cfg.batch_rays, self.generator)
+        try:
+            return PatchSampler(self.train_scene, self.train_cfg.patch_size, self.model.scale,
+                                self.train_cfg.patches_per_batch, self.generator)
+        except ValueError as error:
+            raise ConfigError(f"train.patch_size: {error}") from None
+
+    def _new_optimizer(self) -> torch.optim.Adam:
+        groups = self.model.param_groups(float(self.train_cfg.lr), float(self.train_cfg.lr_decoder))
+        for group in groups:
+            group["initial_lr"] = group["lr"]
+        return torch.optim.Adam(groups, betas=ADAM_BETAS, fused=self.device.type == "cuda")
+
+    def _rebuild_optimizer(self) -> None:
+        """New Adam over the model's current parameters, keeping the moments of parameters that survived."""
+        old = self.optimizer
+        self.optimizer = self._new_optimizer()
+        for group in self.optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter in old.state:
+                    self.optimizer.state[parameter] = old.state[parameter]
+
+    def _set_learning_rates(self) -> None:
+        factor = learning_rate_factor(self.step, self.iters, float(self.train_cfg.lr_final_factor))
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimiser step; returns the detached (loss, mse) without syncing the device."""
+        profiler = self.profiler
+        with profiler.section("step"):
+            self._set_learning_rates()
+            with profiler.section("sampling"):
+                batch = self.sampler.sample()
+            with profiler.section("forward"):
+                if self.model.scale == 1:
+                    out = self.model.render_rays(batch.origins, batch.directions)
+                else:
+                    out = self.model.render_patches(batch)
+            with profiler.section("regularization"):
+                regularization = self.model.regularization()
+            with profiler.section("loss_backward"):
+                mse = F.mse_loss(out["rgb"], batch.rgb)
+                loss = mse + regularization
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            with profiler.section("optimizer"):
+                self.optimizer.step()
+            self.step += 1
+            with profiler.section("schedule"):
+                if self.model.on_step(self.step, self.iters):
+                    self._rebuild_optimizer()
+        rays = batch.origins.numel() // 3
+        self.rays_done += rays
+        self.samples_done += int(out["samples"]) if "samples" in out else 0  # a CPU count: no device sync
+        self.pixels_done += batch.rgb.numel() // 3
+        profiler.end_step(rays)
+        return loss.detach(), mse.detach()
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> int:
+        """Train from :attr:`step` to ``train.iters``; returns the exit code (0, 128+signal, or EXIT_DIVERGED)."""
+        cfg = self.train_cfg
+        if self.step >= self.iters:
+            print(f"checkpoint is at step {self.step} >= train.iters={self.iters}: nothing to train")
+            return EXIT_OK
+        if self.sampler is None:
+            self.sampler = self._build_sampler()
+        self.model.train()
+        self.profiler.recording = True
+        bar = tqdm(total=self.iters, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   mininterval=0.5, file=sys.stdout)
+        code = EXIT_OK
+        with InterruptGuard() as guard:
+            _sync(self.device)
+            segment_start = window_start = time.perf_counter()
+            window_rays, window_samples = self.rays_done, self.samples_done
+            while self.step < self.iters:
+                loss, mse = self.train_step()
+                step = self.step
+                pause = False
+                if step % cfg.log_every == 0 or step == self.iters:
+                    loss_value, mse_value = loss.item(), mse.item()  # syncs the device
+                    if not (math.isfinite(loss_value) and math.isfinite(mse_value)):
+                        code = self._diverged(step, loss_value)
+                        break
+                    now = time.perf_counter()
+                    rays_per_second = (self.rays_done - window_rays) / max(now - window_start, 1e-9)
+                    samples_per_ray = (self.samples_done - window_samples) / max(self.rays_done - window_rays, 1)
+                    window_start, window_rays, window_samples = now, self.rays_done, self.samples_done
+                    batch_psnr = -10.0 * math.log10(max(mse_value, 1e-12))
+                    self._record(step, loss_value, batch_psnr)
+                    bar.set_postfix(loss=f"{loss_value:.4f}", psnr=f"{batch_psnr:.2f}",
+                                    rays_s=f"{rays_per_second:,.0f}", grid=self.model.resolution,
+                                    spr=f"{samples_per_ray:.0f}", refresh=False)
+                    bar.update(step - bar.n)
+                periodic_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.iters
+                periodic_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < self.iters
+                if periodic_checkpoint or periodic_eval or guard.requested:
+                    _sync(self.device)
+                    self.train_seconds += time.perf_counter() - segment_start
+                    pause = True
+                if periodic_checkpoint or guard.requested:
+                    if not self._save_if_finite(loss):
+                        code = self._diverged(step, loss.item())
+                        break
+                if guard.requested:
+                    bar.close()
+                    print(f"interrupted by {guard.signum.name} at step {step}/{self.iters}: checkpoint saved to "
+                          f"{self.paths.checkpoint}; continue with train.resume=true and the same hydra.run.dir",
+                          file=sys.stderr)
+                    self.profiler.recording = False
+                    return guard.exit_code
+                if periodic_eval:
+                    self._periodic_eval()
+                if pause:
+                    segment_start = window_start = time.perf_counter()
+                    window_rays, window_samples = self.rays_done, self.samples_done
+            else:
+                _sync(self.device)
+                self.train_seconds += time.perf_counter() - segment_start
+        self.profiler.recording = False
+        bar.close()
+        if code != EXIT_OK:
+            return code
+        if not self._save_if_finite(loss):
+            return self._diverged(self.step, loss.item())
+        if self.profiler.enabled:
+            report = self.profiler.report()
+            _write_json(self.paths.profile, report)
+            print(StepProfiler.format(report))
+        return EXIT_OK
+
+    def _record(self, step: int, loss: float, batch_psnr: float) -> None:
+        self.history["step"].append(float(step))
+        self.history["loss"].append(loss)
+        self.history["psnr"].append(batch_psnr)
+
+    def _diverged(self, step: int, loss: float) -> int:
+        kept = (f"the last good checkpoint (step {self.last_saved_step}) is kept at {self.paths.checkpoint}"
+                if self.last_saved_step is not None else "no checkpoint was written")
+        print(f"error: training diverged: loss is {loss} at step {step}; stopped, {kept} "
+              "(try a lower train.lr / train.lr_decoder)", file=sys.stderr)
+        return EXIT_DIVERGED
+
+    def _periodic_eval(self) -> None:
+        count = min(self.train_cfg.eval_views, self.eval_scene.num_views)
+        if count == 0:
+            return
+        views = np.linspace(0, self.eval_scene.num_views - 1, count).round().astype(int).tolist()
+        result = self.evaluate(sorted(set(views)), write_images=False)
+        entry = {"step": self.step, "train_seconds": self.train_seconds, "psnr": result["psnr"], "ssim": result["ssim"]}
+        self.eval_history.append(entry)
+        tqdm.write(f"eval @ step {self.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
+                   f"({len(views)} views, {self.train_seconds:.1f} s of training)", file=sys.stdout)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _parameters_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def _save_if_finite(self, loss: torch.Tensor) -> bool:
+        """Save a checkpoint unless the loss or the parameters went NaN / inf (then keep the previous one)."""
+        if not (bool(torch.isfinite(loss)) and self._parameters_finite()):
+            return False
+        self.save()
+        return True
+
+    def save(self) -> None:
+        start = time.perf_counter()
+        save_checkpoint(self.paths.checkpoint, {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step,
+            "iters": self.iters,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": capture_rng_state(),
+            "sampler_generator": self.generator.get_state(),
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "history": self.history,
+            "eval_history": self.eval_history,
+            "train_seconds": self.train_seconds,
+            "rays": self.rays_done,
+            "pixels": self.pixels_done,
+            "seed": self.seed,
+        })
+        self.last_saved_step = self.step
+        self.checkpoint_seconds += time.perf_counter() - start
+
+    def restore(self, state: dict, with_training_state: bool) -> None:
+        """Load a checkpoint's model (any grid resolution); with ``with_training_state`` also the optimiser,
+        RNG states and counters, so training continues exactly where it stopped."""
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{self.paths.checkpoint}: unknown checkpoint format {state.get('format')!r}")
+        try:
+            self.model.load_state_dict(state["model"])
+        except (RuntimeError, KeyError) as error:
+            first = str(error).strip().splitlines()[0]
+            raise CheckpointError(f"{self.paths.checkpoint}: does not fit this model ({first})") from None
+        self.model.to(self.device)
+        self.step = int(state["step"])
+        self.history = state["history"]
+        self.eval_history = list(state["eval_history"])
+        self.train_seconds = float(state["train_seconds"])
+        self.rays_done, self.pixels_done = int(state["rays"]), int(state["pixels"])
+        self.last_saved_step = self.step
+        if not with_training_state:
+            return
+        # re-apply the schedule at this step (idempotent: sets the TV switch; grows only if train.iters changed)
+        grown = self.step > 0 and self.model.on_step(self.step, self.iters)
+        self.optimizer = self._new_optimizer()
+        if not grown:
+            self.optimizer.load_state_dict(state["optimizer"])
+            for group in self.optimizer.param_groups:  # the checkpoint may come from another device type
+                group["fused"] = self.device.type == "cuda"
+        restore_rng_state(state["rng"])
+        self.generator.set_state(state["sampler_generator"].cpu())
+
+    # ---------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def render(self, c2w: torch.Tensor) -> dict[str, torch.Tensor]:
+        scene = self.eval_scene
+        return self.model.render_image(c2w, scene.height, scene.width, scene.focal, chunk=self.train_cfg.render_chunk)
+
+    @torch.no_grad()
+    def evaluate(self, views: list[int], write_images: bool, writer: ThreadPoolExecutor | None = None) -> dict:
+        """Render ``views`` of the eval split -> dict(psnr, ssim (means), per_view, seconds); PNGs when asked."""
+        was_training = self.model.training
+        self.model.eval()
+        scene = self.eval_scene
+        per_view = []
+        start = time.perf_counter()
+        for view in views:
+            out = self.render(scene.c2w[view])
+            target = scene.images[view].float() / 255.0
+            per_view.append({"view": view, "name": scene.names[view],
+                             "psnr": psnr(out["rgb"], target), "ssim": ssim(out["rgb"], target)})
+            if write_images:
+                pred, gt = out["rgb"].cpu().numpy(), target.cpu().numpy()
+                depth = torch.where(out["opacity"] > 0.5, out["depth"] / out["opacity"].clamp_min(1e-6),
+                                    torch.full_like(out["depth"], float("nan"))).cpu().numpy()
+                stem = self.paths.renders / f"{view:03d}"
+                writer.submit(iio.imwrite, f"{stem}_pred.png", to_uint8(pred))
+                writer.submit(iio.imwrite, f"{stem}_compare.png", comparison_image(gt, pred))
+                writer.submit(iio.imwrite, f"{stem}_depth.png", colorize_depth(depth, scene.near, scene.far))
+        _sync(self.device)
+        self.model.train(was_training)
+        return {
+            "psnr": float(np.mean([v["psnr"] for v in per_view])),
+            "ssim": float(np.mean([v["ssim"] for v in per_view])),
+            "per_view": per_view,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def write_outputs(self, render_only: bool, data_seconds: float) -> dict:
+        """Final evaluation on every eval view, renders, turntable, curve and metrics.json; returns the metrics."""
+        self.paths.renders.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=4) as writer:
+            result = self.evaluate(list(range(self.eval_scene.num_views)), write_images=True, writer=writer)
+            files_start = time.perf_counter()
+            self.write_turntable()
+            if len(self.history["step"]) >= 1:
+                plot_curve(self.history["step"], self.history["psnr"], self.paths.renders / "training_curve.png",
+                           title="training PSNR (batch)", ylabel="PSNR (dB)", xlabel="step")
+        files_seconds = time.perf_counter() - files_start
+        metrics = self.metrics(result, render_only, data_seconds, files_seconds)
+        _write_json(self.paths.metrics, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def write_turntable(self) -> Path | None:
+        count = self.train_cfg.turntable_frames
+        if count == 0:
+            return None
+        self.model.eval()
+        scene, scale = self.eval_scene, self.model.scale
+        # at most turntable_max_side pixels a side (same field of view), a multiple of the upsample factor
+        shrink = max(1, math.ceil(max(scene.height, scene.width) / self.train_cfg.turntable_max_side))
+        height, width = (max(scale, side // shrink // scale * scale) for side in (scene.height, scene.width))
+        focal = scene.focal * width / scene.width
+        frames = [
+            to_uint8(self.model.render_image(c2w, height, width, focal, chunk=self.train_cfg.render_chunk)["rgb"].cpu().numpy())
+            for c2w in orbit_cameras(scene.c2w, count)
+        ]
+        return write_turntable(frames, self.paths.renders / "turntable.mp4", fps=20.0)
+
+    def metrics(self, result: dict, render_only: bool, data_seconds: float, files_seconds: float) -> dict:
+        seconds = max(self.train_seconds, 1e-9)
+        return {
+            "psnr": result["psnr"],
+            "ssim": result["ssim"],
+            "per_view": result["per_view"],
+            "iters": self.step,
+            "train_seconds": self.train_seconds,
+            "eval_seconds": result["seconds"],
+            "checkpoint_seconds": self.checkpoint_seconds,
+            "output_seconds": files_seconds,
+            "data_seconds": data_seconds,
+            "rays_per_second": self.rays_done / seconds if self.train_seconds > 0 else None,
+            "pixels_per_second": self.pixels_done / seconds if self.train_seconds > 0 else None,
+            "ops": dict(self.ops.backends),
+            "device": describe_device(self.device),
+            "seed": self.seed,
+            "resolution": [self.eval_scene.height, self.eval_scene.width],
+            "data": self.cfg.data.name,
+            "eval_split": self.eval_scene.split,
+            "eval_views": self.eval_scene.num_views,
+            "train_views": self.train_scene.num_views,
+            "grid_shape": list(self.model.grid_shape),
+            "eval_history": self.eval_history,
+            "render_only": render_only,
+            "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+
+# ---------------------------------------------------------------------------------------------- the program
+
+
+def _config_from_checkpoint(cfg: DictConfig, saved: dict) -> DictConfig:
+    """The run's config for resume / render_only: the checkpoint's ``data`` and ``model`` (what the weights were
+    trained with) and everything else from the command line; a ``data.root`` given on the command line wins
+    (the scene may have moved)."""
+    current = OmegaConf.to_container(cfg, resolve=True)
+    merged = dict(current, data=dict(saved["data"]), model=dict(saved["model"]))
+    if current["data"].get("root") and merged["data"].get("name") == current["data"].get("name"):
+        merged["data"]["root"] = current["data"]["root"]
+    for group in ("data", "model"):
+        changed = sorted(k for k in set(current[group]) | set(merged[group])
+                         if current[group].get(k) != merged[group].get(k))
+        if changed:
+            print(f"note: using the checkpoint's {group} config (differs from this command at "
+                  f"{', '.join(f'{group}.{k}' for k in changed)})")
+    return OmegaConf.create(merged)
+
+
+def _load_run_checkpoint(cfg: DictConfig, paths: RunPaths) -> dict | None:
+    if cfg.render_only:
+        key = "render_only"
+    elif cfg.train.resume:
+        key = "train.resume"
+    else:
+        return None
+    if not paths.checkpoint.is_file():
+        raise RunError(f"{key}: no checkpoint at {paths.checkpoint} (pass the hydra.run.dir of a run that saved one)")
+    state = load_checkpoint(paths.checkpoint, map_location="cpu")
+    missing = {"format", "step", "model", "optimizer", "rng", "sampler_generator", "config"} - set(state)
+    if missing:
+        raise CheckpointError(f"{paths.checkpoint}: not a trainer checkpoint (missing {', '.join(sorted(missing))})")
+    return state
+
+
+def _main(cfg: DictConfig, paths: RunPaths) -> int:
+    validate_config(cfg)
+    state = _load_run_checkpoint(cfg, paths)
+    cfg = _config_from_checkpoint(cfg, state["config"]) if state is not None else \
+        OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if state is not None:
+        validate_config(cfg)
+    try:
+        parse_model_config(cfg.model)
+        ops = build_ops(cfg.ops)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    device = resolve_device(cfg.device)
+    seed = seed_everything(state["seed"] if state is not None else cfg.seed)
+
+    data_start = time.perf_counter()
+    try:
+        train_scene, eval_scene = load_scenes(cfg.data, device)
+    except ValueError as error:  # option checks of the loader / generator (SceneError is about the files)
+        raise ConfigError(f"data: {error}") from None
+    data_seconds = time.perf_counter() - data_start
+    print(f"data: {cfg.data.name} {train_scene.width}x{train_scene.height}, {train_scene.num_views} train / "
+          f"{eval_scene.num_views} {eval_scene.split} views ({data_seconds:.1f} s); device {describe_device(device)}; "
+          f"ops {ops.backends}")
+
+    trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed)
+    if state is not None:
+        trainer.restore(state, with_training_state=not cfg.render_only)
+        print(f"loaded {paths.checkpoint} (step {trainer.step})")
+    if not cfg.render_only:
+        code = trainer.fit()
+        if code != EXIT_OK:
+            return code
+    metrics = trainer.write_outputs(bool(cfg.render_only), data_seconds)
+    print(f"eval on {metrics['eval_views']} {metrics['eval_split']} views: PSNR {metrics['psnr']:.2f} dB, "
+          f"SSIM {metrics['ssim']:.4f}; {metrics['iters']} steps in {metrics['train_seconds']:.1f} s of training; "
+          f"wrote {paths.metrics}")
+    return EXIT_OK
+
+
+def run(cfg: DictConfig, run_dir: str | os.PathLike) -> int:
+    """Train and/or evaluate as ``cfg`` says, in ``run_dir``; returns the process exit code.
+
+    0 success; 2 a bad config, scene or checkpoint (one line on stderr); 3 the loss diverged (the last good
+    checkpoint is kept); 128 + signal number when SIGINT / SIGTERM stopped training (after a checkpoint).
+    """
+    try:
+        return _main(cfg, RunPaths(Path(run_dir)))
+    except (ConfigError, SceneError, CheckpointError, RunError) as error:
+        message = " ".join(str(error).split())  # one line, whatever the source
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted (outside training: nothing to save)", file=sys.stderr)
+        return 128 + 2

@@ -1,0 +1,275 @@
+"""End-to-end tests of train.py on a tiny synthetic scene: outputs, interruption and resume, render-only,
+config errors, NaN handling and the profile. Runs use ops=torch so they need no compiled kernels."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from models.training import ConfigError, load_checkpoint, validate_config
+
+REPO = Path(__file__).resolve().parents[1]
+METRIC_KEYS = {"psnr", "ssim", "per_view", "iters", "train_seconds", "eval_seconds", "rays_per_second", "ops",
+               "device", "seed", "resolution", "torch", "date", "render_only"}
+N_TEST = 3
+
+
+@pytest.fixture(scope="module")
+def scene_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("scene_cache")
+
+
+def tiny_overrides(cache: Path, iters: int) -> list[str]:
+    """A 16 px scene and a model small enough that a step takes milliseconds on a CPU."""
+    return [
+        "ops=torch", "device=cpu", f"train.iters={iters}",
+        "data.resolution=16", "data.n_train=6", "data.n_val=2", f"data.n_test={N_TEST}", f"data.cache_dir={cache}",
+        "model.resolution_start=8", "model.resolution_end=12", "model.grow_at=[0.3]", "model.feature_dim=6",
+        "model.decoder_hidden=8", "model.decoder_layers=1", "model.max_samples=64", "model.tv_samples=256",
+        "model.occupancy.warmup=4", "model.occupancy.refresh_every=4",
+        "train.patch_size=4", "train.patches_per_batch=2", "train.log_every=2", "train.turntable_frames=3",
+    ]
+
+
+def run_train(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, scene_cache) -> Path:
+    run_dir = tmp_path_factory.mktemp("finished")
+    result = run_train(tiny_overrides(scene_cache, 12) + [f"hydra.run.dir={run_dir}", "train.checkpoint_every=5"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return run_dir
+
+
+def test_run_writes_metrics_renders_and_checkpoint(finished_run):
+    metrics = read_metrics(finished_run)
+    assert METRIC_KEYS <= set(metrics)
+    assert metrics["iters"] == 12 and metrics["render_only"] is False
+    assert metrics["ops"] == {"trilinear": "torch", "upsample": "torch", "gelu": "torch"}
+    assert metrics["device"] == "cpu" and metrics["resolution"] == [16, 16]
+    assert len(metrics["per_view"]) == N_TEST
+    assert math.isfinite(metrics["psnr"]) and -1.0 <= metrics["ssim"] <= 1.0
+    assert metrics["psnr"] == pytest.approx(sum(v["psnr"] for v in metrics["per_view"]) / N_TEST)
+    assert metrics["train_seconds"] > 0 and metrics["rays_per_second"] > 0
+    renders = finished_run / "renders"
+    for view in range(N_TEST):
+        for kind in ("pred", "compare", "depth"):
+            assert (renders / f"{view:03d}_{kind}.png").stat().st_size > 0
+    assert any(renders.glob("turntable.*")) and (renders / "training_curve.png").is_file()
+    state = load_checkpoint(finished_run / "checkpoints" / "last.pt")
+    assert state["step"] == 12 and state["config"]["train"]["iters"] == 12
+    assert len(state["history"]["step"]) == 6  # log_every=2
+    assert not list((finished_run / "checkpoints").glob(".*.tmp"))
+
+
+def test_render_only_reproduces_the_evaluation(finished_run):
+    before = read_metrics(finished_run)
+    (finished_run / "renders" / "000_pred.png").unlink()
+    # a different data group on the command line: render_only takes the run's own data/model config
+    result = run_train(["render_only=true", "ops=torch", "device=cpu", f"hydra.run.dir={finished_run}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    after = read_metrics(finished_run)
+    assert after["render_only"] is True and after["iters"] == 12
+    assert after["psnr"] == pytest.approx(before["psnr"], abs=1e-9)
+    assert after["train_seconds"] == pytest.approx(before["train_seconds"])
+    assert (finished_run / "renders" / "000_pred.png").is_file()
+
+
+def test_render_only_without_checkpoint_fails_in_one_line(tmp_path):
+    result = run_train(["render_only=true", "ops=torch", f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("error: render_only: no checkpoint")
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, "the run ended before writing a checkpoint"
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT])
+def test_interrupted_run_resumes_to_the_same_result(tmp_path, scene_cache, signum):
+    iters = 150
+    common = tiny_overrides(scene_cache, iters) + ["train.checkpoint_every=10", "train.log_every=10",
+                                                    "train.turntable_frames=0"]
+    straight = tmp_path / "straight"
+    result = run_train(common + [f"hydra.run.dir={straight}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    interrupted = tmp_path / "interrupted"
+    process = subprocess.Popen([sys.executable, "train.py", *common, f"hydra.run.dir={interrupted}"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(interrupted / "checkpoints" / "last.pt", process, timeout=60)
+        process.send_signal(signum)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signum, stdout + stderr
+    assert "interrupted by SIGINT" in stderr and "train.resume=true" in stderr
+    stopped_at = load_checkpoint(interrupted / "checkpoints" / "last.pt")["step"]
+    assert 10 <= stopped_at < iters
+    assert not (interrupted / "metrics.json").exists()
+
+    result = run_train(common + [f"hydra.run.dir={interrupted}", "train.resume=true"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"loaded {interrupted / 'checkpoints' / 'last.pt'} (step {stopped_at})" in result.stdout
+    resumed, reference = read_metrics(interrupted), read_metrics(straight)
+    assert resumed["iters"] == reference["iters"] == iters
+    assert resumed["psnr"] == pytest.approx(reference["psnr"], abs=0.05)
+    assert resumed["ssim"] == pytest.approx(reference["ssim"], abs=1e-3)
+    history = load_checkpoint(interrupted / "checkpoints" / "last.pt")["history"]
+    straight_history = load_checkpoint(straight / "checkpoints" / "last.pt")["history"]
+    assert history["step"] == straight_history["step"]
+    assert history["loss"] == pytest.approx(straight_history["loss"], rel=1e-3)
+
+
+def test_resume_without_checkpoint_fails_in_one_line(tmp_path):
+    result = run_train(["train.resume=true", "ops=torch", f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 2 and result.stderr.startswith("error: train.resume: no checkpoint")
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["ops.trilinear=bogus"], "ops.trilinear"),
+        (["data=blender"], "data.root"),
+        (["data=blender", "data.root=/nonexistent/scene"], "data.root"),
+        (["train.iters=0"], "train.iters"),
+        (["train.lr=-1"], "train.lr"),
+        (["device=tpu"], "device"),
+        (["model.upsample=0"], "model.upsample"),
+    ],
+)
+def test_bad_config_fails_fast_in_one_line(tmp_path, overrides, key):
+    start = time.monotonic()
+    result = run_train(overrides + [f"hydra.run.dir={tmp_path}"], timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key}:"), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert elapsed < 30
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("train.batch_rays=0", "train.batch_rays"), ("train.checkpoint_every=-1", "train.checkpoint_every"),
+     ("train.resume=maybe", "train.resume"), ("data.n_train=0", "data.n_train"), ("seed=-3", "seed")],
+)
+def test_validate_config_names_the_key(override, key):
+    cfg = OmegaConf.merge(
+        OmegaConf.create({"device": "cpu", "train": {"iters": 5, "lr": 0.1}, "data": {"name": "synthetic"}}),
+        OmegaConf.from_dotlist([override]),
+    )
+    with pytest.raises(ConfigError, match=f"^{key}:"):
+        validate_config(cfg)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, scene_cache, monkeypatch, capsys):
+    from hydra import compose, initialize_config_dir
+
+    from models import trainer as trainer_module
+
+    original = trainer_module.VoxelNeRF.regularization
+
+    def poisoned(self):  # NaN from step 8 on, flowing into every grid's gradient
+        value = original(self)
+        return value + self.density.grid.sum() * float("nan") if self.progress >= 7 / 20 else value
+
+    monkeypatch.setattr(trainer_module.VoxelNeRF, "regularization", poisoned)
+    overrides = tiny_overrides(scene_cache, 20) + ["train.checkpoint_every=5", "train.log_every=3"]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    code = trainer_module.run(cfg, tmp_path)
+    assert code == trainer_module.EXIT_DIVERGED
+    assert "training diverged: loss is nan at step 9" in capsys.readouterr().err
+    state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert state["step"] == 5
+    assert all(torch.isfinite(value).all() for value in state["model"].values() if value.is_floating_point())
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_profile_writes_a_breakdown(tmp_path, scene_cache):
+    result = run_train(tiny_overrides(scene_cache, 6) + [f"hydra.run.dir={tmp_path}", "train.profile=true",
+                                                         "train.turntable_frames=0"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert report["steps"] == 6 and report["step_ms"] > 0 and report["rays_per_second"] > 0
+    parts = report["per_step_ms"]
+    assert {"grid_lookup", "rendering", "decoder", "loss_backward", "optimizer"} <= set(parts)
+    assert parts["grid_lookup"] > 0 and parts["decoder"] > 0 and parts["loss_backward"] > 0
+    assert sum(report["share"].values()) == pytest.approx(1.0)
+    assert "profile over 6 steps" in result.stdout
+
+
+def test_custom_ops_train_like_the_torch_references(tmp_path, scene_cache):
+    """Our kernels (the default ops=custom) against the references: same seed and steps, same PSNR."""
+    psnrs = {}
+    for ops in ("custom", "torch"):
+        args = [a for a in tiny_overrides(scene_cache, 30) if a != "ops=torch"] + [f"hydra.run.dir={tmp_path / ops}"]
+        result = run_train(args + ([] if ops == "custom" else ["ops=torch"]) + ["train.turntable_frames=0"])
+        assert result.returncode == 0, result.stdout + result.stderr
+        metrics = read_metrics(tmp_path / ops)
+        assert set(metrics["ops"].values()) == {ops}
+        psnrs[ops] = metrics["psnr"]
+    assert psnrs["custom"] == pytest.approx(psnrs["torch"], abs=0.3)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
+    args = [a for a in tiny_overrides(scene_cache, 20) if a not in ("ops=torch", "device=cpu")]
+    result = run_train(args + ["device=cuda", f"hydra.run.dir={tmp_path}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = read_metrics(tmp_path)
+    assert metrics["device"].startswith("cuda:") and set(metrics["ops"].values()) == {"custom"}
+    assert math.isfinite(metrics["psnr"]) and metrics["iters"] == 20
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], {"trilinear": "custom", "upsample": "custom", "gelu": "custom"}),
+        (["ops=torch"], {"trilinear": "torch", "upsample": "torch", "gelu": "torch"}),
+        (["ops.upsample=torch"], {"trilinear": "custom", "upsample": "torch", "gelu": "custom"}),
+        (["ops=torch", "ops.gelu=custom"], {"trilinear": "torch", "upsample": "torch", "gelu": "custom"}),
+    ],
+)
+def test_op_overrides_choose_each_backend(overrides, expected):
+    from hydra import compose, initialize_config_dir
+
+    from models import build_ops
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    validate_config(cfg)
+    assert build_ops(cfg.ops).backends == expected
+
+
+def test_blender_experiment_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=["+experiment=blender", "data.root=/some/scene"])
+    assert cfg.data.name == "blender" and cfg.data.root == "/some/scene"
+    assert cfg.model.background == list(cfg.data.background)
