@@ -21,11 +21,15 @@ stages=("$@")
 failures=0
 
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/session.log"; }
+# Stages share one deadline (the device tool stops a command at 10 minutes and then returns nothing),
+# so a slow stage is cut short and the results so far still get packed.
+DEADLINE=$((SECONDS + ${SESSION_SECONDS:-540}))
 stage() {  # stage NAME CMD...: run CMD with its output in $OUT/NAME.log
   local name=$1; shift
-  local start=$SECONDS
+  local start=$SECONDS left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 20 ]; then log "skip  $name: session deadline reached"; failures=$((failures + 1)); return; fi
   log "start $name: $*"
-  if "$@" >"$OUT/$name.log" 2>&1; then
+  if timeout "$left" "$@" >"$OUT/$name.log" 2>&1; then
     log "ok    $name ($((SECONDS - start)) s)"
   else
     log "FAIL  $name ($((SECONDS - start)) s, exit $?)"; tail -n 40 "$OUT/$name.log"
@@ -55,13 +59,13 @@ fi
 
 for s in "${stages[@]}"; do
   case $s in
-    tests) CUDA_EXT_SKIP_CPP_RAISES=1 stage tests python3 -m pytest -q -rs --durations=15 ;;
+    tests) stage tests env CUDA_EXT_SKIP_CPP_RAISES=1 python3 -m pytest -q -rs --durations=15 ;;
     bench) stage bench python3 bench/bench_ops.py --device cuda --size full --json "$OUT/bench.json" --markdown "$OUT/bench.md" ;;
     train)
       stage train_custom python3 train.py hydra.run.dir="$OUT/train_custom"
       stage train_torch python3 train.py ops=torch hydra.run.dir="$OUT/train_torch" ;;
-    lego) stage lego timeout "${LEGO_TIMEOUT:-480}" python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
-    lego-torch) stage lego_torch timeout "${LEGO_TIMEOUT:-480}" python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
+    lego) stage lego python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
+    lego-torch) stage lego_torch python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
     profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=300 hydra.run.dir="$OUT/profile" ;;
     *) log "unknown stage $s"; failures=$((failures + 1)) ;;
   esac
