@@ -51,8 +51,12 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- fake kernels
 
 
-def _no_grad_placeholder(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty((0,))
+def _backward_outputs(values: torch.Tensor, points: torch.Tensor, values_requires_grad: bool,
+                      points_requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both backward ops return a gradient shaped like each requested input, and (0,) for the other."""
+    grad_values = values.new_empty(values.shape if values_requires_grad else (0,))
+    grad_points = points.new_empty(points.shape if points_requires_grad else (0,))
+    return grad_values, grad_points
 
 
 @torch.library.register_fake("cuda_ext::trilinear_interpolate")
@@ -65,9 +69,7 @@ def _trilinear_fake(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 @torch.library.register_fake("cuda_ext::trilinear_interpolate_backward")
 def _trilinear_backward_fake(grad_out: torch.Tensor, feats: torch.Tensor, points: torch.Tensor,
                              feats_requires_grad: bool, points_requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_feats = feats.new_empty(feats.shape) if feats_requires_grad else _no_grad_placeholder(feats)
-    grad_points = points.new_empty(points.shape) if points_requires_grad else _no_grad_placeholder(points)
-    return grad_feats, grad_points
+    return _backward_outputs(feats, points, feats_requires_grad, points_requires_grad)
 
 
 @torch.library.register_fake("cuda_ext::grid_interpolate")
@@ -80,9 +82,7 @@ def _grid_fake(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 @torch.library.register_fake("cuda_ext::grid_interpolate_backward")
 def _grid_backward_fake(grad_out: torch.Tensor, grid: torch.Tensor, points: torch.Tensor,
                         grid_requires_grad: bool, points_requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_grid = grid.new_empty(grid.shape) if grid_requires_grad else _no_grad_placeholder(grid)
-    grad_points = points.new_empty(points.shape) if points_requires_grad else _no_grad_placeholder(points)
-    return grad_grid, grad_points
+    return _backward_outputs(grid, points, grid_requires_grad, points_requires_grad)
 
 
 # ----------------------------------------------------------------------------------------------- autograd
