@@ -11,27 +11,13 @@
 
 #include "gelu.h"
 #include "ops.h"
+#include "vector_memory.cuh"
 
 namespace cuda_ext {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kPackBytes = 16;
-
-template <typename scalar_t, int kVec>
-struct alignas(sizeof(scalar_t) * kVec) Pack {
-  scalar_t v[kVec];
-};
-
-template <int kVec, typename scalar_t>
-__device__ __forceinline__ Pack<scalar_t, kVec> load_pack(const scalar_t* p) {
-  return *reinterpret_cast<const Pack<scalar_t, kVec>*>(p);
-}
-
-template <int kVec, typename scalar_t>
-__device__ __forceinline__ void store_pack(scalar_t* p, const Pack<scalar_t, kVec>& pack) {
-  *reinterpret_cast<Pack<scalar_t, kVec>*>(p) = pack;
-}
 
 // y = gelu(x).
 template <typename scalar_t, bool kTanh>
@@ -70,20 +56,20 @@ __global__ void __launch_bounds__(kThreads) elementwise_kernel(int64_t n, Op op)
   constexpr int kInputs = Op::kInputs;
   const int64_t packs = n / kVec;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
-  Pack<scalar_t, kVec> in[kUnroll][kInputs];
+  Vec<scalar_t, kVec> in[kUnroll][kInputs];
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t p = first + u * kThreads;
     if (p < packs) {
 #pragma unroll
-      for (int a = 0; a < kInputs; ++a) in[u][a] = load_pack<kVec>(op.in[a] + p * kVec);
+      for (int a = 0; a < kInputs; ++a) in[u][a] = load_vec<scalar_t, kVec, /*kStreaming=*/true>(op.in[a] + p * kVec);
     }
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t p = first + u * kThreads;
     if (p < packs) {
-      Pack<scalar_t, kVec> result;
+      Vec<scalar_t, kVec> result;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         scalar_t v[kInputs];
@@ -91,7 +77,7 @@ __global__ void __launch_bounds__(kThreads) elementwise_kernel(int64_t n, Op op)
         for (int a = 0; a < kInputs; ++a) v[a] = in[u][a].v[j];
         result.v[j] = op(v);
       }
-      store_pack<kVec>(op.out + p * kVec, result);
+      store_vec(op.out + p * kVec, result);
     }
   }
   const int64_t tail = packs * kVec + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -103,14 +89,12 @@ __global__ void __launch_bounds__(kThreads) elementwise_kernel(int64_t n, Op op)
   }
 }
 
-bool pack_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kPackBytes == 0; }
-
 // Launches op over n elements, with 16-byte packs when every pointer allows them.
 template <typename scalar_t, typename Op>
 void launch_elementwise(int64_t n, const Op& op) {
   if (n == 0) return;
-  bool aligned = pack_aligned(op.out);
-  for (const scalar_t* p : op.in) aligned = aligned && pack_aligned(p);
+  bool aligned = aligned_to(op.out, kPackBytes);
+  for (const scalar_t* p : op.in) aligned = aligned && aligned_to(p, kPackBytes);
   auto launch = [&](auto kernel, int64_t vec) {
     const int64_t per_block = int64_t(kThreads) * kUnroll * vec;
     const int64_t blocks = std::max<int64_t>((n + per_block - 1) / per_block, 1);

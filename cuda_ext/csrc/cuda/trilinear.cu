@@ -10,8 +10,8 @@
 // and written by lane 0: no atomics, no zero-fill.
 //
 // Grid op: a quad of 4 lanes per point, each lane owning 2 of its 8 voxels. A voxel's C channels are
-// contiguous (channels-last), so a lane reads its voxels with 4-channel vector loads. The backward scatters w_k * grad_out into
-// grad_grid with atomics; see grid_backward_kernel for what limits it.
+// contiguous (channels-last), so a lane reads its voxels with 4-channel vector loads. The backward
+// scatters w_k * grad_out into grad_grid with atomics; see grid_backward_kernel for what limits it.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -20,12 +20,12 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 
 #include "ops.h"
 #include "trilinear.h"
+#include "vector_memory.cuh"
 
 namespace cuda_ext {
 namespace {
@@ -35,73 +35,6 @@ using namespace trilinear;
 constexpr int kThreads = 256;
 
 // ------------------------------------------------------------------------------ vector memory access
-
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
-
-template <int Bytes>
-struct RawWord;
-template <>
-struct RawWord<16> {
-  using type = uint4;
-};
-template <>
-struct RawWord<8> {
-  using type = uint2;
-};
-template <>
-struct RawWord<4> {
-  using type = unsigned int;
-};
-template <>
-struct RawWord<2> {
-  using type = unsigned short;
-};
-
-// Loads N elements as whole 16-byte (or smaller) words. kStreaming marks data read exactly once
-// (evict-first), so it does not push reused data out of L2.
-template <typename T, int N, bool kStreaming>
-__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
-  constexpr int kBytes = sizeof(Vec<T, N>);
-  constexpr int kWordBytes = kBytes < 16 ? kBytes : 16;
-  using Word = typename RawWord<kWordBytes>::type;
-  const Word* src = reinterpret_cast<const Word*>(p);
-  Word words[kBytes / kWordBytes];
-#pragma unroll
-  for (int i = 0; i < kBytes / kWordBytes; ++i) words[i] = kStreaming ? __ldcs(src + i) : __ldg(src + i);
-  Vec<T, N> out;
-  memcpy(&out, words, kBytes);
-  return out;
-}
-
-// Streaming store (the outputs are not read again by the kernel).
-template <typename T, int N>
-__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& value) {
-  constexpr int kBytes = sizeof(Vec<T, N>);
-  constexpr int kWordBytes = kBytes < 16 ? kBytes : 16;
-  using Word = typename RawWord<kWordBytes>::type;
-  Word words[kBytes / kWordBytes];
-  memcpy(words, &value, kBytes);
-  Word* dst = reinterpret_cast<Word*>(p);
-#pragma unroll
-  for (int i = 0; i < kBytes / kWordBytes; ++i) __stcs(dst + i, words[i]);
-}
-
-template <typename acc_t, typename T, int N>
-__device__ __forceinline__ void widen(const Vec<T, N>& v, acc_t (&out)[N]) {
-#pragma unroll
-  for (int e = 0; e < N; ++e) out[e] = static_cast<acc_t>(v.v[e]);
-}
-
-template <typename T, typename acc_t, int N>
-__device__ __forceinline__ Vec<T, N> narrow(const acc_t (&in)[N]) {
-  Vec<T, N> v;
-#pragma unroll
-  for (int e = 0; e < N; ++e) v.v[e] = static_cast<T>(in[e]);
-  return v;
-}
 
 // dst[0..N) += value[0..N) atomically. Hopper (sm_90) has a 16-byte float4 atomic: one L2
 // transaction instead of four.
@@ -116,11 +49,6 @@ __device__ __forceinline__ void atomic_add_vec(acc_t* dst, const acc_t (&value)[
 #pragma unroll
     for (int e = 0; e < N; ++e) atomicAdd(dst + e, value[e]);
   }
-}
-
-template <typename T>
-bool aligned_to(const T* p, int64_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(p) % static_cast<std::uintptr_t>(bytes) == 0;
 }
 
 // Calls fn(std::integral_constant<int, VEC>) with VEC = kWide if `wide`, else 1.
@@ -276,16 +204,19 @@ struct GridDims {
 
 GridDims grid_dims(const at::Tensor& grid) { return {grid.size(0), grid.size(1), grid.size(2), grid.size(3)}; }
 
-// A point's 8 voxels are split over a quad of 4 consecutive lanes: lane q owns the pair of
-// voxels (b0, b1) = (q >> 1, q & 1) that are neighbours along axis 2, i.e. adjacent in memory.
-// Four lanes per point quadruple the independent random gathers in flight (the forward is bound
-// by DRAM latency, not bandwidth) at a quarter of the registers per lane; the quad then sums its
-// partial blends with two shuffles.
+// A point's 8 voxels are split over a quad of 4 consecutive lanes: lane q owns the two voxels
+// (b1, b2) = (q >> 1, q & 1) at b0 = 0 ("lo") and b0 = 1 ("hi"), neighbours along axis 0. So in each
+// load instruction lanes 2m and 2m+1 ask for the two voxels that are adjacent in memory (along
+// axis 2), usually in the same 128-byte line: an instruction touches 16 lines for 8 points, not 32.
+// H100, 160^3 x 12, 4M points: random 0.95 -> 0.90 ms, sorted along rays 0.33 -> 0.26 ms, against
+// lanes owning the axis-2 neighbours (bench/README.md, "Grid lookup experiments").
+// Four lanes per point also quadruple the independent gathers in flight at a quarter of the
+// registers per lane; the quad then sums its partial blends with two shuffles.
 constexpr int kQuad = 4;
 
 template <typename acc_t>
 struct VoxelPair {
-  int64_t offset_lo, offset_hi;  // element offsets of channel 0 of the low / high voxel along axis 2
+  int64_t offset_lo, offset_hi;  // element offsets of channel 0 of the lane's voxel at b0 = 0 / b0 = 1
   acc_t weight_lo, weight_hi;
   AxisSample<acc_t> axis[3];
 };
@@ -298,13 +229,14 @@ __device__ __forceinline__ VoxelPair<acc_t> locate_pair(const scalar_t* __restri
   pair.axis[1] = sample_axis(static_cast<acc_t>(point[1]), d.r1);
   pair.axis[2] = sample_axis(static_cast<acc_t>(point[2]), d.r2);
   const AxisSample<acc_t>&a0 = pair.axis[0], &a1 = pair.axis[1], &a2 = pair.axis[2];
-  const bool b0 = q & 2, b1 = q & 1;
-  const int64_t row = ((b0 ? a0.hi : a0.lo) * d.r1 + (b1 ? a1.hi : a1.lo)) * d.r2;
-  pair.offset_lo = (row + a2.lo) * d.channels;
-  pair.offset_hi = (row + a2.hi) * d.channels;
-  const acc_t w01 = (b0 ? a0.t : acc_t(1) - a0.t) * (b1 ? a1.t : acc_t(1) - a1.t);
-  pair.weight_lo = w01 * (acc_t(1) - a2.t);
-  pair.weight_hi = w01 * a2.t;
+  const bool b1 = q & 2, b2 = q & 1;
+  const int64_t inner = (b1 ? a1.hi : a1.lo) * d.r2 + (b2 ? a2.hi : a2.lo);  // offset inside an axis-0 slice
+  const int64_t slice = d.r1 * d.r2;
+  pair.offset_lo = (a0.lo * slice + inner) * d.channels;
+  pair.offset_hi = (a0.hi * slice + inner) * d.channels;
+  const acc_t w12 = (b1 ? a1.t : acc_t(1) - a1.t) * (b2 ? a2.t : acc_t(1) - a2.t);
+  pair.weight_lo = w12 * (acc_t(1) - a0.t);
+  pair.weight_hi = w12 * a0.t;
   return pair;
 }
 
@@ -334,7 +266,8 @@ __device__ __forceinline__ void blend_and_store(const Vec<scalar_t, VEC>& lo, co
 
 template <typename scalar_t, int VEC, int kChannelVecs>
 // At most 42 registers (6 resident blocks of 256 per SM): more lanes, hence more gathers, in flight;
-// measured 0.80 -> 0.69 ms on the 160^3 x 12, 4M random points case (H200).
+// measured 0.80 -> 0.69 ms on the 160^3 x 12, 4M random points case (H200). On the H100, 8 blocks
+// (32 registers) is slower (0.97 vs 0.91 ms) and 4 the same.
 __global__ void __launch_bounds__(kThreads, 6)
     grid_forward_kernel(const scalar_t* __restrict__ grid, const scalar_t* __restrict__ points,
                         scalar_t* __restrict__ out, int64_t n_points, GridDims d) {
@@ -349,10 +282,9 @@ __global__ void __launch_bounds__(kThreads, 6)
     // Every gather first, then the blends: all 2 * kChannelVecs misses of the lane are in flight together.
     Vec<scalar_t, VEC> lo[kChannelVecs], hi[kChannelVecs];
 #pragma unroll
-    for (int v = 0; v < kChannelVecs; ++v) {
-      lo[v] = load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + v * VEC);
-      hi[v] = load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + v * VEC);
-    }
+    for (int v = 0; v < kChannelVecs; ++v) lo[v] = load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + v * VEC);
+#pragma unroll
+    for (int v = 0; v < kChannelVecs; ++v) hi[v] = load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + v * VEC);
 #pragma unroll
     for (int v = 0; v < kChannelVecs; ++v) blend_and_store(lo[v], hi[v], pair, mask, v, q, out + n * kChannelVecs * VEC);
   } else {
@@ -415,9 +347,9 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (kPointsGrad) {
-    acc_t dots[8];  // corner k = 4*b0 + 2*b1 + b2 lives in lane k/2 of the quad, as its lo (b2=0) or hi
+    acc_t dots[8];  // corner k = 4*b0 + 2*b1 + b2 lives in lane k%4 of the quad, as its lo (b0=0) or hi
 #pragma unroll
-    for (int k = 0; k < 8; ++k) dots[k] = __shfl_sync(mask, (k & 1) ? dot_hi : dot_lo, k >> 1, kQuad);
+    for (int k = 0; k < 8; ++k) dots[k] = __shfl_sync(mask, (k & 4) ? dot_hi : dot_lo, k & 3, kQuad);
     if (q == 0) {
       const AxisSample<acc_t>*a = pair.axis;
       acc_t grad[3];

@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Experiment: variants of the fused grid lookup's forward on random points (fp32, C=12).
+
+Not part of the product: a JIT-built module with the same math as cuda_ext's grid_forward_kernel,
+templated over what we want to measure (lanes per point, points per lane, load cache hint, launch
+bound), timed against F.grid_sample and cuda_ext.grid_interpolate in one run. Also times sorting the
+points by cell first. Usage: python3 bench/experiments/grid_forward_variants.py [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.cpp_extension import load_inline
+
+CUDA_SRC = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace {
+constexpr int kThreads = 256;
+constexpr int kC = 12, kCV = 3;  // channels, float4 per voxel
+
+template <int kLoad>
+__device__ __forceinline__ float4 ld(const float4* p) {
+  if constexpr (kLoad == 0) return __ldg(p);
+  else if constexpr (kLoad == 1) return __ldcg(p);
+  else if constexpr (kLoad == 2) return *p;
+  else return __ldcs(p);
+}
+
+struct Axis { int64_t lo, hi; float t; };
+__device__ __forceinline__ Axis axis(float x, int64_t size) {
+  const float last = float(size - 1);
+  const float p = (x + 1.f) / 2.f * last;
+  float c = p > 0.f ? p : 0.f;
+  c = c < last ? c : last;
+  int64_t lo = (int64_t)c;
+  const int64_t lo_max = size >= 2 ? size - 2 : 0;
+  lo = lo < lo_max ? lo : lo_max;
+  Axis a; a.lo = lo; a.hi = lo + 1 < size ? lo + 1 : size - 1; a.t = c - float(lo);
+  return a;
+}
+
+// kLanes lanes per point (4 or 8), each owning 8/kLanes voxels. kStage: the warp's output rows
+// go through shared memory so each store instruction writes whole contiguous rows (one write per
+// 32-byte sector instead of two). kPointsStreaming: points are read with evict-first loads.
+template <int kLanes, int kMinBlocks, bool kStage, bool kPointsStreaming, bool kAxis0Pairs>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+fw(const float* __restrict__ grid, const float* __restrict__ points, float* __restrict__ out, int64_t n, int64_t R0, int64_t R1, int64_t R2) {
+  constexpr int kVox = 8 / kLanes;
+  constexpr int kPointsPerWarp = 32 / kLanes;
+  __shared__ float4 stage[kStage ? kThreads / 32 : 1][kPointsPerWarp * kCV];
+  const int64_t thread = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int lane = thread % kLanes;
+  const int64_t i = thread / kLanes;
+  const bool live = i < n;
+  const int64_t ii = live ? i : 0;
+  float x[3];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) x[a] = kPointsStreaming ? __ldcs(points + 3 * ii + a) : __ldg(points + 3 * ii + a);
+  const Axis a0 = axis(x[0], R0), a1 = axis(x[1], R1), a2 = axis(x[2], R2);
+  float4 v[kVox][kCV];
+  float w[kVox];
+#pragma unroll
+  for (int j = 0; j < kVox; ++j) {
+    // kAxis0Pairs: the lane's voxels are neighbours along axis 0 and lanes 2m, 2m+1 hold the two
+    // voxels adjacent in memory; else the lane's own voxels are the adjacent ones.
+    const int k = kAxis0Pairs ? j * kLanes + lane : lane * kVox + j;
+    const bool b0 = k & 4, b1 = k & 2, b2 = k & 1;
+    const int64_t off = (((b0 ? a0.hi : a0.lo) * R1 + (b1 ? a1.hi : a1.lo)) * R2 + (b2 ? a2.hi : a2.lo)) * kC;
+    w[j] = (b0 ? a0.t : 1.f - a0.t) * (b1 ? a1.t : 1.f - a1.t) * (b2 ? a2.t : 1.f - a2.t);
+    const float4* src = reinterpret_cast<const float4*>(grid + off);
+#pragma unroll
+    for (int c = 0; c < kCV; ++c) v[j][c] = __ldg(src + c);
+  }
+  float acc[kC];
+#pragma unroll
+  for (int e = 0; e < kC; ++e) acc[e] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kVox; ++j)
+#pragma unroll
+    for (int c = 0; c < kCV; ++c) {
+      acc[4 * c] += w[j] * v[j][c].x; acc[4 * c + 1] += w[j] * v[j][c].y;
+      acc[4 * c + 2] += w[j] * v[j][c].z; acc[4 * c + 3] += w[j] * v[j][c].w;
+    }
+#pragma unroll
+  for (int e = 0; e < kC; ++e)
+#pragma unroll
+    for (int o = 1; o < kLanes; o *= 2) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o, kLanes);
+  if constexpr (kStage) {
+    const int warp = threadIdx.x / 32, wl = threadIdx.x % 32;
+    const int p = wl / kLanes;
+#pragma unroll
+    for (int c = 0; c < kCV; ++c)
+      if (c % kLanes == lane) stage[warp][p * kCV + c] = make_float4(acc[4*c], acc[4*c+1], acc[4*c+2], acc[4*c+3]);
+    __syncwarp();
+    const int64_t warp_first = (thread - wl) / kLanes;  // first point of this warp
+    for (int chunk = wl; chunk < kPointsPerWarp * kCV; chunk += 32) {
+      if (warp_first + chunk / kCV < n) __stcs(reinterpret_cast<float4*>(out + warp_first * kC) + chunk, stage[warp][chunk]);
+    }
+  } else if (live) {
+#pragma unroll
+    for (int c = 0; c < kCV; ++c)
+      if (c % kLanes == lane)
+        __stcs(reinterpret_cast<float4*>(out + i * kC) + c, make_float4(acc[4*c], acc[4*c+1], acc[4*c+2], acc[4*c+3]));
+  }
+}
+
+template <int kLanes, int kMinBlocks, bool kStage, bool kPointsStreaming, bool kAxis0Pairs>
+void launch(const torch::Tensor& grid, const torch::Tensor& points, torch::Tensor& out) {
+  const int64_t n = points.size(0);
+  const int blocks = (n * kLanes + kThreads - 1) / kThreads;
+  fw<kLanes, kMinBlocks, kStage, kPointsStreaming, kAxis0Pairs><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      grid.data_ptr<float>(), points.data_ptr<float>(), out.data_ptr<float>(), n, grid.size(0), grid.size(1), grid.size(2));
+}
+}  // namespace
+
+#define VARIANTS(X) \
+  X(4, 6, 0, 0, 0) X(4, 6, 0, 0, 1) X(4, 4, 0, 0, 1) X(4, 8, 0, 0, 1) X(4, 6, 1, 0, 1) X(8, 6, 0, 0, 0)
+
+std::vector<std::string> variant_names() {
+  std::vector<std::string> names;
+#define NAME(a, b, c, d, e) names.push_back("lanes" #a "_minb" #b "_stage" #c "_ptsldcs" #d "_axis0pairs" #e);
+  VARIANTS(NAME)
+  return names;
+}
+
+torch::Tensor run_variant(int64_t index, torch::Tensor grid, torch::Tensor points) {
+  auto out = torch::empty({points.size(0), kC}, grid.options());
+  int64_t i = 0;
+#define RUN(a, b, c, d, e) if (i++ == index) launch<a, b, c, d, e>(grid, points, out);
+  VARIANTS(RUN)
+  return out;
+}
+
+void set_l2_fetch(int64_t bytes) { cudaDeviceSetLimit(cudaLimitMaxL2FetchGranularity, (size_t)bytes); }
+int64_t get_l2_fetch() { size_t v = 0; cudaDeviceGetLimit(&v, cudaLimitMaxL2FetchGranularity); return (int64_t)v; }
+"""
+
+CPP_SRC = """
+std::vector<std::string> variant_names();
+torch::Tensor run_variant(int64_t index, torch::Tensor grid, torch::Tensor points);
+void set_l2_fetch(int64_t bytes);
+int64_t get_l2_fetch();
+"""
+
+
+def time_ms(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    mod = load_inline("grid_fw_variants", CPP_SRC, cuda_sources=CUDA_SRC,
+                      functions=["variant_names", "run_variant", "set_l2_fetch", "get_l2_fetch"],
+                      extra_cuda_cflags=["-O3", "-Xptxas=-v"], verbose=False)
+    import cuda_ext
+
+    torch.manual_seed(0)
+    r, c, n = 160, 12, 4096 * 1024
+    grid = torch.rand(r, r, r, c, device="cuda")
+    pts = torch.rand(n, 3, device="cuda") * 2 - 1
+    ref = cuda_ext.grid_interpolate(grid, pts)
+    grid_cf = grid.permute(3, 0, 1, 2)[None].contiguous()  # (1, C, R0, R1, R2), as bench_ops.py gives it
+    # grid_sample's (x, y, z) index (W, H, D): point axis 2 is x
+    pts_gs = pts.flip(-1).reshape(1, n, 1, 1, 3)
+    results: dict[str, float] = {}
+    results["grid_sample"] = time_ms(lambda: F.grid_sample(grid_cf, pts_gs, align_corners=True, padding_mode="border"))
+    results["cuda_ext"] = time_ms(lambda: cuda_ext.grid_interpolate(grid, pts))
+    print(f"l2 fetch granularity (default): {mod.get_l2_fetch()}")
+    for i, name in enumerate(mod.variant_names()):
+        out = mod.run_variant(i, grid, pts)
+        err = (out - ref).abs().max().item()
+        results[name] = time_ms(lambda: mod.run_variant(i, grid, pts))
+        print(f"{name:32s} {results[name]:.3f} ms  max err {err:.1e}", flush=True)
+    # points sorted along rays (the model's case): the bench's generator
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from bench_ops import ray_points
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rays = ray_points(4096, 1024, gen)
+    ref_rays = cuda_ext.grid_interpolate(grid, rays)
+    results["rays_cuda_ext"] = time_ms(lambda: cuda_ext.grid_interpolate(grid, rays))
+    for i, name in enumerate(mod.variant_names()):
+        if True:
+            err = (mod.run_variant(i, grid, rays) - ref_rays).abs().max().item()
+            results[f"rays_{name}"] = time_ms(lambda: mod.run_variant(i, grid, rays))
+            print(f"rays {name:32s} {results[f'rays_{name}']:.3f} ms  max err {err:.1e}", flush=True)
+    # a grid with one voxel along axis 2 (the region is a single voxel) and an odd size
+    small = torch.rand(7, 5, 1, c, device="cuda")
+    p_small = torch.rand(10000, 3, device="cuda") * 2.2 - 1.1
+    for i, name in enumerate(mod.variant_names()):
+        err = (mod.run_variant(i, small, p_small) - cuda_ext.grid_interpolate(small, p_small)).abs().max().item()
+        print(f"R2=1 grid {name}: max err {err:.1e}")
+    for k, v in results.items():
+        print(f"{k:32s} {v:.3f} ms  ({results['grid_sample'] / v:.2f}x grid_sample)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ms": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
