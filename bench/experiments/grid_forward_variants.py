@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""Experiment: variants of the fused grid lookup's forward on random points (fp32, C=12).
+"""Experiment: variants of the fused grid lookup's forward (fp32, C=12), random and ray-sorted points.
 
 Not part of the product: a JIT-built module with the same math as cuda_ext's grid_forward_kernel,
-templated over what we want to measure (lanes per point, points per lane, load cache hint, launch
-bound), timed against F.grid_sample and cuda_ext.grid_interpolate in one run. Also times sorting the
-points by cell first. Usage: python3 bench/experiments/grid_forward_variants.py [--json PATH]
+templated over what we want to measure (lanes per point, which voxels a lane owns, launch bound,
+staged stores, cache hints), timed against F.grid_sample and cuda_ext.grid_interpolate in one run on
+the op benchmark's 160^3 x 12 grid. Needs a GPU and the built extension. Findings: bench/README.md.
+Usage: python3 bench/experiments/grid_forward_variants.py [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -192,18 +194,17 @@ def main() -> int:
         results[name] = time_ms(lambda: mod.run_variant(i, grid, pts))
         print(f"{name:32s} {results[name]:.3f} ms  max err {err:.1e}", flush=True)
     # points sorted along rays (the model's case): the bench's generator
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench_ops import ray_points
     gen = torch.Generator(device="cuda").manual_seed(1)
     rays = ray_points(4096, 1024, gen)
     ref_rays = cuda_ext.grid_interpolate(grid, rays)
     results["rays_cuda_ext"] = time_ms(lambda: cuda_ext.grid_interpolate(grid, rays))
     for i, name in enumerate(mod.variant_names()):
-        if True:
-            err = (mod.run_variant(i, grid, rays) - ref_rays).abs().max().item()
-            results[f"rays_{name}"] = time_ms(lambda: mod.run_variant(i, grid, rays))
-            print(f"rays {name:32s} {results[f'rays_{name}']:.3f} ms  max err {err:.1e}", flush=True)
-    # a grid with one voxel along axis 2 (the region is a single voxel) and an odd size
+        err = (mod.run_variant(i, grid, rays) - ref_rays).abs().max().item()
+        results[f"rays_{name}"] = time_ms(lambda: mod.run_variant(i, grid, rays))
+        print(f"rays {name:32s} {results[f'rays_{name}']:.3f} ms  max err {err:.1e}", flush=True)
+    # a small odd-sized grid with one voxel along axis 2 (hi == lo there) and points outside [-1, 1]
     small = torch.rand(7, 5, 1, c, device="cuda")
     p_small = torch.rand(10000, 3, device="cuda") * 2.2 - 1.1
     for i, name in enumerate(mod.variant_names()):
