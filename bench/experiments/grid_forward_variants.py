@@ -21,17 +21,34 @@ from torch.utils.cpp_extension import load_inline
 CUDA_SRC = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
+#include <type_traits>
 
 namespace {
 constexpr int kThreads = 256;
 constexpr int kC = 12, kCV = 3;  // channels, float4 per voxel
 
+// Gather loads of grid vectors. 0: __ldg (what cuda_ext uses); 1: L1::no_allocate (random gathers
+// gain nothing from L1); 2: also L2::evict_last, so streamed points and outputs leave before grid
+// lines; 3: __ldcg (L2 only).
 template <int kLoad>
 __device__ __forceinline__ float4 ld(const float4* p) {
-  if constexpr (kLoad == 0) return __ldg(p);
-  else if constexpr (kLoad == 1) return __ldcg(p);
-  else if constexpr (kLoad == 2) return *p;
-  else return __ldcs(p);
+  if constexpr (kLoad == 0) {
+    return __ldg(p);
+  } else if constexpr (kLoad == 1) {
+    float4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+  } else if constexpr (kLoad == 2) {
+    float4 v;
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p), "l"(policy));
+    return v;
+  } else {
+    return __ldcg(p);
+  }
 }
 
 struct Axis { int64_t lo, hi; float t; };
@@ -50,7 +67,7 @@ __device__ __forceinline__ Axis axis(float x, int64_t size) {
 // kLanes lanes per point (4 or 8), each owning 8/kLanes voxels. kStage: the warp's output rows
 // go through shared memory so each store instruction writes whole contiguous rows (one write per
 // 32-byte sector instead of two). kPointsStreaming: points are read with evict-first loads.
-template <int kLanes, int kMinBlocks, bool kStage, bool kPointsStreaming, bool kAxis0Pairs>
+template <int kLanes, int kMinBlocks, bool kStage, bool kPointsStreaming, bool kAxis0Pairs, int kLoad, bool kIdx32>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
 fw(const float* __restrict__ grid, const float* __restrict__ points, float* __restrict__ out, int64_t n, int64_t R0, int64_t R1, int64_t R2) {
   constexpr int kVox = 8 / kLanes;
@@ -73,11 +90,14 @@ fw(const float* __restrict__ grid, const float* __restrict__ points, float* __re
     // voxels adjacent in memory; else the lane's own voxels are the adjacent ones.
     const int k = kAxis0Pairs ? j * kLanes + lane : lane * kVox + j;
     const bool b0 = k & 4, b1 = k & 2, b2 = k & 1;
-    const int64_t off = (((b0 ? a0.hi : a0.lo) * R1 + (b1 ? a1.hi : a1.lo)) * R2 + (b2 ? a2.hi : a2.lo)) * kC;
+    // kIdx32: 32-bit offset math (the caller checks the grid has fewer than 2^31 elements).
+    using index_t = std::conditional_t<kIdx32, int32_t, int64_t>;
+    const index_t off = ((index_t(b0 ? a0.hi : a0.lo) * index_t(R1) + index_t(b1 ? a1.hi : a1.lo)) * index_t(R2) +
+                         index_t(b2 ? a2.hi : a2.lo)) * kC;
     w[j] = (b0 ? a0.t : 1.f - a0.t) * (b1 ? a1.t : 1.f - a1.t) * (b2 ? a2.t : 1.f - a2.t);
     const float4* src = reinterpret_cast<const float4*>(grid + off);
 #pragma unroll
-    for (int c = 0; c < kCV; ++c) v[j][c] = __ldg(src + c);
+    for (int c = 0; c < kCV; ++c) v[j][c] = ld<kLoad>(src + c);
   }
   float acc[kC];
 #pragma unroll
@@ -112,21 +132,23 @@ fw(const float* __restrict__ grid, const float* __restrict__ points, float* __re
   }
 }
 
-template <int kLanes, int kMinBlocks, bool kStage, bool kPointsStreaming, bool kAxis0Pairs>
+template <int kLanes, int kMinBlocks, bool kStage, bool kPointsStreaming, bool kAxis0Pairs, int kLoad, bool kIdx32>
 void launch(const torch::Tensor& grid, const torch::Tensor& points, torch::Tensor& out) {
   const int64_t n = points.size(0);
   const int blocks = (n * kLanes + kThreads - 1) / kThreads;
-  fw<kLanes, kMinBlocks, kStage, kPointsStreaming, kAxis0Pairs><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  fw<kLanes, kMinBlocks, kStage, kPointsStreaming, kAxis0Pairs, kLoad, kIdx32><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       grid.data_ptr<float>(), points.data_ptr<float>(), out.data_ptr<float>(), n, grid.size(0), grid.size(1), grid.size(2));
 }
 }  // namespace
 
 #define VARIANTS(X) \
-  X(4, 6, 0, 0, 0) X(4, 6, 0, 0, 1) X(4, 4, 0, 0, 1) X(4, 8, 0, 0, 1) X(4, 6, 1, 0, 1) X(8, 6, 0, 0, 0)
+  X(4, 6, 0, 0, 0, 0, 0) X(4, 6, 0, 0, 1, 0, 0) X(4, 6, 0, 0, 1, 1, 0) X(4, 6, 0, 0, 1, 2, 0) \
+  X(4, 6, 0, 0, 1, 3, 0) X(4, 6, 0, 0, 1, 0, 1) X(4, 6, 0, 0, 1, 2, 1) X(8, 6, 0, 0, 0, 0, 0)
 
 std::vector<std::string> variant_names() {
   std::vector<std::string> names;
-#define NAME(a, b, c, d, e) names.push_back("lanes" #a "_minb" #b "_stage" #c "_ptsldcs" #d "_axis0pairs" #e);
+#define NAME(a, b, c, d, e, f, g) \
+  names.push_back("lanes" #a "_minb" #b "_stage" #c "_ptsldcs" #d "_axis0pairs" #e "_load" #f "_idx32" #g);
   VARIANTS(NAME)
   return names;
 }
@@ -134,7 +156,7 @@ std::vector<std::string> variant_names() {
 torch::Tensor run_variant(int64_t index, torch::Tensor grid, torch::Tensor points) {
   auto out = torch::empty({points.size(0), kC}, grid.options());
   int64_t i = 0;
-#define RUN(a, b, c, d, e) if (i++ == index) launch<a, b, c, d, e>(grid, points, out);
+#define RUN(a, b, c, d, e, f, g) if (i++ == index) launch<a, b, c, d, e, f, g>(grid, points, out);
   VARIANTS(RUN)
   return out;
 }
