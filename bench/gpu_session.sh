@@ -2,13 +2,15 @@
 # One GPU session in one command: install the pure-Python wheels, build the extension for Hopper,
 # then run the requested stages, logging each under $OUT (default: ./gpu_out).
 #
-#   bench/gpu_session.sh [tests] [bench] [train] [lego] [lego-torch]
+#   bench/gpu_session.sh [tests] [bench] [train] [lego] [lego-torch] [profile] [grid-variants]
 #
 # tests:      the whole pytest suite (CUDA tests included)
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md
 # train:      the default `python train.py` (built-in scene), custom ops then ops=torch, timed
 # lego:       the shipped blender experiment on $LEGO (default ../shared/data/lego_400 or ./lego_400)
 # lego-torch: the same with ops=torch
+# profile:    300 lego steps with train.profile=true (where a step's time goes)
+# grid-variants: bench/experiments/grid_forward_variants.py -> $OUT/grid_variants.json
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
 # Everything is written under a work folder and packed into $OUT/session.tgz at the end (the device tool
 # returns at most 8 files), with session.log and bench.json beside it.
@@ -66,6 +68,7 @@ for s in "${stages[@]}"; do
       stage train_torch python3 train.py ops=torch hydra.run.dir="$OUT/train_torch" ;;
     lego) stage lego python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
     lego-torch) stage lego_torch python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
+    grid-variants) stage grid_variants python3 bench/experiments/grid_forward_variants.py --json "$OUT/grid_variants.json" ;;
     profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=300 hydra.run.dir="$OUT/profile" ;;
     *) log "unknown stage $s"; failures=$((failures + 1)) ;;
   esac
