@@ -34,7 +34,7 @@ using namespace trilinear;
 
 constexpr int kThreads = 256;
 
-// ------------------------------------------------------------------------------ vector memory access
+// ------------------------------------------------------------------------------ atomics and launch helpers
 
 // dst[0..N) += value[0..N) atomically. Hopper (sm_90) has a 16-byte float4 atomic: one L2
 // transaction instead of four.
