@@ -236,7 +236,8 @@ def test_bad_grad_out_raises(grad_out, message):
 
 # ----------------------------------------------------------------------------------------------- CUDA
 
-CUDA_GRIDS = GRIDS + [(16, 12, 10, 12), (5, 7, 9, 7)]
+# 24 and 32 channels: more 4-channel vectors than a forward lane group has lanes (the channel loop)
+CUDA_GRIDS = GRIDS + [(16, 12, 10, 12), (5, 7, 9, 7), (3, 5, 4, 24), (4, 3, 5, 32)]
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:
@@ -252,7 +253,7 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-11), (torch.float32, 1e-4)])
 def test_cuda_matches_reference(gen, poison_cuda_cache, sizes, dtype, tol):
     grid = torch.randn(*sizes, generator=gen, dtype=torch.float64).to("cuda", dtype)
-    n = 2000
+    n = 2003  # not a multiple of any lane group's points per warp (32, 16, 10, 8): a partial last warp
     for points in [random_points(n, gen, device="cuda", dtype=dtype),
                    smooth_points(n, sizes[:3], gen).to("cuda", dtype)]:
         grad_out = torch.randn(n, sizes[3], generator=gen, dtype=torch.float64).to("cuda", dtype)

@@ -9,9 +9,10 @@
 // point gradient needs a reduction over F, done with shuffles inside the group in the same pass
 // and written by lane 0: no atomics, no zero-fill.
 //
-// Grid op: a quad of 4 lanes per point, each lane owning 2 of its 8 voxels. A voxel's C channels are
-// contiguous (channels-last), so a lane reads its voxels with 4-channel vector loads. The backward
-// scatters w_k * grad_out into grad_grid with atomics; see grid_backward_kernel for what limits it.
+// Grid op: a voxel's C channels are contiguous (channels-last), read with 4-channel vector loads.
+// The forward gives each point a group of lanes that split its channels (no reduction across lanes);
+// the backward gives each point a quad of lanes that split its 8 voxels and scatters w_k * grad_out
+// into grad_grid with atomics; see grid_backward_kernel for what limits it.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -178,8 +179,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // Grid kernels move 4 channels at a time (C % 4 == 0); 16 bytes for float32.
 constexpr int kGridVec = 4;
-// Up to this many 4-channel vectors (C <= 16) the channel count is a template argument: the loop
-// over channels unrolls and all 8 * C / 4 gathers of a point are in flight together.
+// Backward: up to this many 4-channel vectors (C <= 16) the channel count is a template argument, so
+// the loop over channels unrolls and a lane's atomics and gathers are all in flight together.
 constexpr int kMaxUnrolledChannelVecs = 4;
 
 // Calls fn(integral_constant<int, V>) with V = channels / VEC when VEC == kGridVec and that is a
@@ -204,14 +205,12 @@ struct GridDims {
 
 GridDims grid_dims(const at::Tensor& grid) { return {grid.size(0), grid.size(1), grid.size(2), grid.size(3)}; }
 
-// A point's 8 voxels are split over a quad of 4 consecutive lanes: lane q owns the two voxels
-// (b1, b2) = (q >> 1, q & 1) at b0 = 0 ("lo") and b0 = 1 ("hi"), neighbours along axis 0. So in each
-// load instruction lanes 2m and 2m+1 ask for the two voxels that are adjacent in memory (along
-// axis 2), usually in the same 128-byte line: an instruction touches 16 lines for 8 points, not 32.
-// H100, 160^3 x 12, 4M points: random 0.95 -> 0.90 ms, sorted along rays 0.33 -> 0.26 ms, against
-// lanes owning the axis-2 neighbours (bench/README.md, "Grid lookup experiments").
-// Four lanes per point also quadruple the independent gathers in flight at a quarter of the
-// registers per lane; the quad then sums its partial blends with two shuffles.
+// Backward: a point's 8 voxels are split over a quad of 4 consecutive lanes: lane q owns the two
+// voxels (b1, b2) = (q >> 1, q & 1) at b0 = 0 ("lo") and b0 = 1 ("hi"), neighbours along axis 0. So
+// in each atomic or load instruction lanes 2m and 2m+1 touch the two voxels that are adjacent in
+// memory (along axis 2), usually in the same 128-byte line. Four lanes per point also quadruple the
+// independent atomics in flight; the point gradient gathers the 8 corner dot products with shuffles.
+// (This layout was the forward's too until the channel split below beat it: bench/README.md.)
 constexpr int kQuad = 4;
 
 template <typename acc_t>
@@ -240,60 +239,91 @@ __device__ __forceinline__ VoxelPair<acc_t> locate_pair(const scalar_t* __restri
   return pair;
 }
 
-template <int N, typename acc_t>
-__device__ __forceinline__ void quad_sum(acc_t (&v)[N], unsigned mask) {
-#pragma unroll
-  for (int e = 0; e < N; ++e) {
-    v[e] += __shfl_xor_sync(mask, v[e], 1, kQuad);
-    v[e] += __shfl_xor_sync(mask, v[e], 2, kQuad);
+// Forward: a group of G = min(C / VEC, 4) lanes per point, lane g blending channel vectors g, g + G, ...
+// of all 8 voxels. No lane-to-lane reduction is needed, each load instruction of a group reads one
+// voxel's contiguous channels, and the warp's output rows go out in one store instruction. H100,
+// 160^3 x 12 (G = 3, 10 points per warp), 4M points: random 0.913 -> 0.894 ms, sorted along rays
+// 0.265 -> 0.218 ms against the quad layout the backward keeps (bench/README.md).
+template <typename acc_t>
+struct CornerFrame {  // the 8 voxels as corner 0's offset, one step and one fraction per axis: few registers
+  int64_t base, step[3];
+  acc_t t[3];
+  __device__ __forceinline__ int64_t step_to(int k) const {  // corner k's offset - corner 0's
+    return ((k & 4) ? step[0] : 0) + ((k & 2) ? step[1] : 0) + ((k & 1) ? step[2] : 0);
   }
+  __device__ __forceinline__ acc_t weight(int k) const {  // corner_weights(t, .)[k], recomputed: cheaper than 8 registers
+    return ((k & 4) ? t[0] : acc_t(1) - t[0]) * ((k & 2) ? t[1] : acc_t(1) - t[1]) * ((k & 1) ? t[2] : acc_t(1) - t[2]);
+  }
+};
+
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ CornerFrame<acc_t> locate_corners(const scalar_t* __restrict__ point, const GridDims& d) {
+  const AxisSample<acc_t> a0 = sample_axis(static_cast<acc_t>(point[0]), d.r0),
+                          a1 = sample_axis(static_cast<acc_t>(point[1]), d.r1),
+                          a2 = sample_axis(static_cast<acc_t>(point[2]), d.r2);
+  const int64_t row = d.r2 * d.channels, slice = d.r1 * row;
+  CornerFrame<acc_t> c;
+  c.base = a0.lo * slice + a1.lo * row + a2.lo * d.channels;
+  c.step[0] = (a0.hi - a0.lo) * slice;
+  c.step[1] = (a1.hi - a1.lo) * row;
+  c.step[2] = (a2.hi - a2.lo) * d.channels;
+  c.t[0] = a0.t;
+  c.t[1] = a1.t;
+  c.t[2] = a2.t;
+  return c;
 }
 
-// Blends one channel vector of the lane's voxel pair, sums it over the quad, and lets lane
-// (vector index mod 4) write it, so the quad's stores are spread over its lanes.
+// Blends channel vector v (channels v * VEC ...) of the 8 corners into out_row.
 template <typename scalar_t, typename acc_t, int VEC>
-__device__ __forceinline__ void blend_and_store(const Vec<scalar_t, VEC>& lo, const Vec<scalar_t, VEC>& hi,
-                                                const VoxelPair<acc_t>& pair, unsigned mask, int64_t vec_index,
-                                                int q, scalar_t* __restrict__ out) {
-  acc_t vlo[VEC], vhi[VEC], acc[VEC];
-  widen(lo, vlo);
-  widen(hi, vhi);
+__device__ __forceinline__ void blend_corners(const scalar_t* __restrict__ grid, const CornerFrame<acc_t>& c,
+                                              int64_t v, scalar_t* __restrict__ out_row) {
+  const scalar_t* corner0 = grid + c.base + v * VEC;
+  Vec<scalar_t, VEC> corner[8];  // all 8 gathers in flight before the blend
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) acc[e] = pair.weight_lo * vlo[e] + pair.weight_hi * vhi[e];
-  quad_sum(acc, mask);
-  if ((vec_index & (kQuad - 1)) == q) store_vec(out + vec_index * VEC, narrow<scalar_t>(acc));
+  for (int k = 0; k < 8; ++k) corner[k] = load_vec<scalar_t, VEC, false>(corner0 + c.step_to(k));
+  acc_t acc[VEC] = {};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    acc_t value[VEC];
+    widen(corner[k], value);
+    const acc_t w = c.weight(k);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] += w * value[e];
+  }
+  store_vec(out_row + v * VEC, narrow<scalar_t>(acc));
 }
 
-template <typename scalar_t, int VEC, int kChannelVecs>
-// At most 42 registers (6 resident blocks of 256 per SM): more lanes, hence more gathers, in flight;
-// measured 0.80 -> 0.69 ms on the 160^3 x 12, 4M random points case (H200). On the H100, 8 blocks
-// (32 registers) is slower (0.97 vs 0.91 ms) and 4 the same.
-__global__ void __launch_bounds__(kThreads, 6)
+// One pass: 8 resident blocks (32 registers) measured best for float32 on the H100 (0.894 ms against
+// 0.920 for 6); double needs the registers of 4. The loop over channel vectors needs more registers.
+template <typename scalar_t, bool kOnePass>
+constexpr int kGridForwardMinBlocks = (sizeof(at::opmath_type<scalar_t>) == 8 ? 4 : 8) / (kOnePass ? 1 : 2);
+
+// kOnePass: the group has one lane per channel vector (C / VEC <= 4), so no loop over channels.
+template <typename scalar_t, int VEC, int kGroup, bool kOnePass>
+__global__ void __launch_bounds__(kThreads, (kGridForwardMinBlocks<scalar_t, kOnePass>))
     grid_forward_kernel(const scalar_t* __restrict__ grid, const scalar_t* __restrict__ points,
                         scalar_t* __restrict__ out, int64_t n_points, GridDims d) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t n = thread / kQuad;
-  const int q = static_cast<int>(thread % kQuad);
-  const unsigned mask = __ballot_sync(0xffffffffu, n < n_points);  // quads are all in or all out
-  if (n >= n_points) return;
-  const VoxelPair<acc_t> pair = locate_pair<acc_t>(points + 3 * n, d, q);
-  if constexpr (kChannelVecs > 0) {
-    // Every gather first, then the blends: all 2 * kChannelVecs misses of the lane are in flight together.
-    Vec<scalar_t, VEC> lo[kChannelVecs], hi[kChannelVecs];
-#pragma unroll
-    for (int v = 0; v < kChannelVecs; ++v) lo[v] = load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + v * VEC);
-#pragma unroll
-    for (int v = 0; v < kChannelVecs; ++v) hi[v] = load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + v * VEC);
-#pragma unroll
-    for (int v = 0; v < kChannelVecs; ++v) blend_and_store(lo[v], hi[v], pair, mask, v, q, out + n * kChannelVecs * VEC);
+  constexpr int kPointsPerWarp = 32 / kGroup;  // G = 3 leaves lanes 30 and 31 idle
+  const int lane = threadIdx.x % 32, g = lane % kGroup;
+  const int64_t n = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32 * kPointsPerWarp + lane / kGroup;
+  if (lane >= kPointsPerWarp * kGroup || n >= n_points) return;
+  const CornerFrame<acc_t> c = locate_corners<acc_t>(points + 3 * n, d);
+  if constexpr (kOnePass) {
+    blend_corners<scalar_t, acc_t, VEC>(grid, c, g, out + n * d.channels);
   } else {
-    const int64_t vecs = d.channels / VEC;
-    for (int64_t v = 0; v < vecs; ++v) {
-      blend_and_store(load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + v * VEC),
-                      load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + v * VEC), pair, mask, v, q,
-                      out + n * d.channels);
-    }
+    for (int64_t v = g; v < d.channels / VEC; v += kGroup) blend_corners<scalar_t, acc_t, VEC>(grid, c, v, out + n * d.channels);
+  }
+}
+
+// Calls fn(integral_constant<int, G>) for a lane group of G in 1..4.
+template <typename Fn>
+void with_lane_group(int64_t group, Fn&& fn) {
+  switch (group) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, 4>{});
   }
 }
 
@@ -456,11 +486,19 @@ at::Tensor grid_interpolate_cuda(const at::Tensor& grid_in, const at::Tensor& po
     const bool wide = channels % kGridVec == 0 && aligned_to(grid_ptr, vec_bytes) && aligned_to(out_ptr, vec_bytes);
     with_vector_width<kGridVec>(wide, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
-      with_channel_vectors<VEC>(channels, [&](auto channel_vecs) {
-        grid_forward_kernel<scalar_t, VEC, decltype(channel_vecs)::value>
-            <<<block_count(kQuad * n, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-                grid_ptr, points.data_ptr<scalar_t>(), out_ptr, n, grid_dims(grid));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const int64_t vecs = channels / VEC;
+      with_lane_group(vecs < 4 ? vecs : 4, [&](auto group) {
+        constexpr int kGroup = decltype(group)::value;
+        const int64_t warps = (n + 32 / kGroup - 1) / (32 / kGroup);
+        const auto launch = [&](auto kernel) {
+          kernel<<<block_count(32 * warps, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              grid_ptr, points.data_ptr<scalar_t>(), out_ptr, n, grid_dims(grid));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if constexpr (kGroup == 4) {  // only a full group can have more channel vectors than lanes
+          if (vecs > kGroup) return launch(grid_forward_kernel<scalar_t, VEC, kGroup, false>);
+        }
+        launch(grid_forward_kernel<scalar_t, VEC, kGroup, true>);
       });
     });
   });
