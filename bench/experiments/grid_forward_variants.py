@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Experiment: variants of the fused grid lookup's forward (fp32, C=12), random and ray-sorted points.
 
-Not part of the product: a JIT-built module with the same math as cuda_ext's grid_forward_kernel,
-templated over what we want to measure (lanes per point, which voxels a lane owns, launch bound,
-staged stores, cache hints), timed against F.grid_sample and cuda_ext.grid_interpolate in one run on
+Not part of the product: a JIT-built module with the same math as cuda_ext's grid_forward_kernel, in
+two layouts: `fw`, lanes splitting a point's voxels (the quad layout cuda_ext used before), templated
+over lanes per point, which voxels a lane owns, launch bound, store form and cache hints; and
+`fw_split`, lanes splitting its channels (what cuda_ext uses now). Timed against F.grid_sample and cuda_ext.grid_interpolate in one run on
 the op benchmark's 160^3 x 12 grid. Needs a GPU and the built extension. Findings: bench/README.md.
 Usage: python3 bench/experiments/grid_forward_variants.py [--json PATH]
 """
