@@ -242,8 +242,8 @@ __device__ __forceinline__ VoxelPair<acc_t> locate_pair(const scalar_t* __restri
 // Forward: a group of G = min(C / VEC, 4) lanes per point, lane g blending channel vectors g, g + G, ...
 // of all 8 voxels. No lane-to-lane reduction is needed, each load instruction of a group reads one
 // voxel's contiguous channels, and the warp's output rows go out in one store instruction. H100,
-// 160^3 x 12 (G = 3, 10 points per warp), 4M points: random 0.913 -> 0.894 ms, sorted along rays
-// 0.265 -> 0.218 ms against the quad layout the backward keeps (bench/README.md).
+// 160^3 x 12 (G = 3, 10 points per warp), 4M points, against the quad layout the backward keeps: op
+// benchmark random 0.902 -> 0.904 ms (DRAM-bound either way), sorted along rays 0.259 -> 0.221 ms.
 template <typename acc_t>
 struct CornerFrame {  // the 8 voxels as corner 0's offset, one step and one fraction per axis: few registers
   int64_t base, step[3];
