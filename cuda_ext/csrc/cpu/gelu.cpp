@@ -10,8 +10,9 @@
 #include "gelu.h"
 #include "ops.h"
 
-// Function multiversioning (GCC, x86-64 ELF): the loader picks the AVX2+FMA build where the CPU has it.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)  // ifunc needs glibc
+// Function multiversioning (GCC >= 11, x86-64, glibc's ifunc): the loader picks the x86-64-v3 build
+// (AVX2 + FMA: 8 lanes) where the CPU has it. (GCC 12 leaves an "arch=haswell" clone scalar.)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__GLIBC__)
 #define CUDA_EXT_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define CUDA_EXT_SIMD_CLONES
