@@ -43,6 +43,27 @@ def smooth_points(n: int, sizes, gen: torch.Generator) -> torch.Tensor:
     return torch.stack(columns, dim=1)
 
 
+def cell_run_points(n: int, sizes, gen: torch.Generator) -> torch.Tensor:
+    """(n, 3) float64 points in runs of consecutive points inside one cell, as a ray sampler makes them
+    (several samples per voxel). Run lengths 1..40: shorter than, equal to and longer than a warp's 8
+    points, crossing warp boundaries; one run in 8 lies outside the grid along an axis (all its points
+    clamp to the same border cell). Fractions stay in [0.05, 0.95], so the lookup is smooth there."""
+    lengths = []
+    while sum(lengths) < n:
+        lengths.append(int(torch.randint(1, 41, (1,), generator=gen)))
+    lengths[-1] -= sum(lengths) - n
+    runs = len(lengths)
+    columns = []
+    for size in sizes:
+        cell = torch.randint(0, max(size - 1, 1), (runs,), generator=gen).double()
+        frac = 0.05 + 0.9 * torch.rand(n, generator=gen, dtype=torch.float64)
+        x = (cell.repeat_interleave(torch.tensor(lengths)) + frac) / max(size - 1, 1) * 2 - 1
+        outside = (torch.rand(runs, generator=gen) < 0.125).repeat_interleave(torch.tensor(lengths))
+        x[outside] = 1.2 + 0.3 * frac[outside]
+        columns.append(x)
+    return torch.stack(columns, dim=1)
+
+
 def grads_of(fn, grid: torch.Tensor, points: torch.Tensor, grad_out: torch.Tensor):
     """(output, grad_grid, grad_points) of fn(grid, points) for the upstream gradient grad_out."""
     grid = grid.detach().requires_grad_()
@@ -115,6 +136,17 @@ def test_scatter_with_many_points_per_voxel(gen):
     _, got, _ = grads_of(cuda_ext.grid_interpolate, grid, points, grad_out)
     _, want, _ = grads_of(reference.grid_interpolate, grid, points, grad_out)
     torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+
+
+def test_gradients_for_points_in_runs_per_cell(gen):
+    sizes = (6, 5, 7, 12)
+    grid = torch.randn(*sizes, generator=gen, dtype=torch.float64)
+    points = cell_run_points(1003, sizes[:3], gen)
+    grad_out = torch.randn(1003, 12, generator=gen, dtype=torch.float64)
+    got = grads_of(cuda_ext.grid_interpolate, grid, points, grad_out)
+    want = grads_of(reference.grid_interpolate, grid, points, grad_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
 
 
 @pytest.mark.parametrize("sizes", [(3, 4, 2, 2), (1, 3, 3, 3), (4, 2, 1, 1)], ids=str)
@@ -265,6 +297,27 @@ def test_cuda_matches_reference(gen, poison_cuda_cache, sizes, dtype, tol):
         torch.testing.assert_close(got[1].double(), want[1], rtol=tol, atol=tol * 10)  # atomics: order varies
     # points gradient only where smooth (the last `points` drawn)
     torch.testing.assert_close(got[2].double(), want[2], rtol=tol, atol=tol * max(sizes))
+
+
+# The CUDA backward sums the atomics of consecutive points in one cell inside the warp (CellRuns):
+# runs of every length, across warps, at the clamped border, a partial last warp, every channel path.
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("sizes", [(6, 5, 7, 12), (1, 4, 5, 12), (5, 4, 3, 3), (4, 3, 5, 24)], ids=str)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-11), (torch.float32, 1e-4), (torch.float16, 3e-2)])
+def test_cuda_backward_merges_runs_of_points_in_one_cell(gen, poison_cuda_cache, sizes, dtype, tol):
+    n = 2003
+    grid = torch.randn(*sizes, generator=gen, dtype=torch.float64).to("cuda", dtype)
+    points = cell_run_points(n, sizes[:3], gen).to("cuda", dtype)
+    grad_out = torch.randn(n, sizes[3], generator=gen, dtype=torch.float64).to("cuda", dtype)
+    _, want_grid, want_points = grads_of(reference.grid_interpolate, grid.double(), points.double(),
+                                         grad_out.double())
+    assert want_grid.abs().amax() > 1  # runs pile many points onto the same voxels
+    for flags in [(True, True), (True, False)]:
+        poison_cuda_cache()
+        grad_grid, grad_points = OPS.grid_interpolate_backward(grad_out, grid, points, *flags)
+        torch.testing.assert_close(grad_grid.double(), want_grid, rtol=tol, atol=tol * 20)
+        if flags[1]:
+            torch.testing.assert_close(grad_points.double(), want_points, rtol=tol, atol=tol * 10 * max(sizes))
 
 
 @pytest.mark.requires_cuda

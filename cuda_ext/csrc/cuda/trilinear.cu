@@ -327,16 +327,54 @@ void with_lane_group(int64_t group, Fn&& fn) {
   }
 }
 
+// Merges the atomics of consecutive points that fall in the same grid cell. Lane L = 4p + q of a
+// warp serves point p and voxel pair q (the quad layout); a column q holds the 8 points' pairs q.
+// Points sorted along rays often put several consecutive samples in one cell, and their adds to the
+// same voxels serialise in L2; here each run of equal targets in a column is summed with shuffles
+// and only its first lane (the head) issues the atomics. Random points almost never share a cell:
+// their warps see no run and skip the shuffles (one ballot decides, warp-uniform).
+struct CellRuns {
+  unsigned run_end;  // first lane after this lane's run in its column (32: the warp's end)
+  bool head;         // this lane issues the run's atomics
+  bool any_merge;    // some lane of the warp has a run longer than one point (same for all lanes)
+
+  // offset_lo identifies the target (equal offset_lo => same a0.lo and voxel => equal offset_hi).
+  // Inactive lanes (past the last point) are heads of their own run, so nothing merges into them.
+  __device__ __forceinline__ CellRuns(int64_t offset_lo, bool active) {
+    const int lane = threadIdx.x % 32;
+    const int64_t previous = __shfl_up_sync(0xffffffffu, offset_lo, kQuad);
+    head = !active || lane < kQuad || previous != offset_lo;
+    const unsigned heads = __ballot_sync(0xffffffffu, head);
+    any_merge = heads != 0xffffffffu;
+    const unsigned column = 0x11111111u << (lane % kQuad);
+    const unsigned later_heads = heads & column & ~((2u << lane) - 1u);  // lane's column, above lane
+    run_end = later_heads ? __ffs(later_heads) - 1 : 32;
+  }
+
+  // v becomes the sum of v over the lanes from this one to the end of its run (the head: the run).
+  template <typename acc_t, int N>
+  __device__ __forceinline__ void sum_to_head(acc_t (&v)[N]) const {
+    const unsigned lane = threadIdx.x % 32;
+#pragma unroll
+    for (int d = kQuad; d < 32; d *= 2) {
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        const acc_t later = __shfl_down_sync(0xffffffffu, v[e], d);
+        if (lane + d < run_end) v[e] += later;
+      }
+    }
+  }
+};
+
 // What limits this kernel: grad_grid receives 8 * C atomic adds per point at random addresses. On
 // Hopper these are fire-and-forget reductions (RED) executed in L2; with random points nearly every
 // one misses L2 (the grid is larger than it), so the cost is DRAM traffic for the sectors they touch
 // (read and written back) plus the number of atomic transactions. What we do: fp32 (and the fp32
 // buffer used for half/bfloat16) adds 4 channels per float4 atomic on sm_90 (a quarter of the
-// transactions); the 8 voxels are split over a quad of lanes as in the forward, so 4x more
-// reductions are issued in parallel; each point's grad_out row is read once per lane (one request
-// per quad) and its weights computed once. Points sorted along rays make neighbouring threads hit
-// the same voxels, which serialises those atomics in L2 but keeps them in cache, so that case is
-// still several times faster than random points.
+// transactions); the 8 voxels are split over a quad of lanes, so 4x more reductions are issued in
+// parallel; each point's grad_out row is read once per lane (one request per quad) and its weights
+// computed once. Points sorted along rays hit L2, but consecutive samples in one cell add to the same
+// voxels, which serialises in L2: CellRuns sums such runs inside the warp first.
 template <typename scalar_t, int VEC, int kChannelVecs, bool kGridGrad, bool kPointsGrad>
 __global__ void __launch_bounds__(kThreads)
     grid_backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ grid,
@@ -344,43 +382,59 @@ __global__ void __launch_bounds__(kThreads)
                          scalar_t* __restrict__ grad_points, int64_t n_points, GridDims d) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t n = thread / kQuad;
   const int q = static_cast<int>(thread % kQuad);
-  const unsigned mask = __ballot_sync(0xffffffffu, n < n_points);
-  if (n >= n_points) return;
+  const bool active = thread / kQuad < n_points;
+  // Lanes past the end take part in the warp's shuffles on a copy of the last point, writing nothing.
+  const int64_t n = active ? thread / kQuad : n_points - 1;
   const VoxelPair<acc_t> pair = locate_pair<acc_t>(points + 3 * n, d, q);
+  const CellRuns runs(pair.offset_lo, active);
   acc_t dot_lo = acc_t(0), dot_hi = acc_t(0);  // <grad_out[n], voxel> for the lane's two voxels
   const int64_t channels = kChannelVecs > 0 ? int64_t(kChannelVecs) * VEC : d.channels;
+  // Two copies of the channel loop, chosen once per warp: a branch inside it would keep the compiler
+  // from issuing the later channels' loads and atomics early, which costs random points 7%.
+  const auto channel_loop = [&](auto merge_runs) {
 #pragma unroll
-  for (int64_t j = 0; j < channels; j += VEC) {
-    acc_t g[VEC];
-    widen(load_vec<scalar_t, VEC, false>(grad_out + n * channels + j), g);
-    if (kGridGrad) {
-      acc_t add_lo[VEC], add_hi[VEC];
+    for (int64_t j = 0; j < channels; j += VEC) {
+      acc_t g[VEC];
+      widen(load_vec<scalar_t, VEC, false>(grad_out + n * channels + j), g);
+      if (kGridGrad) {
+        acc_t add_lo[VEC], add_hi[VEC];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        add_lo[e] = pair.weight_lo * g[e];
-        add_hi[e] = pair.weight_hi * g[e];
+        for (int e = 0; e < VEC; ++e) {
+          add_lo[e] = pair.weight_lo * g[e];
+          add_hi[e] = pair.weight_hi * g[e];
+        }
+        if constexpr (decltype(merge_runs)::value) {
+          runs.sum_to_head(add_lo);
+          runs.sum_to_head(add_hi);
+        }
+        if (active && runs.head) {  // without runs every active lane is a head
+          atomic_add_vec(grad_grid + pair.offset_lo + j, add_lo);
+          atomic_add_vec(grad_grid + pair.offset_hi + j, add_hi);
+        }
       }
-      atomic_add_vec(grad_grid + pair.offset_lo + j, add_lo);
-      atomic_add_vec(grad_grid + pair.offset_hi + j, add_hi);
-    }
-    if (kPointsGrad) {
-      acc_t vlo[VEC], vhi[VEC];
-      widen(load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + j), vlo);
-      widen(load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + j), vhi);
+      if (kPointsGrad) {
+        acc_t vlo[VEC], vhi[VEC];
+        widen(load_vec<scalar_t, VEC, false>(grid + pair.offset_lo + j), vlo);
+        widen(load_vec<scalar_t, VEC, false>(grid + pair.offset_hi + j), vhi);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        dot_lo += g[e] * vlo[e];
-        dot_hi += g[e] * vhi[e];
+        for (int e = 0; e < VEC; ++e) {
+          dot_lo += g[e] * vlo[e];
+          dot_hi += g[e] * vhi[e];
+        }
       }
     }
+  };
+  if (kGridGrad && runs.any_merge) {
+    channel_loop(std::true_type{});
+  } else {
+    channel_loop(std::false_type{});
   }
   if (kPointsGrad) {
     acc_t dots[8];  // corner k = 4*b0 + 2*b1 + b2 lives in lane k%4 of the quad, as its lo (b0=0) or hi
 #pragma unroll
-    for (int k = 0; k < 8; ++k) dots[k] = __shfl_sync(mask, (k & 4) ? dot_hi : dot_lo, k & 3, kQuad);
-    if (q == 0) {
+    for (int k = 0; k < 8; ++k) dots[k] = __shfl_sync(0xffffffffu, (k & 4) ? dot_hi : dot_lo, k & 3, kQuad);
+    if (active && q == 0) {
       const AxisSample<acc_t>*a = pair.axis;
       acc_t grad[3];
       fraction_grads(a[0].t, a[1].t, a[2].t, dots, grad);
