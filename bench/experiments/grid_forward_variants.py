@@ -4,8 +4,11 @@
 Not part of the product: a JIT-built module with the same math as cuda_ext's grid_forward_kernel, in
 two layouts: `fw`, lanes splitting a point's voxels (the quad layout cuda_ext used before), templated
 over lanes per point, which voxels a lane owns, launch bound, store form and cache hints; and
-`fw_split`, lanes splitting its channels (what cuda_ext uses now). Timed against F.grid_sample and cuda_ext.grid_interpolate in one run on
-the op benchmark's 160^3 x 12 grid. Needs a GPU and the built extension. Findings: bench/README.md.
+`fw_split`, lanes splitting its channels (what cuda_ext uses now); `fw_binned`, the channel split over
+each block's points reordered by slab of the grid (persistent blocks sweeping the slabs together);
+`fw_range`, the channel split with an L2 range policy keeping the grid's first megabytes resident. Timed
+against F.grid_sample and cuda_ext.grid_interpolate in one run on the op benchmark's 160^3 x 12 grid.
+Needs a GPU and the built extension. Findings: bench/README.md.
 Usage: python3 bench/experiments/grid_forward_variants.py [--json PATH]
 """
 from __future__ import annotations
