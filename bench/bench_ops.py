@@ -179,8 +179,11 @@ def trilinear_cases(s: Sizes, ops: Ops) -> list[Case]:
     return [case(False), case(True)]
 
 
-def grid_cases(s: Sizes, ops: Ops) -> list[Case]:
+def grid_cases(s: Sizes, ops: Ops, channels: Optional[int] = None) -> list[Case]:
+    """The random and rays cases at the size's channel count, or at `channels` (case names then say C=...)."""
     r, c, n = s.grid
+    suffix = "" if channels is None or channels == c else f" C={channels}"
+    c = c if channels is None else channels
     e = DTYPE.itemsize
     builtin = Variant(
         lambda grid5, points5: F.grid_sample(grid5, points5, mode="bilinear", padding_mode="border",
@@ -209,7 +212,7 @@ def grid_cases(s: Sizes, ops: Ops) -> list[Case]:
             bytes_fw=(r**3 * c + 3 * n + n * c) * e, bytes_bw=(n * c + 3 * n + r**3 * c) * e,
         )
 
-    return [case(name, points) for name, points in distributions.items()]
+    return [case(name + suffix, points) for name, points in distributions.items()]
 
 
 def upsample_cases(s: Sizes, ops: Ops) -> list[Case]:
@@ -593,6 +596,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: full on cuda, small on cpu")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 50 cuda, 10 cpu)")
     p.add_argument("--budget-s", type=float, default=2.0, help="stop repeating a measurement after this long")
+    p.add_argument("--grid-channels", default=None,
+                   help="comma-separated channel counts for the grid op (default: the size's own, 12 at full size)")
     p.add_argument("--json", type=Path, default=None, help="default bench/results/<device-kind>-<date>.json")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown here")
     args = p.parse_args(argv)
@@ -602,6 +607,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         if unknown or not chosen:
             p.error(f"--{option}: unknown or empty {unknown}; choose from {','.join(allowed)}")
         setattr(args, option, chosen)
+    if args.grid_channels is not None:
+        try:
+            args.grid_channels = [int(x) for x in args.grid_channels.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--grid-channels: expected comma-separated integers, got {args.grid_channels!r}")
+        if not args.grid_channels or min(args.grid_channels) < 1:
+            p.error("--grid-channels: expected one or more channel counts >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     args.size = args.size or ("full" if args.device == "cuda" else "small")
@@ -630,7 +642,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     rows: list[dict] = []
     for op in args.ops:
         try:
-            cases = CASE_BUILDERS[op](sizes, ops)
+            if op == "grid" and args.grid_channels:
+                cases = [case for c in args.grid_channels for case in grid_cases(sizes, ops, c)]
+            else:
+                cases = CASE_BUILDERS[op](sizes, ops)
         except Exception as exc:
             errors.append({"op": op, "case": "*", "variant": "*", "phase": "setup", "error": _error_text(exc)})
             continue
@@ -649,7 +664,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     derive(rows, copy["GBps"])
     report = {
         "date": date, "torch": torch.__version__, "python": platform.python_version(), "device": info,
-        "size": args.size, "sizes": vars(sizes), "variants": args.variants,
+        "size": args.size, "sizes": vars(sizes), "grid_channels": args.grid_channels,
+        "variants": args.variants,
         "extension": {"imported": ops.ext is not None,
                       "has_cuda_kernels": bool(ops.ext and ops.ext.has_cuda_kernels())},
         "copy": copy, "counting_rules": COUNTING_RULES, "results": rows,

@@ -2,7 +2,7 @@
 # One GPU session in one command: install the pure-Python wheels, build the extension for Hopper,
 # then run the requested stages, logging each under $OUT (default: ./gpu_out).
 #
-#   bench/gpu_session.sh [tests] [bench] [train] [lego] [lego-torch] [profile] [grid-variants]
+#   bench/gpu_session.sh [tests] [bench] [train] [lego] [lego-torch] [profile] [grid-variants] [grid-channels]
 #
 # tests:      the whole pytest suite (CUDA tests included)
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md
@@ -11,6 +11,8 @@
 # lego-torch: the same with ops=torch
 # profile:    300 lego steps with train.profile=true (where a step's time goes)
 # grid-variants: bench/experiments/grid_forward_variants.py -> $OUT/grid_variants.json
+# grid-channels: the grid op against F.grid_sample at each of $GRID_CHANNELS (default 1,3,4,7,12,16,24,32)
+#                channels -> $OUT/grid_channels.json, .md
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
 # Everything is written under a work folder and packed into $OUT/session.tgz at the end (the device tool
 # returns at most 8 files), with session.log and bench.json beside it.
@@ -68,6 +70,9 @@ for s in "${stages[@]}"; do
       stage train_torch python3 train.py ops=torch hydra.run.dir="$OUT/train_torch" ;;
     lego) stage lego python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
     lego-torch) stage lego_torch python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
+    grid-channels) stage grid_channels python3 bench/bench_ops.py --device cuda --size full --ops grid \
+      --variants custom,builtin --grid-channels "${GRID_CHANNELS:-1,3,4,7,12,16,24,32}" --budget-s 1 \
+      --json "$OUT/grid_channels.json" --markdown "$OUT/grid_channels.md" ;;
     grid-variants) stage grid_variants python3 bench/experiments/grid_forward_variants.py --json "$OUT/grid_variants.json" ;;
     profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=300 hydra.run.dir="$OUT/profile" ;;
     *) log "unknown stage $s"; failures=$((failures + 1)) ;;

@@ -80,6 +80,29 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
     assert [t["name"] for t in report["targets"]] == ["CPU grid random fwbw >= 2x reference"]
 
 
+def test_grid_channel_sweep_names_each_channel_count_and_matches_the_reference(bench, tmp_path):
+    json_path = tmp_path / "sweep.json"
+    bench.main(["--device", "cpu", "--size", "tiny", "--repeats", "3", "--ops", "grid", "--variants",
+                "custom,reference", "--grid-channels", "3,4,6", "--json", str(json_path)])
+    report = json.loads(json_path.read_text())
+    assert report["grid_channels"] == [3, 4, 6] and report["errors"] == []
+    rows = {(r["case"], r["variant"]): r for r in report["results"]}
+    # tiny's own channel count (4) keeps the plain case names, so the targets still find them
+    cases = {"random C=3", "rays C=3", "random", "rays", "random C=6", "rays C=6"}
+    assert {case for case, _ in rows} == cases
+    for case in cases:
+        channels = 4 if case in ("random", "rays") else int(case.split("C=")[1])
+        assert rows[(case, "custom")]["shape"].startswith(f"12^3x{channels} ")
+        assert rows[(case, "custom")]["rel_err_vs_reference"] < 1e-6, case
+        assert _positive(rows[(case, "custom")]["fwbw_ms"])
+
+
+@pytest.mark.parametrize("value", ["", "0,4", "four"])
+def test_grid_channels_rejects_bad_values(bench, value):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--grid-channels", value])
+
+
 def test_ray_points_lie_in_the_box_and_advance_along_each_ray(bench):
     gen = torch.Generator().manual_seed(1)
     rays, samples = 50, 32

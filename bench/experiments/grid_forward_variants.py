@@ -173,60 +173,79 @@ void launch(const torch::Tensor& grid, const torch::Tensor& points, torch::Tenso
       grid.data_ptr<float>(), points.data_ptr<float>(), out.data_ptr<float>(), n, grid.size(0), grid.size(1), grid.size(2));
 }
 
-// Channel split, one point's share for lane g: gather channel vector g of the point's 8 voxels through
-// `load` (variants add cache hints), then blend. Separate steps, so a lane can have several points'
-// gathers in flight before it blends any.
+template <int W> struct VecOf;  // the vector type of W floats
+template <> struct VecOf<4> { using T = float4; };
+template <> struct VecOf<2> { using T = float2; };
+template <> struct VecOf<1> { using T = float; };
+
+// Channel split, one point's share for lane g: gather channels [W g, W g + W) of the point's 8 voxels
+// through `load` (variants add cache hints), then blend. Separate steps, so a lane can have several
+// points' gathers in flight before it blends any. W = 4: float4 loads (what cuda_ext uses); W = 2 or
+// 1: more lanes per point, each holding fewer registers of gathered data.
+template <int W = 4>
 struct SplitPoint {
+  using V = typename VecOf<W>::T;
   Axis a0, a1, a2;
-  float4 v[8];
+  V v[8];
 
   template <typename Load>
   __device__ __forceinline__ void gather(const float* __restrict__ grid, const float* __restrict__ x, int64_t R0,
                                          int64_t R1, int64_t R2, int g, Load load) {
     a0 = axis(__ldg(x), R0); a1 = axis(__ldg(x + 1), R1); a2 = axis(__ldg(x + 2), R2);
     const int64_t s1 = R2 * kC, s0 = R1 * s1;
-    const float* base = grid + a0.lo * s0 + a1.lo * s1 + a2.lo * kC + 4 * g;
+    const float* base = grid + a0.lo * s0 + a1.lo * s1 + a2.lo * kC + W * g;
     const int64_t d0 = (a0.hi - a0.lo) * s0, d1 = (a1.hi - a1.lo) * s1, d2 = (a2.hi - a2.lo) * kC;
 #pragma unroll
     for (int k = 0; k < 8; ++k)
-      v[k] = load(reinterpret_cast<const float4*>(base + ((k & 4) ? d0 : 0) + ((k & 2) ? d1 : 0) + ((k & 1) ? d2 : 0)));
+      v[k] = load(reinterpret_cast<const V*>(base + ((k & 4) ? d0 : 0) + ((k & 2) ? d1 : 0) + ((k & 1) ? d2 : 0)));
   }
 
-  __device__ __forceinline__ float4 blend() const {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  __device__ __forceinline__ V blend() const {
+    V acc;
+    float* a = reinterpret_cast<float*>(&acc);
+#pragma unroll
+    for (int j = 0; j < W; ++j) a[j] = 0.f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float w = ((k & 4) ? a0.t : 1.f - a0.t) * ((k & 2) ? a1.t : 1.f - a1.t) * ((k & 1) ? a2.t : 1.f - a2.t);
-      acc.x += w * v[k].x; acc.y += w * v[k].y; acc.z += w * v[k].z; acc.w += w * v[k].w;
+      const float* e = reinterpret_cast<const float*>(&v[k]);
+#pragma unroll
+      for (int j = 0; j < W; ++j) a[j] += w * e[j];
     }
     return acc;
   }
 };
 
 __device__ __forceinline__ float4 ldg4(const float4* p) { return __ldg(p); }
+template <typename V>
+__device__ __forceinline__ V ldg(const V* p) { return __ldg(p); }
 
-// Channel-split: kG lanes per point (3 or 4), lane g blends channel vector g of all 8 voxels, so
+// Channel-split: kG lanes per point, lane g blends channels [kW g, kW g + kW) of all 8 voxels, so
 // no reduction over lanes at all; each load instruction of a point's lanes reads one whole voxel
-// (48 contiguous bytes) and one store instruction writes the warp's rows. Lanes g >= 3 idle.
-template <int kG, int kMinBlocks>
+// (48 contiguous bytes) and one store instruction writes the warp's rows. Lanes g >= kC / kW idle.
+// kW = 4 (kG = 3): 32 registers of gathered data per lane, more than a 32-register budget holds
+// with the addresses, so ptxas issues the 8 gathers in steps; kW = 2 (kG = 6) or 1 (kG = 12) holds
+// 16 or 8, so all 8 can be in flight, at the cost of more lanes (and address math) per point.
+template <int kG, int kMinBlocks, int kW = 4>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
 fw_split(const float* __restrict__ grid, const float* __restrict__ points, float* __restrict__ out, int64_t n, int64_t R0, int64_t R1, int64_t R2) {
+  using V = typename VecOf<kW>::T;
   constexpr int kPPW = 32 / kG;  // points per warp
   const int64_t warp = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32;
   const int wl = threadIdx.x % 32, g = wl % kG;
   const int64_t i = warp * kPPW + wl / kG;
-  if (wl >= kPPW * kG || g >= kCV || i >= n) return;
-  SplitPoint point;
-  point.gather(grid, points + 3 * i, R0, R1, R2, g, ldg4);
-  __stcs(reinterpret_cast<float4*>(out + i * kC) + g, point.blend());
+  if (wl >= kPPW * kG || g >= kC / kW || i >= n) return;
+  SplitPoint<kW> point;
+  point.gather(grid, points + 3 * i, R0, R1, R2, g, [](const V* p) { return ldg(p); });
+  __stcs(reinterpret_cast<V*>(out + i * kC) + g, point.blend());
 }
 
-template <int kG, int kMinBlocks>
+template <int kG, int kMinBlocks, int kW = 4>
 void launch_split(const torch::Tensor& grid, const torch::Tensor& points, torch::Tensor& out) {
   const int64_t n = points.size(0);
   const int64_t warps = (n + 32 / kG - 1) / (32 / kG);
   const int blocks = (warps * 32 + kThreads - 1) / kThreads;
-  fw_split<kG, kMinBlocks><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  fw_split<kG, kMinBlocks, kW><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       grid.data_ptr<float>(), points.data_ptr<float>(), out.data_ptr<float>(), n, grid.size(0), grid.size(1), grid.size(2));
 }
 
@@ -305,7 +324,7 @@ fw_binned(const float* __restrict__ grid, const float* __restrict__ points, floa
       constexpr int kStep = kWarps * kPPW;
       for (int q0 = warp * kPPW + lane / kG; q0 < count; q0 += kU * kStep) {
         int p[kU];
-        SplitPoint point[kU];
+        SplitPoint<> point[kU];
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           const int q = q0 + u * kStep;
@@ -368,7 +387,7 @@ fw_range(const float* __restrict__ grid, const float* __restrict__ points, float
   const int64_t i = warp * kPPW + wl / kG;
   if (wl >= kPPW * kG || i >= n) return;
   const uint64_t policy = range_policy<kSecondary>(grid, primary, total);
-  SplitPoint point;
+  SplitPoint<> point;
   point.gather(grid, points + 3 * i, R0, R1, R2, g, [policy](const float4* p) { return ld_hint(p, policy); });
   __stcs(reinterpret_cast<float4*>(out + i * kC) + g, point.blend());
 }
@@ -397,16 +416,16 @@ void launch_range(const torch::Tensor& grid, const torch::Tensor& points, torch:
 }  // namespace
 
 #define VARIANTS(X) X(4, 6, 3, 0, 1, 0, 0)
-#define SPLITS(S) S(3, 8)
-#define BINNED(B) B(16, 4096, 4, 1) B(1, 4096, 4, 1)
-#define RANGES(R) R(12, 1, 0) R(24, 1, 0) R(36, 1, 0) R(48, 1, 0) R(24, 0, 0) R(36, 0, 0) R(24, 1, 1) R(36, 1, 1) R(36, 0, 1)
+#define SPLITS(S) S(3, 8, 4) S(3, 6, 4) S(3, 4, 4) S(6, 8, 2) S(6, 6, 2) S(12, 8, 1)
+#define BINNED(B)
+#define RANGES(R)
 
 std::vector<std::string> variant_names() {
   std::vector<std::string> names;
 #define NAME(a, b, c, d, e, f, g) \
   names.push_back("lanes" #a "_minb" #b "_store" #c "_ptsldcs" #d "_axis0pairs" #e "_load" #f "_idx32" #g);
   VARIANTS(NAME)
-#define SPLIT_NAME(a, b) names.push_back("split" #a "_minb" #b);
+#define SPLIT_NAME(a, b, c) names.push_back("split" #a "_minb" #b "_w" #c);
   SPLITS(SPLIT_NAME)
 #define BINNED_NAME(a, b, c, d) names.push_back("binned_k" #a "_t" #b "_minb" #c "_u" #d);
   BINNED(BINNED_NAME)
@@ -422,7 +441,7 @@ torch::Tensor run_variant(int64_t index, torch::Tensor grid, torch::Tensor point
   int64_t i = 0;
 #define RUN(a, b, c, d, e, f, g) if (i++ == index) launch<a, b, c, d, e, f, g>(grid, points, out);
   VARIANTS(RUN)
-#define RUN_SPLIT(a, b) if (i++ == index) launch_split<a, b>(grid, points, out);
+#define RUN_SPLIT(a, b, c) if (i++ == index) launch_split<a, b, c>(grid, points, out);
   SPLITS(RUN_SPLIT)
 #define RUN_BINNED(a, b, c, d) if (i++ == index) launch_binned<a, b, c, d>(grid, points, out);
   BINNED(RUN_BINNED)

@@ -1,5 +1,5 @@
 // Small pieces every op family needs on both sides: the HOST_DEVICE marker for math shared by the
-// C++ and CUDA kernels, the dtype check with its user-facing message, and (in .cu files) the number
+// C++ and CUDA kernels, the dtype and device checks with their user-facing messages, and (in .cu files) the number
 // of blocks that fit on the device at once, for grid-stride launches.
 #pragma once
 
@@ -24,6 +24,19 @@ inline void check_floating_dtype(const at::Tensor& t, const char* op, const char
   TORCH_CHECK(
       everywhere || (cuda_only && t.is_cuda()), op, ": ", arg,
       " must be float32 or float64 (float16/bfloat16 also on CUDA), got ", dtype, " on ", t.device());
+}
+
+// t must live on the backend whose kernel is running. The dispatcher picks the kernel from the first
+// tensor argument, so this catches a second argument on another device before its pointer is used.
+inline void check_device_type(const at::Tensor& t, const char* name, at::DeviceType expected, const char* op) {
+  TORCH_CHECK(t.device().type() == expected, op, ": ", name, " must be a ", c10::DeviceTypeName(expected),
+              " tensor here, got one on ", t.device());
+}
+
+// t after check_device_type, made contiguous: what the elementwise and upsample kernels index.
+inline at::Tensor contiguous_on(const at::Tensor& t, const char* name, at::DeviceType expected, const char* op) {
+  check_device_type(t, name, expected, op);
+  return t.contiguous();
 }
 
 inline void check_same_device_and_dtype(

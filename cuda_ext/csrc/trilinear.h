@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "kernel_common.h"  // check_device_type
+
 #if defined(__CUDACC__)
 #define CUDA_EXT_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -44,11 +46,6 @@ inline void check_same_kind(const at::Tensor& t, const char* name, const at::Ten
               " must be on the same device, got ", t.device(), " and ", ref.device());
   TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": ", name, " and ", ref_name,
               " must have the same dtype, got ", t.scalar_type(), " and ", ref.scalar_type());
-}
-
-inline void check_device_type(const at::Tensor& t, const char* name, at::DeviceType expected, const char* op) {
-  TORCH_CHECK(t.device().type() == expected, op, ": ", name, " must be a ", c10::DeviceTypeName(expected),
-              " tensor here, got one on ", t.device());
 }
 
 // feats (N, 8, F), points (N, 3), same dtype and device.

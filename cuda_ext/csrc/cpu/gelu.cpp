@@ -48,17 +48,12 @@ CUDA_EXT_SIMD_CLONES void gelu_backward_span(const scalar_t* __restrict grad_out
   }
 }
 
-at::Tensor check_cpu(const at::Tensor& t, const char* op, const char* arg) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", arg, " must be a CPU tensor here, got ", t.device());
-  return t.contiguous();
-}
-
 }  // namespace
 
 at::Tensor gelu_cpu(const at::Tensor& x_in, c10::string_view approximate) {
   const GeluApproximate mode = parse_gelu_approximate(approximate);
   check_gelu_input(x_in, "gelu");
-  const at::Tensor x = check_cpu(x_in, "gelu", "x");
+  const at::Tensor x = contiguous_on(x_in, "x", at::kCPU, "gelu");
   at::Tensor y = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_cpu", [&] {
     const scalar_t* src = x.const_data_ptr<scalar_t>();
@@ -75,8 +70,8 @@ at::Tensor gelu_cpu(const at::Tensor& x_in, c10::string_view approximate) {
 at::Tensor gelu_backward_cpu(const at::Tensor& grad_out_in, const at::Tensor& x_in, c10::string_view approximate) {
   const GeluApproximate mode = parse_gelu_approximate(approximate);
   check_gelu_backward_inputs(grad_out_in, x_in);
-  const at::Tensor x = check_cpu(x_in, "gelu_backward", "x");
-  const at::Tensor grad_out = check_cpu(grad_out_in, "gelu_backward", "grad_out");
+  const at::Tensor x = contiguous_on(x_in, "x", at::kCPU, "gelu_backward");
+  const at::Tensor grad_out = contiguous_on(grad_out_in, "grad_out", at::kCPU, "gelu_backward");
   at::Tensor grad_x = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_backward_cpu", [&] {
     const scalar_t* xs = x.const_data_ptr<scalar_t>();

@@ -13,11 +13,6 @@ namespace {
 
 constexpr int64_t kGrain = 16384;  // output elements per parallel task, roughly
 
-at::Tensor check_cpu(const at::Tensor& t, const char* op, const char* arg) {
-  TORCH_CHECK(t.device().is_cpu(), op, ": ", arg, " must be a CPU tensor here, got ", t.device());
-  return t.contiguous();
-}
-
 // Rows per parallel task so that a task handles about kGrain elements.
 int64_t row_grain(int64_t row_length) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, row_length)); }
 
@@ -51,7 +46,7 @@ struct GatherTable {
 
 at::Tensor upsample_bilinear2d_cpu(const at::Tensor& x_in, int64_t scale_factor, bool align_corners) {
   check_upsample_input(x_in, scale_factor);
-  const at::Tensor x = check_cpu(x_in, "upsample_bilinear2d", "x");
+  const at::Tensor x = contiguous_on(x_in, "x", at::kCPU, "upsample_bilinear2d");
   if (scale_factor == 1) return x.clone();  // as F.interpolate: an exact copy
   const int64_t planes = x.size(0) * x.size(1), in_h = x.size(2), in_w = x.size(3);
   at::Tensor y = at::empty({x.size(0), x.size(1), in_h * scale_factor, in_w * scale_factor}, x.options());
@@ -86,7 +81,7 @@ at::Tensor upsample_bilinear2d_backward_cpu(
     const at::Tensor& grad_out_in, int64_t input_height, int64_t input_width, int64_t scale_factor,
     bool align_corners) {
   check_upsample_backward_input(grad_out_in, input_height, input_width, scale_factor);
-  const at::Tensor grad_out = check_cpu(grad_out_in, "upsample_bilinear2d_backward", "grad_out");
+  const at::Tensor grad_out = contiguous_on(grad_out_in, "grad_out", at::kCPU, "upsample_bilinear2d_backward");
   if (scale_factor == 1) return grad_out.clone();
   const int64_t planes = grad_out.size(0) * grad_out.size(1);
   at::Tensor grad_x = at::empty({grad_out.size(0), grad_out.size(1), input_height, input_width}, grad_out.options());

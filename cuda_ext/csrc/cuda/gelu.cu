@@ -111,17 +111,12 @@ void launch_elementwise(int64_t n, const Op& op) {
   }
 }
 
-at::Tensor check_cuda(const at::Tensor& t, const char* op, const char* arg) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor here, got ", t.device());
-  return t.contiguous();
-}
-
 }  // namespace
 
 at::Tensor gelu_cuda(const at::Tensor& x_in, c10::string_view approximate) {
   const GeluApproximate mode = parse_gelu_approximate(approximate);
   check_gelu_input(x_in, "gelu");
-  const at::Tensor x = check_cuda(x_in, "gelu", "x");
+  const at::Tensor x = contiguous_on(x_in, "x", at::kCUDA, "gelu");
   const c10::cuda::CUDAGuard device_guard(x.device());
   at::Tensor y = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gelu_cuda", [&] {
@@ -136,8 +131,8 @@ at::Tensor gelu_cuda(const at::Tensor& x_in, c10::string_view approximate) {
 at::Tensor gelu_backward_cuda(const at::Tensor& grad_out_in, const at::Tensor& x_in, c10::string_view approximate) {
   const GeluApproximate mode = parse_gelu_approximate(approximate);
   check_gelu_backward_inputs(grad_out_in, x_in);
-  const at::Tensor x = check_cuda(x_in, "gelu_backward", "x");
-  const at::Tensor grad_out = check_cuda(grad_out_in, "gelu_backward", "grad_out");
+  const at::Tensor x = contiguous_on(x_in, "x", at::kCUDA, "gelu_backward");
+  const at::Tensor grad_out = contiguous_on(grad_out_in, "grad_out", at::kCUDA, "gelu_backward");
   const c10::cuda::CUDAGuard device_guard(x.device());
   at::Tensor grad_x = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gelu_backward_cuda", [&] {

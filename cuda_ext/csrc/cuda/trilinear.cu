@@ -312,6 +312,9 @@ __global__ void __launch_bounds__(kThreads, (kGridForwardMinBlocks<scalar_t, kOn
   if constexpr (kOnePass) {
     blend_corners<scalar_t, acc_t, VEC>(grid, c, g, out + n * d.channels);
   } else {
+    // Not unrolled: one pass keeps its 8 gathers in flight within the register budget of
+    // kGridForwardMinBlocks; the compiler's own unrolling of the scalar (VEC = 1) path spilled 36 bytes.
+#pragma unroll 1
     for (int64_t v = g; v < d.channels / VEC; v += kGroup) blend_corners<scalar_t, acc_t, VEC>(grid, c, v, out + n * d.channels);
   }
 }
@@ -334,9 +337,11 @@ void with_lane_group(int64_t group, Fn&& fn) {
 // and only its first lane (the head) issues the atomics. Random points almost never share a cell:
 // their warps see no run and skip the shuffles (one ballot decides, warp-uniform).
 struct CellRuns {
-  unsigned run_end;  // first lane after this lane's run in its column (32: the warp's end)
-  bool head;         // this lane issues the run's atomics
-  bool any_merge;    // some lane of the warp has a run longer than one point (same for all lanes)
+  unsigned run_end = 32;   // first lane after this lane's run in its column (32: the warp's end)
+  bool head = true;        // this lane issues the run's atomics
+  bool any_merge = false;  // some lane of the warp has a run longer than one point (same for all lanes)
+
+  CellRuns() = default;  // no runs: for a backward that issues no atomics, so skips the warp-wide step
 
   // offset_lo identifies the target (equal offset_lo => same a0.lo and voxel => equal offset_hi).
   // Inactive lanes (past the last point) are heads of their own run, so nothing merges into them.
@@ -398,7 +403,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   const VoxelPair<acc_t> pair = locate_pair<acc_t>(points + 3 * n, d, q);
-  const CellRuns runs(pair.offset_lo, active);
+  const CellRuns runs = kGridGrad ? CellRuns(pair.offset_lo, active) : CellRuns();
   acc_t dot_lo = acc_t(0), dot_hi = acc_t(0);  // <grad_out[n], voxel> for the lane's two voxels
   // Two copies of the channel loop, chosen once per warp, so the common case (no runs) has no
   // shuffles and no branch inside.

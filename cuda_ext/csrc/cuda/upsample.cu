@@ -120,16 +120,11 @@ __global__ void __launch_bounds__(kThreads) upsample_backward_kernel(
   }
 }
 
-at::Tensor check_cuda(const at::Tensor& t, const char* op, const char* arg) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor here, got ", t.device());
-  return t.contiguous();
-}
-
 }  // namespace
 
 at::Tensor upsample_bilinear2d_cuda(const at::Tensor& x_in, int64_t scale_factor, bool align_corners) {
   check_upsample_input(x_in, scale_factor);
-  const at::Tensor x = check_cuda(x_in, "upsample_bilinear2d", "x");
+  const at::Tensor x = contiguous_on(x_in, "x", at::kCUDA, "upsample_bilinear2d");
   const c10::cuda::CUDAGuard device_guard(x.device());
   if (scale_factor == 1) return x.clone();  // as F.interpolate: an exact copy
   at::Tensor y = at::empty({x.size(0), x.size(1), x.size(2) * scale_factor, x.size(3) * scale_factor}, x.options());
@@ -153,7 +148,7 @@ at::Tensor upsample_bilinear2d_backward_cuda(
     const at::Tensor& grad_out_in, int64_t input_height, int64_t input_width, int64_t scale_factor,
     bool align_corners) {
   check_upsample_backward_input(grad_out_in, input_height, input_width, scale_factor);
-  const at::Tensor grad_out = check_cuda(grad_out_in, "upsample_bilinear2d_backward", "grad_out");
+  const at::Tensor grad_out = contiguous_on(grad_out_in, "grad_out", at::kCUDA, "upsample_bilinear2d_backward");
   const c10::cuda::CUDAGuard device_guard(grad_out.device());
   if (scale_factor == 1) return grad_out.clone();
   at::Tensor grad_x = at::empty({grad_out.size(0), grad_out.size(1), input_height, input_width}, grad_out.options());
