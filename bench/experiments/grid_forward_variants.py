@@ -4,11 +4,12 @@
 Not part of the product: a JIT-built module with the same math as cuda_ext's grid_forward_kernel, in
 two layouts: `fw`, lanes splitting a point's voxels (the quad layout cuda_ext used before), templated
 over lanes per point, which voxels a lane owns, launch bound, store form and cache hints; and
-`fw_split`, lanes splitting its channels (what cuda_ext uses now); `fw_binned`, the channel split over
+`fw_split`, lanes splitting its channels (what cuda_ext uses now), with 4-, 2- or 1-float loads; `fw_binned`, the channel split over
 each block's points reordered by slab of the grid (persistent blocks sweeping the slabs together);
 `fw_range`, the channel split with an L2 range policy keeping the grid's first megabytes resident. Timed
 against F.grid_sample and cuda_ext.grid_interpolate in one run on the op benchmark's 160^3 x 12 grid.
-Needs a GPU and the built extension. Findings: bench/README.md.
+The queued sets (the VARIANTS, SPLITS, BINNED and RANGES macros) are the last run's; earlier runs' sets
+are in bench/README.md with their figures. Needs a GPU and the built extension. Findings: bench/README.md.
 Usage: python3 bench/experiments/grid_forward_variants.py [--json PATH]
 """
 from __future__ import annotations
