@@ -342,7 +342,7 @@ def test_cuda_backward_op_each_gradient_alone(gen, poison_cuda_cache, flags, dty
 
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.bfloat16, 1e-1)])
-@pytest.mark.parametrize("channels", [3, 7, 12])  # 7: the scalar path's loop over channels
+@pytest.mark.parametrize("channels", [3, 7, 12, 32])  # 7: the scalar path's channel loop; 32: 8 vectors
 def test_cuda_reduced_precision_vs_float32(gen, poison_cuda_cache, dtype, tol, channels):
     sizes = (10, 9, 11, channels)
     grid = torch.randn(*sizes, generator=gen).to("cuda", dtype)

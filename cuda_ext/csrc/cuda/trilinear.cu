@@ -179,21 +179,24 @@ __global__ void __launch_bounds__(kThreads)
 
 // Grid kernels move 4 channels at a time (C % 4 == 0); 16 bytes for float32.
 constexpr int kGridVec = 4;
-// Backward: up to this many 4-channel vectors (C <= 16) the channel count is a template argument, so
-// the loop over channels unrolls and a lane's atomics and gathers are all in flight together.
-constexpr int kMaxUnrolledChannelVecs = 4;
-
-// Calls fn(integral_constant<int, V>) with V = channels / VEC when VEC == kGridVec and that is a
-// small count, else V = 0 (channel count known at run time only).
-template <int VEC, typename Fn>
+// Backward: for C = 4, 8, 12, 16 (and 24, 32 below 8-byte types, whose rows would take too many
+// registers) the channel count is a template argument, so the loop over channels unrolls and a lane's
+// atomics and gathers are all in flight together.
+// Calls fn(integral_constant<int, V>) with V = channels / VEC when VEC == kGridVec and that is one of
+// those counts, else V = 0 (channel count known at run time only).
+template <typename scalar_t, int VEC, typename Fn>
 void with_channel_vectors(int64_t channels, Fn&& fn) {
   if constexpr (VEC == kGridVec) {
     switch (channels / VEC) {
       case 1: return fn(std::integral_constant<int, 1>{});
       case 2: return fn(std::integral_constant<int, 2>{});
       case 3: return fn(std::integral_constant<int, 3>{});
-      case kMaxUnrolledChannelVecs: return fn(std::integral_constant<int, kMaxUnrolledChannelVecs>{});
+      case 4: return fn(std::integral_constant<int, 4>{});
       default: break;
+    }
+    if constexpr (sizeof(scalar_t) <= 4) {
+      if (channels / VEC == 6) return fn(std::integral_constant<int, 6>{});
+      if (channels / VEC == 8) return fn(std::integral_constant<int, 8>{});
     }
   }
   fn(std::integral_constant<int, 0>{});
@@ -610,7 +613,7 @@ std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tens
           scalar_t* grad_points_ptr = points_requires_grad ? grad_points.data_ptr<scalar_t>() : nullptr;
           with_vector_width<kGridVec>(wide, [&](auto vec) {
             constexpr int VEC = decltype(vec)::value;
-            with_channel_vectors<VEC>(channels, [&](auto channel_vecs) {
+            with_channel_vectors<scalar_t, VEC>(channels, [&](auto channel_vecs) {
               with_gradient_flags(grid_requires_grad, points_requires_grad, [&](auto grid_grad, auto points_grad) {
                 grid_backward_kernel<scalar_t, VEC, decltype(channel_vecs)::value, decltype(grid_grad)::value,
                                      decltype(points_grad)::value>
