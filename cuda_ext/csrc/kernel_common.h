@@ -1,6 +1,6 @@
 // Small pieces every op family needs on both sides: the HOST_DEVICE marker for math shared by the
-// C++ and CUDA kernels, the dtype and device checks with their user-facing messages, and (in .cu files) the number
-// of blocks that fit on the device at once, for grid-stride launches.
+// C++ and CUDA kernels, the dtype and device checks with their user-facing messages, and (in .cu
+// files) the number of blocks that fit on the device at once, for grid-stride launches.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,8 +26,9 @@ inline void check_floating_dtype(const at::Tensor& t, const char* op, const char
       " must be float32 or float64 (float16/bfloat16 also on CUDA), got ", dtype, " on ", t.device());
 }
 
-// t must live on the backend whose kernel is running. The dispatcher picks the kernel from the first
-// tensor argument, so this catches a second argument on another device before its pointer is used.
+// t must live on the backend whose kernel is running. The dispatcher picks the kernel from all tensor
+// arguments (CUDA wins over CPU), so a CPU tensor can reach a CUDA kernel beside a CUDA one: this stops
+// it before its pointer is used.
 inline void check_device_type(const at::Tensor& t, const char* name, at::DeviceType expected, const char* op) {
   TORCH_CHECK(t.device().type() == expected, op, ": ", name, " must be a ", c10::DeviceTypeName(expected),
               " tensor here, got one on ", t.device());

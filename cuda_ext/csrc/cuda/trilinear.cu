@@ -318,8 +318,8 @@ __global__ void __launch_bounds__(kThreads, (kGridForwardMinBlocks<scalar_t, kOn
   if constexpr (kOnePass) {
     blend_corners<scalar_t, acc_t, VEC>(grid, c, g, out + n * d.channels);
   } else {
-    // Not unrolled: one pass keeps its 8 gathers in flight within the register budget of
-    // kGridForwardMinBlocks; the compiler's own unrolling of the scalar (VEC = 1) path spilled 36 bytes.
+    // Not unrolled: the compiler's own unrolling of the scalar (VEC = 1) path spilled 36 bytes at this
+    // launch bound and ran 1.4x slower (H100, C = 5 to 7: bench/README.md).
 #pragma unroll 1
     for (int64_t v = g; v < d.channels / VEC; v += kGroup) blend_corners<scalar_t, acc_t, VEC>(grid, c, v, out + n * d.channels);
   }
