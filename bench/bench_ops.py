@@ -13,6 +13,7 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -27,7 +28,9 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("custom", "reference", "builtin")
+# custom-in-order: the grid lookup with CUDA_EXT_GRID_REORDER=off (points always visited as given), to show
+# what the bucket order gains on grids larger than L2
+VARIANTS = ("custom", "custom-in-order", "reference", "builtin")
 OPS = ("trilinear", "grid", "upsample", "gelu")
 DTYPE = torch.float32
 CPU_CACHE_BYTES = 32 << 20  # assumed last-level cache of a CPU host; CUDA reads the L2 size from the device
@@ -92,6 +95,24 @@ class Ops:
             return getattr(self.ext, name)(*args, *extra)
 
         return call
+
+    def custom_with_env(self, name: str, **env: str) -> Callable[..., torch.Tensor]:
+        """The custom op called with environment variables set for the call (read by the C++ side)."""
+        call = self.custom(name)
+
+        def with_env(*args: torch.Tensor) -> torch.Tensor:
+            saved = {key: os.environ.get(key) for key in env}
+            os.environ.update(env)
+            try:
+                return call(*args)
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+
+        return with_env
 
     def ref(self, name: str, *extra: Any) -> Callable[..., torch.Tensor]:
         return lambda *args: getattr(self.reference, name)(*args, *extra)
@@ -192,8 +213,9 @@ def grid_cases(s: Sizes, ops: Ops, channels: Optional[int] = None) -> list[Case]
         out_to_canonical=lambda out: out.reshape(c, -1).t(),
         grad_from_canonical=lambda g: g.t().reshape(1, c, -1, 1, 1).contiguous(),
     )
-    variants = {"custom": Variant(ops.custom("grid_interpolate")), "reference": Variant(ops.ref("grid_interpolate")),
-                "builtin": builtin}
+    variants = {"custom": Variant(ops.custom("grid_interpolate")),
+                "custom-in-order": Variant(ops.custom_with_env("grid_interpolate", CUDA_EXT_GRID_REORDER="off")),
+                "reference": Variant(ops.ref("grid_interpolate")), "builtin": builtin}
     backward = ops.backward_op("grid_interpolate")
     distributions = {
         "random": lambda gen: uniform_points(n, gen),

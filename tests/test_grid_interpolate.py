@@ -255,6 +255,16 @@ def test_bad_inputs_raise_naming_the_argument(case):
         OPS.grid_interpolate_backward(grad_out, grid, points, True, True)
 
 
+def test_bad_reorder_setting_raises_naming_the_variable(monkeypatch):
+    grid, points = torch.randn(3, 3, 3, 2, dtype=torch.float64), torch.rand(4, 3, dtype=torch.float64)
+    for mode in ("auto", "off", "always", ""):  # the valid values (empty: unset) are accepted on the CPU too
+        monkeypatch.setenv("CUDA_EXT_GRID_REORDER", mode)
+        torch.testing.assert_close(cuda_ext.grid_interpolate(grid, points), reference.grid_interpolate(grid, points))
+    monkeypatch.setenv("CUDA_EXT_GRID_REORDER", "sometimes")
+    with pytest.raises(RuntimeError, match="CUDA_EXT_GRID_REORDER must be auto, off or always, got 'sometimes'"):
+        cuda_ext.grid_interpolate(grid, points)
+
+
 @pytest.mark.parametrize("grad_out,message", [
     (torch.ones(4, 3, dtype=torch.float64), r"grad_out must have shape \(4, 2\)"),
     (torch.ones(5, 2, dtype=torch.float64), r"grad_out must have shape \(4, 2\)"),
@@ -416,3 +426,76 @@ def test_cuda_inputs_on_different_devices_raise(gen):
         cuda_ext.grid_interpolate(grid, points.cuda())
     with pytest.raises(RuntimeError, match="grad_out and grid must be on the same device"):
         OPS.grid_interpolate_backward(torch.ones(4, 2), grid.cuda(), points.cuda(), True, True)
+
+
+# ------------------------------------------------------------- CUDA: the forward's bucket order (point_buckets.cuh)
+
+
+def _launched_kernels(fn) -> str:
+    """Names of the CUDA kernels fn() launches, space-separated."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(event.name for event in prof.events())
+
+
+def _forward_in_mode(monkeypatch, mode: str, grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    monkeypatch.setenv("CUDA_EXT_GRID_REORDER", mode)
+    out = cuda_ext.grid_interpolate(grid, points)
+    torch.cuda.synchronize()  # a bad index in the bucket order would surface here
+    return out
+
+
+# "always" puts every float32/16/bf16 lookup in bucket order (buckets of ~1/16 of axis 0, probe ignored):
+# the rows must be bit-identical to the lookup in the points' own order, for every lane layout, grids
+# with one or two axis-0 slices, more points than one 2048-point scatter tile and a partial last tile.
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("sizes", CUDA_GRIDS + [(40, 6, 7, 12), (300, 3, 2, 4)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_bucket_order_gives_identical_rows(gen, poison_cuda_cache, monkeypatch, sizes, dtype):
+    grid = torch.randn(*sizes, generator=gen).to("cuda", dtype)
+    points = random_points(5003, gen, device="cuda", dtype=dtype)
+    points[17, 0] = float("nan")
+    want = _forward_in_mode(monkeypatch, "off", grid, points)
+    poison_cuda_cache()
+    got = _forward_in_mode(monkeypatch, "always", grid, points)
+    assert torch.isnan(got[17]).all() and not torch.isnan(got[:17]).any() and not torch.isnan(got[18:]).any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_bucket_order_with_points_sorted_along_rays(gen, poison_cuda_cache, monkeypatch):
+    sizes = (33, 20, 21, 12)
+    grid = torch.randn(*sizes, generator=gen).cuda()
+    points = cell_run_points(9000, sizes[:3], gen).float().cuda()  # runs of neighbours: one warp, one bucket
+    want = _forward_in_mode(monkeypatch, "off", grid, points)
+    poison_cuda_cache()
+    torch.testing.assert_close(_forward_in_mode(monkeypatch, "always", grid, points), want, rtol=0, atol=0)
+
+
+# When the reordering kernels are queued ("auto"): a grid well past the L2 budget and >= 2^20 points of a
+# float type. Whether the probe then reorders is decided on the device; both answers give the same rows.
+@pytest.mark.requires_cuda
+def test_cuda_reorder_decision(gen, monkeypatch):
+    if torch.cuda.get_device_properties(0).L2_cache_size > (100 << 20):
+        pytest.skip("this test's 134 MB grid is within this device's L2 budget")
+    grid = torch.randn(256, 128, 128, 8, device="cuda")  # 134 MB; a slice is 512 KB
+    n = 1 << 20
+    random = torch.rand(n, 3, device="cuda") * 2 - 1
+    sorted_by_axis0 = random[random[:, 0].argsort()]  # neighbours share a bucket: the probe keeps this order
+    for points in (random, sorted_by_axis0):
+        want = _forward_in_mode(monkeypatch, "off", grid, points)
+        monkeypatch.setenv("CUDA_EXT_GRID_REORDER", "auto")
+        launched = _launched_kernels(lambda: cuda_ext.grid_interpolate(grid, points))
+        assert all(k in launched for k in ("order_probe_kernel", "bucket_count_kernel", "bucket_scatter_kernel",
+                                           "grid_forward_kernel"))
+        torch.testing.assert_close(_forward_in_mode(monkeypatch, "auto", grid, points), want, rtol=0, atol=0)
+    monkeypatch.setenv("CUDA_EXT_GRID_REORDER", "auto")
+    for g, p in [(grid, random[: n - 1]),  # too few points
+                 (grid[:, :40, :40].contiguous(), random),  # fits in L2
+                 (grid.double(), random.double())]:  # float64: no reordering
+        launched = _launched_kernels(lambda: cuda_ext.grid_interpolate(g, p))
+        assert "grid_forward_kernel" in launched and "order_probe" not in launched and "bucket" not in launched
+    monkeypatch.setenv("CUDA_EXT_GRID_REORDER", "off")
+    launched = _launched_kernels(lambda: cuda_ext.grid_interpolate(grid, random))
+    assert "grid_forward_kernel" in launched and "order_probe" not in launched and "bucket" not in launched

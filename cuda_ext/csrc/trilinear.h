@@ -10,6 +10,8 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernel_common.h"  // check_device_type
 
@@ -74,6 +76,21 @@ inline void check_grid_inputs(const at::Tensor& grid, const at::Tensor& points, 
   check_device_type(grid, "grid", device, op);
   check_same_kind(points, "points", grid, "grid", op);
   check_floating(grid, op, "grid", device == at::kCUDA);
+}
+
+// CUDA_EXT_GRID_REORDER: in which order the CUDA grid forward visits its points (cuda/point_buckets.cuh):
+// "auto" (the default: in axis-0 bucket order where that can pay), "off" (as given), "always" (in bucket
+// order whenever the dtype allows, even for small inputs: for tests). Read at every lookup; a bad value is
+// an error on both backends, so a typo never passes silently on one. The CPU kernel ignores the mode.
+enum class ReorderMode { kAuto, kOff, kAlways };
+
+inline ReorderMode reorder_mode(const char* op) {
+  const char* value = std::getenv("CUDA_EXT_GRID_REORDER");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return ReorderMode::kAuto;
+  if (std::strcmp(value, "off") == 0) return ReorderMode::kOff;
+  if (std::strcmp(value, "always") == 0) return ReorderMode::kAlways;
+  TORCH_CHECK(false, op, ": the environment variable CUDA_EXT_GRID_REORDER must be auto, off or always, got '",
+              value, "'");
 }
 
 // grad_out must be (N, F) like the forward's output, with the inputs' dtype and device.

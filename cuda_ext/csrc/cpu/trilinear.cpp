@@ -213,6 +213,7 @@ std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cpu(const at::
 
 at::Tensor grid_interpolate_cpu(const at::Tensor& grid_in, const at::Tensor& points_in) {
   check_grid_inputs(grid_in, points_in, at::kCPU, "grid_interpolate");
+  reorder_mode("grid_interpolate");  // validated on both backends; the CPU kernel visits points as given
   const at::Tensor grid = grid_in.contiguous(), points = points_in.contiguous();
   const int64_t n = points.size(0);
   at::Tensor out = at::empty({n, grid.size(3)}, grid.options());

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "ops.h"
+#include "point_buckets.cuh"
 #include "trilinear.h"
 #include "vector_memory.cuh"
 
@@ -259,11 +260,9 @@ struct CornerFrame {  // the 8 voxels as corner 0's offset, one step and one fra
   }
 };
 
-template <typename acc_t, typename scalar_t>
-__device__ __forceinline__ CornerFrame<acc_t> locate_corners(const scalar_t* __restrict__ point, const GridDims& d) {
-  const AxisSample<acc_t> a0 = sample_axis(static_cast<acc_t>(point[0]), d.r0),
-                          a1 = sample_axis(static_cast<acc_t>(point[1]), d.r1),
-                          a2 = sample_axis(static_cast<acc_t>(point[2]), d.r2);
+template <typename acc_t>
+__device__ __forceinline__ CornerFrame<acc_t> locate_corners(acc_t x0, acc_t x1, acc_t x2, const GridDims& d) {
+  const AxisSample<acc_t> a0 = sample_axis(x0, d.r0), a1 = sample_axis(x1, d.r1), a2 = sample_axis(x2, d.r2);
   const int64_t row = d.r2 * d.channels, slice = d.r1 * row;
   CornerFrame<acc_t> c;
   c.base = a0.lo * slice + a1.lo * row + a2.lo * d.channels;
@@ -305,23 +304,35 @@ template <typename scalar_t, bool kOnePass>
 constexpr int kGridForwardMinBlocks = (sizeof(at::opmath_type<scalar_t>) == 8 ? 4 : 8) / (kOnePass ? 1 : 2);
 
 // kOnePass: the group has one lane per channel vector (C / VEC <= 4), so no loop over channels.
-template <typename scalar_t, int VEC, int kGroup, bool kOnePass>
+// kOrdered: slot i is point i, unless `order` holds a bucket order (point_buckets.cuh): then it is the
+// point stored there. A template argument, so lookups that never reorder keep the plain kernel.
+template <typename scalar_t, int VEC, int kGroup, bool kOnePass, bool kOrdered>
 __global__ void __launch_bounds__(kThreads, (kGridForwardMinBlocks<scalar_t, kOnePass>))
-    grid_forward_kernel(const scalar_t* __restrict__ grid, const scalar_t* __restrict__ points,
+    grid_forward_kernel(const scalar_t* __restrict__ grid, const scalar_t* __restrict__ points, PointOrder order,
                         scalar_t* __restrict__ out, int64_t n_points, GridDims d) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int kPointsPerWarp = 32 / kGroup;  // G = 3 leaves lanes 30 and 31 idle
   const int lane = threadIdx.x % 32, g = lane % kGroup;
-  const int64_t n = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32 * kPointsPerWarp + lane / kGroup;
-  if (lane >= kPointsPerWarp * kGroup || n >= n_points) return;
-  const CornerFrame<acc_t> c = locate_corners<acc_t>(points + 3 * n, d);
+  const int64_t slot = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / 32 * kPointsPerWarp + lane / kGroup;
+  if (lane >= kPointsPerWarp * kGroup || slot >= n_points) return;
+  CornerFrame<acc_t> c;
+  scalar_t* out_row;
+  if (kOrdered && order.bucketed()) {  // warp-uniform
+    const float4 entry = __ldcs(order.sorted + slot);
+    c = locate_corners<acc_t>(entry.x, entry.y, entry.z, d);
+    out_row = out + int64_t(__float_as_int(entry.w)) * d.channels;
+  } else {
+    const scalar_t* point = points + 3 * slot;
+    c = locate_corners<acc_t>(static_cast<acc_t>(point[0]), static_cast<acc_t>(point[1]), static_cast<acc_t>(point[2]), d);
+    out_row = out + slot * d.channels;
+  }
   if constexpr (kOnePass) {
-    blend_corners<scalar_t, acc_t, VEC>(grid, c, g, out + n * d.channels);
+    blend_corners<scalar_t, acc_t, VEC>(grid, c, g, out_row);
   } else {
     // Not unrolled: the compiler's own unrolling of the scalar (VEC = 1) path spilled 36 bytes at this
     // launch bound and ran 1.4x slower (H100, C = 5 to 7: bench/README.md).
 #pragma unroll 1
-    for (int64_t v = g; v < d.channels / VEC; v += kGroup) blend_corners<scalar_t, acc_t, VEC>(grid, c, v, out + n * d.channels);
+    for (int64_t v = g; v < d.channels / VEC; v += kGroup) blend_corners<scalar_t, acc_t, VEC>(grid, c, v, out_row);
   }
 }
 
@@ -559,6 +570,14 @@ at::Tensor grid_interpolate_cuda(const at::Tensor& grid_in, const at::Tensor& po
   at::Tensor out = at::empty({n, channels}, grid.options());
   if (out.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grid.scalar_type(), "grid_interpolate_cuda", [&] {
+    // Large grids: visit the points in axis-0 bucket order (point_buckets.cuh). Only where the
+    // accumulation type is float, since the reordered points are stored as floats.
+    constexpr bool kReorderable = std::is_same<at::opmath_type<scalar_t>, float>::value;
+    const ReorderMode mode = reorder_mode(op);
+    const int64_t slices = kReorderable
+        ? bucket_slices(n, grid.size(0), grid.size(1) * grid.size(2) * channels * int64_t(sizeof(scalar_t)), mode)
+        : 0;
+    const BucketedPoints bucketed = bucket_points(points, grid.size(0), slices, mode == ReorderMode::kAlways);
     const scalar_t* grid_ptr = grid.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t vec_bytes = kGridVec * sizeof(scalar_t);
@@ -569,15 +588,22 @@ at::Tensor grid_interpolate_cuda(const at::Tensor& grid_in, const at::Tensor& po
       with_lane_group(vecs < 4 ? vecs : 4, [&](auto group) {
         constexpr int kGroup = decltype(group)::value;
         const int64_t warps = (n + 32 / kGroup - 1) / (32 / kGroup);
-        const auto launch = [&](auto kernel) {
-          kernel<<<block_count(32 * warps, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-              grid_ptr, points.data_ptr<scalar_t>(), out_ptr, n, grid_dims(grid));
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const auto launch = [&](auto one_pass) {
+          constexpr bool kOnePass = decltype(one_pass)::value;
+          const auto run = [&](auto kernel) {
+            kernel<<<block_count(32 * warps, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+                grid_ptr, points.data_ptr<scalar_t>(), bucketed.order, out_ptr, n, grid_dims(grid));
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          };
+          if constexpr (kReorderable) {
+            if (bucketed.order.sorted != nullptr) return run(grid_forward_kernel<scalar_t, VEC, kGroup, kOnePass, true>);
+          }
+          run(grid_forward_kernel<scalar_t, VEC, kGroup, kOnePass, false>);
         };
         if constexpr (kGroup == 4) {  // only a full group can have more channel vectors than lanes
-          if (vecs > kGroup) return launch(grid_forward_kernel<scalar_t, VEC, kGroup, false>);
+          if (vecs > kGroup) return launch(std::false_type{});
         }
-        launch(grid_forward_kernel<scalar_t, VEC, kGroup, true>);
+        launch(std::true_type{});
       });
     });
   });
