@@ -75,7 +75,7 @@ for s in "${stages[@]}"; do
     lego) stage lego python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
     lego-torch) stage lego_torch python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
     grid-channels) stage grid_channels python3 bench/bench_ops.py --device cuda --size full --ops grid \
-      --variants custom,builtin --grid-channels "${GRID_CHANNELS:-1,3,4,7,12,16,24,32}" --budget-s 1 \
+      --variants custom,custom-in-order,builtin --grid-channels "${GRID_CHANNELS:-1,3,4,7,12,16,24,32}" --budget-s 1 \
       --json "$OUT/grid_channels.json" --markdown "$OUT/grid_channels.md" ;;
     grid-variants) stage grid_variants python3 bench/experiments/grid_forward_variants.py --json "$OUT/grid_variants.json" ;;
     grid-slabs) stage grid_slabs python3 bench/experiments/grid_slab_passes.py --json "$OUT/grid_slabs.json" ;;

@@ -23,6 +23,22 @@ import torch
 import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
 
+# cuda_ext's sample_axis (trilinear.h) for float: where a point falls along one axis. Shared by the experiments.
+AXIS_CUDA = r"""
+struct Axis { int64_t lo, hi; float t; };
+__device__ __forceinline__ Axis axis(float x, int64_t size) {
+  const float last = float(size - 1);
+  const float p = (x + 1.f) / 2.f * last;
+  float c = p > 0.f ? p : 0.f;
+  c = c < last ? c : last;
+  int64_t lo = (int64_t)c;
+  const int64_t lo_max = size >= 2 ? size - 2 : 0;
+  lo = lo < lo_max ? lo : lo_max;
+  Axis a; a.lo = lo; a.hi = lo + 1 < size ? lo + 1 : size - 1; a.t = p != p ? p : c - float(lo);
+  return a;
+}
+"""
+
 CUDA_SRC = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
@@ -62,19 +78,7 @@ __device__ __forceinline__ float4 shfl_xor4(float4 v, int o) {
                      __shfl_xor_sync(0xffffffffu, v.z, o, 4), __shfl_xor_sync(0xffffffffu, v.w, o, 4));
 }
 
-struct Axis { int64_t lo, hi; float t; };
-__device__ __forceinline__ Axis axis(float x, int64_t size) {
-  const float last = float(size - 1);
-  const float p = (x + 1.f) / 2.f * last;
-  float c = p > 0.f ? p : 0.f;
-  c = c < last ? c : last;
-  int64_t lo = (int64_t)c;
-  const int64_t lo_max = size >= 2 ? size - 2 : 0;
-  lo = lo < lo_max ? lo : lo_max;
-  Axis a; a.lo = lo; a.hi = lo + 1 < size ? lo + 1 : size - 1; a.t = c - float(lo);
-  return a;
-}
-
+""" + AXIS_CUDA + r"""
 // kLanes lanes per point (4 or 8), each owning 8/kLanes voxels. kStore: 0, the quad's lanes store
 // one channel vector each, one store instruction per vector (each writes half of every 32-byte
 // sector it touches); 1, the warp's output rows go through shared memory so each store instruction
@@ -464,12 +468,15 @@ int64_t get_l2_fetch();
 """
 
 
-def time_ms(fn, reps: int = 50) -> float:
+def time_ms(fn, reps: int = 50, before=None) -> float:
+    """Median CUDA-event time of fn(); before() (untimed) runs ahead of each timed call."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -478,6 +485,16 @@ def time_ms(fn, reps: int = 50) -> float:
         times.append(a.elapsed_time(b))
     times.sort()
     return times[len(times) // 2]
+
+
+def report(results: dict[str, float], base: str, json_path) -> None:
+    """Prints every time with its speed-up over results[base]; writes them as JSON if json_path is set."""
+    width = max(len(k) for k in results)
+    for k, v in results.items():
+        print(f"{k:{width}s} {v:.3f} ms  ({results[base] / v:.2f}x {base})")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ms": results}, f, indent=1)
 
 
 def main() -> int:
@@ -526,11 +543,7 @@ def main() -> int:
     for i, name in enumerate(mod.variant_names()):
         err = (mod.run_variant(i, small, p_small, True) - cuda_ext.grid_interpolate(small, p_small)).abs().max().item()
         print(f"R2=1 grid {name}: max err {err:.1e}")
-    for k, v in results.items():
-        print(f"{k:32s} {v:.3f} ms  ({results['grid_sample'] / v:.2f}x grid_sample)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ms": results}, f, indent=1)
+    report(results, "grid_sample", args.json)
     return 0
 
 

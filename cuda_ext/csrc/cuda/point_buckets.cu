@@ -16,7 +16,9 @@ constexpr int kMaxBuckets = kThreads;  // the scatter kernel gives each bucket o
 constexpr int kTilePoints = 2048;      // points one scatter block places
 constexpr int kCountUnroll = 4;        // points per lane per step of the count kernel, for loads in flight
 constexpr int kProbeWarps = 32, kProbeWindowsPerWarp = 4;  // the probe's 128 windows of 32 consecutive points
-constexpr int64_t kMinPoints = int64_t(1) << 20;  // below this the extra passes cost more than they save
+// Not tuned: on the H100 the count and scatter passes take 0.1 ms for 4M points and save 0.3 ms, so at
+// about 1M points (and launch costs) the saving no longer clearly pays for them.
+constexpr int64_t kMinPoints = int64_t(1) << 20;
 
 // The workspace (int32): the probe's verdict, then points per bucket, then slots taken per bucket.
 constexpr int kCoherent = 0, kCounts = 32, kCursors = kCounts + kMaxBuckets, kWorkspaceInts = kCursors + kMaxBuckets;
