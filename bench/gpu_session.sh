@@ -2,13 +2,13 @@
 # One GPU session in one command: install the pure-Python wheels, build the extension for Hopper,
 # then run the requested stages, logging each under $OUT (default: ./gpu_out).
 #
-#   bench/gpu_session.sh [tests] [grid-tests] [bench] [bench-grid] [train] [lego] [lego-torch] [profile] [grid-variants] [grid-slabs] [grid-channels]
+#   bench/gpu_session.sh [tests] [grid-tests] [bench] [bench-grid] [train] [lego] [lego-in-order] [lego-torch] [profile] [grid-variants] [grid-slabs] [grid-channels]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate.py only
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md; bench-grid: the grid op only
 # train:      the default `python train.py` (built-in scene), custom ops then ops=torch, timed
 # lego:       the shipped blender experiment on $LEGO (default ../shared/data/lego_400 or ./lego_400)
-# lego-torch: the same with ops=torch
+# lego-torch: the same with ops=torch; lego-in-order: with CUDA_EXT_GRID_REORDER=off
 # profile:    300 lego steps with train.profile=true (where a step's time goes)
 # grid-variants: bench/experiments/grid_forward_variants.py -> $OUT/grid_variants.json
 # grid-slabs: bench/experiments/grid_slab_passes.py -> $OUT/grid_slabs.json
@@ -73,6 +73,8 @@ for s in "${stages[@]}"; do
       stage train_custom python3 train.py hydra.run.dir="$OUT/train_custom"
       stage train_torch python3 train.py ops=torch hydra.run.dir="$OUT/train_torch" ;;
     lego) stage lego python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
+    lego-in-order) stage lego_in_order env CUDA_EXT_GRID_REORDER=off python3 train.py +experiment=blender \
+      data.root="$LEGO" hydra.run.dir="$OUT/lego_in_order" ;;
     lego-torch) stage lego_torch python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
     grid-channels) stage grid_channels python3 bench/bench_ops.py --device cuda --size full --ops grid \
       --variants custom,custom-in-order,builtin --grid-channels "${GRID_CHANNELS:-1,3,4,7,12,16,24,32}" --budget-s 1 \
