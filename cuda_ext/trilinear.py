@@ -44,6 +44,9 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
         border padding), then the blend of the 8 voxels around p (``cuda_ext.reference.grid_interpolate``).
 
     Differentiable with respect to ``grid`` (scatter-add) and ``points`` (zero where the clamp holds).
+    On CUDA, a large batch of incoherent points on a grid larger than L2 is visited in axis-0 bucket order
+    (same rows, bit for bit); the environment variable ``CUDA_EXT_GRID_REORDER`` (``auto``, ``off``,
+    ``always``) controls that.
     """
     return _OPS.grid_interpolate(grid, points)
 
