@@ -10,7 +10,8 @@
 // and written by lane 0: no atomics, no zero-fill.
 //
 // Grid op: a voxel's C channels are contiguous (channels-last), read with 4-channel vector loads.
-// The forward gives each point a group of lanes that split its channels (no reduction across lanes);
+// The forward gives each point a group of lanes that split its channels (no reduction across lanes),
+// visiting the points in axis-0 bucket order when the grid is larger than L2 (point_buckets.cuh);
 // the backward gives each point a quad of lanes that split its 8 voxels and scatters w_k * grad_out
 // into grad_grid with atomics; see grid_backward_kernel for what limits it.
 #include <ATen/ATen.h>
