@@ -1,6 +1,6 @@
 // Small pieces every op family needs on both sides: the HOST_DEVICE marker for math shared by the
 // C++ and CUDA kernels, the dtype and device checks with their user-facing messages, and (in .cu
-// files) the number of blocks that fit on the device at once, for grid-stride launches.
+// files) device attributes and the number of blocks that fit on the device at once.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -58,15 +58,20 @@ inline void check_same_device_and_dtype(
 
 namespace cuda_ext {
 
+// An attribute of the current device (SM count, L2 size, ...).
+inline int current_device_attribute(cudaDeviceAttr attribute) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, c10::cuda::current_device()));
+  return value;
+}
+
 // Blocks of `threads` threads of `kernel` that are resident on the whole device at once: the grid
 // size for grid-stride loops (more blocks only queue; fewer leave SMs idle).
 template <typename Kernel>
 int resident_blocks(Kernel kernel, int threads) {
   int per_sm = 0;
-  int sms = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
-  return std::max(per_sm, 1) * sms;
+  return std::max(per_sm, 1) * current_device_attribute(cudaDevAttrMultiProcessorCount);
 }
 
 }  // namespace cuda_ext

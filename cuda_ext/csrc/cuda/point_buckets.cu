@@ -2,11 +2,12 @@
 #include "point_buckets.cuh"
 
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <limits>
+
+#include "kernel_common.h"  // current_device_attribute
 
 namespace cuda_ext {
 namespace {
@@ -22,12 +23,6 @@ constexpr int64_t kMinPoints = int64_t(1) << 20;
 
 // The workspace (int32): the probe's verdict, then points per bucket, then slots taken per bucket.
 constexpr int kCoherent = 0, kCounts = 32, kCursors = kCounts + kMaxBuckets, kWorkspaceInts = kCursors + kMaxBuckets;
-
-int current_device_attribute(cudaDeviceAttr attribute) {
-  int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, c10::cuda::current_device()));
-  return value;
-}
 
 __device__ __forceinline__ int bucket_of(float x0, int64_t r0, int slices) {
   return static_cast<int>(trilinear::sample_axis(x0, r0).lo / slices);
@@ -168,8 +163,9 @@ int64_t bucket_slices(int64_t n, int64_t r0, int64_t slice_bytes, trilinear::Reo
   if (mode == ReorderMode::kOff || n <= 0 || n > std::numeric_limits<int>::max()) return 0;
   const int64_t cells = std::max<int64_t>(r0 - 1, 1);  // values a point's lower axis-0 index takes
   if (mode == ReorderMode::kAlways) return std::max<int64_t>(1, (cells + 15) / 16);
+  if (n < kMinPoints || slice_bytes <= 0) return 0;  // before the device query: most lookups stop here
   const int64_t bucket_budget = current_device_attribute(cudaDevAttrL2CacheSize) / 4;
-  if (n < kMinPoints || slice_bytes <= 0 || slice_bytes > bucket_budget) return 0;
+  if (slice_bytes > bucket_budget) return 0;
   const int64_t slices = std::max(bucket_budget / slice_bytes, (cells + kMaxBuckets - 1) / kMaxBuckets);
   return (cells + slices - 1) / slices >= 4 ? slices : 0;
 }
