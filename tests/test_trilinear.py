@@ -39,8 +39,64 @@ def grads_of(fn, feats: torch.Tensor, points: torch.Tensor, grad_out: torch.Tens
 # ----------------------------------------------------------------------------------------------- CPU
 
 
-def test_corner_order_is_the_tutorials(gen):
-    # A single non-zero corner isolates its weight: corner 1 = (iu, iv, iw) = (0, 0, 1).
+def tutorial_trilinear_interpolation_py(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """The classic tutorial's ``trilinear_interpolation_py`` (kwea123/pytorch-cppcuda-tutorial, test.py; its
+    CUDA kernel in interpolation_kernel.cu uses the same a, b, c, d), line for line, except that ``d`` is
+    written as the product ``v*w`` instead of the tutorial's ``1-a-b-c`` (the same value).
+
+    So corner 1 carries ``(1-u)(1-v)w`` and corner 2 ``(1-u)v(1-w)``: corner ``k = 4*iu + 2*iv + iw``.
+    """
+    u = (points[:, 0:1] + 1) / 2
+    v = (points[:, 1:2] + 1) / 2
+    w = (points[:, 2:3] + 1) / 2
+    a = (1 - v) * (1 - w)
+    b = (1 - v) * w
+    c = v * (1 - w)
+    d = v * w
+    return (1 - u) * (a * feats[:, 0] + b * feats[:, 1] + c * feats[:, 2] + d * feats[:, 3]) + \
+        u * (a * feats[:, 4] + b * feats[:, 5] + c * feats[:, 6] + d * feats[:, 7])
+
+
+def _swap_corners_1_2_and_5_6(feats: torch.Tensor) -> torch.Tensor:
+    return feats[:, [0, 2, 1, 3, 4, 6, 5, 7]]
+
+
+def check_corner_order_is_the_tutorials(gen: torch.Generator, dtype: torch.dtype, device: str) -> None:
+    """Value, grad to feats and grad to points of the public op against the tutorial's formula in float64."""
+    n, f = 200, 7
+    feats = (torch.randn(n, 8, f, generator=gen, dtype=torch.float64) + 0.5).to(device, dtype)  # never all zero
+    points = (torch.rand(n, 3, generator=gen, dtype=torch.float64) * 2 - 1).to(device, dtype)  # in [-1, 1]
+    weights = torch.randn(n, f, generator=gen, dtype=torch.float64).to(device, dtype)  # random-weighted sum
+
+    def value_and_grads(fn, feats, points, weights):
+        feats = feats.detach().requires_grad_()
+        points = points.detach().requires_grad_()
+        out = fn(feats, points)
+        grad_feats, grad_points = torch.autograd.grad((out * weights).sum(), (feats, points))
+        return out.detach(), grad_feats, grad_points
+
+    got = value_and_grads(cuda_ext.trilinear_interpolate, feats, points, weights)
+    want = value_and_grads(tutorial_trilinear_interpolation_py, feats.double(), points.double(), weights.double())
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for name, a, b in zip(["value", "grad_feats", "grad_points"], got, want):
+        assert a.dtype == dtype and a.device == feats.device, name
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+    # These inputs tell the two orders apart: with corners 1<->2 and 5<->6 swapped (k = 4*iu + 2*iw + iv), the
+    # value and the point gradient are far outside the tolerance (the feats gradient is the same swap of weights).
+    swapped = value_and_grads(tutorial_trilinear_interpolation_py, _swap_corners_1_2_and_5_6(feats.double()),
+                              points.double(), weights.double())
+    for a, b in [(swapped[0], want[0]), (swapped[2], want[2])]:
+        assert (a - b).abs().max() > 1e3 * tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_corner_order_is_the_tutorials(gen, dtype):
+    check_corner_order_is_the_tutorials(gen, dtype, "cpu")
+
+
+def test_single_corner_weights(gen):
+    # A single non-zero corner isolates its weight: corner k = 4*iu + 2*iv + iw, so corner 1 = (0, 0, 1).
     points = torch.rand(6, 3, generator=gen, dtype=torch.float64) * 2 - 1
     u, v, w = ((points + 1) / 2).unbind(1)
     for k in range(8):
@@ -185,6 +241,12 @@ def test_bad_grad_out_raises(grad_out, message):
 # ----------------------------------------------------------------------------------------------- CUDA
 
 CUDA_SHAPES = [(1, 1), (7, 3), (50, 4), (33, 13), (129, 64), (40, 256), (11, 1000)]
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_corner_order_is_the_tutorials(gen, dtype):
+    check_corner_order_is_the_tutorials(gen, dtype, "cuda")
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:

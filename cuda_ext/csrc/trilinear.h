@@ -3,7 +3,7 @@
 //
 // Corner order everywhere: k = 4*i0 + 2*i1 + i2, where i_a in {0, 1} picks the low or high corner
 // along axis a (for the pairwise op the axes are u, v, w = (points + 1) / 2; corner 1 is (0,0,1)
-// with weight (1-u)(1-v)w, as in the tutorial's trilinear_interpolate_py).
+// with weight (1-u)(1-v)w, as in the tutorial's trilinear_interpolation_py).
 #pragma once
 
 #include <ATen/ATen.h>
