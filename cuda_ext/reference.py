@@ -1,12 +1,15 @@
 """Pure-PyTorch references for every op in :mod:`cuda_ext`, with the same signatures.
 
 They define what the custom kernels compute, serve as the ``ops=torch`` backend of the model,
-and are what the tests compare against. Autograd differentiates them.
+and are what the tests compare against. Autograd differentiates them. They check their arguments with
+the wrappers' checks (``cuda_ext._checks``), so both backends reject a bad call with the same exception.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from cuda_ext import _checks
 
 __all__ = ["trilinear_interpolate", "grid_interpolate", "upsample_bilinear2d", "gelu"]
 
@@ -21,6 +24,7 @@ def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Te
         (N, F) with (u, v, w) = (points + 1) / 2 and corner k weighted by
         ``(u if iu else 1-u) * (v if iv else 1-v) * (w if iw else 1-w)``.
     """
+    _checks.check_trilinear_inputs(feats, points)
     u = (points[:, 0:1] + 1) / 2
     v = (points[:, 1:2] + 1) / 2
     w = (points[:, 2:3] + 1) / 2
@@ -42,11 +46,21 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     Returns:
         (N, C). Per axis, ``p = (point + 1) / 2 * (R - 1)`` clamped to [0, R - 1]
         (align_corners=True, border padding), then the trilinear blend of the 8 voxels around p.
+        Non-finite coordinates give the custom op's rows: NaN gives a NaN row (its fraction stays NaN;
+        the voxels read are 0 and 1 along that axis, as in the kernel); -inf clamps to voxel 0 and +inf
+        to voxel R-1, except along an axis with R == 1, where (point + 1) / 2 * 0 is NaN and so is the row.
+        The backward runs on them too: the grid gradient is the custom op's (NaN at the voxels a NaN row
+        reads); a NaN row's points gradient is 0 along the NaN axis and NaN along the others, except 0
+        where the clamp holds (the custom op gives NaN there).
     """
+    _checks.check_grid_inputs(grid, points)
     sizes = torch.tensor(grid.shape[:3], device=points.device)
     p = ((points + 1) / 2 * (sizes - 1).to(points.dtype)).clamp(min=0)
-    p = torch.minimum(p, (sizes - 1).to(points.dtype))
-    lo = torch.minimum(p.floor().long(), (sizes - 2).clamp(min=0))  # keep lo+1 inside the grid; t then reaches 1 at the end
+    p = torch.minimum(p, (sizes - 1).to(points.dtype))  # +-inf: the border; NaN stays NaN (clamp and minimum keep it)
+    # The indices come from a NaN-free copy (a NaN's integer cast is undefined: an out-of-range index); t keeps the NaN.
+    p_index = torch.where(torch.isnan(p), torch.zeros_like(p), p).detach()
+    # keep lo+1 inside the grid; t then reaches 1 at the end
+    lo = torch.minimum(p_index.floor().long(), (sizes - 2).clamp(min=0))
     t = p - lo.to(p.dtype)
     hi = torch.minimum(lo + 1, sizes - 1)
     out = torch.zeros(points.shape[0], grid.shape[3], dtype=grid.dtype, device=grid.device)
@@ -62,9 +76,11 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 
 def upsample_bilinear2d(x: torch.Tensor, scale_factor: int, align_corners: bool = False) -> torch.Tensor:
     """(B, C, H, W) -> (B, C, H*s, W*s) bilinear upsampling (``F.interpolate``)."""
+    scale_factor = _checks.check_upsample_inputs(x, scale_factor, align_corners)
     return F.interpolate(x, scale_factor=scale_factor, mode="bilinear", align_corners=align_corners)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """Elementwise GELU, exact (``"none"``, erf) or ``"tanh"`` (``F.gelu``)."""
+    _checks.check_gelu_inputs(x, approximate)
     return F.gelu(x, approximate=approximate)

@@ -1,14 +1,18 @@
 """Typed wrappers, fake (meta) kernels and autograd for the trilinear op family.
 
 The kernels live in ``csrc/cpu/trilinear.cpp`` and ``csrc/cuda/trilinear.cu``; the schemas in
-``csrc/registration.cpp``. The C++ entry points validate their inputs (messages name the
-argument) and make them contiguous, so these wrappers only forward.
+``csrc/registration.cpp``. The wrappers and the fake kernels check their arguments with
+``cuda_ext._checks`` (metadata only; ``ValueError``/``TypeError`` naming the argument), the same checks as
+the C++ entry points, which stay as the backstop for direct ``torch.ops`` calls (``RuntimeError``) and make
+the inputs contiguous.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
+
+from cuda_ext import _checks
 
 __all__ = ["trilinear_interpolate", "grid_interpolate"]
 
@@ -30,6 +34,7 @@ def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Te
     Differentiable with respect to ``feats`` and ``points``; float32/float64 on CPU and CUDA,
     float16/bfloat16 on CUDA (float32 accumulation).
     """
+    _checks.check_trilinear_inputs(feats, points)
     return _OPS.trilinear_interpolate(feats, points)
 
 
@@ -42,12 +47,19 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     Returns:
         (N, C). Per axis ``p = (point + 1) / 2 * (R - 1)`` clamped to [0, R - 1] (align_corners=True,
         border padding), then the blend of the 8 voxels around p (``cuda_ext.reference.grid_interpolate``).
+        Non-finite coordinates (``cuda_ext.reference.grid_interpolate`` gives the same rows): NaN makes the
+        point's row NaN; -inf clamps to voxel 0 and +inf to voxel R-1 like any outside point, except along
+        an axis with R == 1, where (point + 1) / 2 * 0 is NaN and so is the row. The backward runs on them
+        too: a NaN row adds NaN to the grid gradient at the 8 voxels it reads (0 and 1 along the NaN axis;
+        the reference's gradient is the same) and its points gradient is 0 along the NaN axis and NaN along
+        the others (the reference gives 0 instead where the clamp holds).
 
     Differentiable with respect to ``grid`` (scatter-add) and ``points`` (zero where the clamp holds).
     On CUDA, a large batch of incoherent points on a grid larger than L2 is visited in axis-0 bucket order
     (same rows, bit for bit); the environment variable ``CUDA_EXT_GRID_REORDER`` (``auto``, ``off``,
     ``always``) controls that.
     """
+    _checks.check_grid_inputs(grid, points)
     return _OPS.grid_interpolate(grid, points)
 
 
@@ -64,27 +76,28 @@ def _backward_outputs(values: torch.Tensor, points: torch.Tensor, values_require
 
 @torch.library.register_fake("cuda_ext::trilinear_interpolate")
 def _trilinear_fake(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    torch._check(feats.dim() == 3 and points.dim() == 2, lambda: "trilinear_interpolate: feats must be (N, 8, F) "
-                 "and points (N, 3)")
+    _checks.checked_trilinear_inputs(feats, points)
     return feats.new_empty((feats.shape[0], feats.shape[2]))
 
 
 @torch.library.register_fake("cuda_ext::trilinear_interpolate_backward")
 def _trilinear_backward_fake(grad_out: torch.Tensor, feats: torch.Tensor, points: torch.Tensor,
                              feats_requires_grad: bool, points_requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _checks.check_trilinear_backward_inputs(grad_out, feats, points)
     return _backward_outputs(feats, points, feats_requires_grad, points_requires_grad)
 
 
 @torch.library.register_fake("cuda_ext::grid_interpolate")
 def _grid_fake(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    torch._check(grid.dim() == 4 and points.dim() == 2, lambda: "grid_interpolate: grid must be (R0, R1, R2, C) "
-                 "and points (N, 3)")
+    _checks.checked_grid_inputs(grid, points)
+    _checks.check_grid_reorder_setting()
     return grid.new_empty((points.shape[0], grid.shape[3]))
 
 
 @torch.library.register_fake("cuda_ext::grid_interpolate_backward")
 def _grid_backward_fake(grad_out: torch.Tensor, grid: torch.Tensor, points: torch.Tensor,
                         grid_requires_grad: bool, points_requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _checks.check_grid_backward_inputs(grad_out, grid, points)
     return _backward_outputs(grid, points, grid_requires_grad, points_requires_grad)
 
 

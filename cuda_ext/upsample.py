@@ -3,27 +3,13 @@ its fake (meta) kernel for ``torch.compile``, and its autograd formula (a gather
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 
+from cuda_ext import _checks
+
 __all__ = ["upsample_bilinear2d"]
-
-
-def _checked_scale_factor(scale_factor: Any) -> int:
-    """scale_factor as an int >= 1, or ValueError naming it."""
-    try:
-        if isinstance(scale_factor, bool):
-            raise TypeError
-        value = operator.index(scale_factor)
-    except TypeError:
-        raise ValueError(
-            f"scale_factor must be an integer >= 1, got {scale_factor!r} of type {type(scale_factor).__name__}"
-        ) from None
-    if value < 1:
-        raise ValueError(f"scale_factor must be an integer >= 1, got {value}")
-    return value
 
 
 def upsample_bilinear2d(x: torch.Tensor, scale_factor: int, align_corners: bool = False) -> torch.Tensor:
@@ -31,22 +17,26 @@ def upsample_bilinear2d(x: torch.Tensor, scale_factor: int, align_corners: bool 
 
     Args:
         x: (B, C, H, W) float32/float64 tensor (float16/bfloat16 on CUDA, computed in float32).
-        scale_factor: integer s >= 1, the same along H and W.
+        scale_factor: integer s >= 1, the same along H and W (H*s and W*s at most 2**31 - 1).
         align_corners: as in ``F.interpolate``.
     Returns:
-        (B, C, H*s, W*s), contiguous, same dtype and device as ``x``. Differentiable in ``x``.
+        (B, C, H*s, W*s), contiguous, same dtype and device as ``x``. Differentiable in ``x`` to any order
+        (the op is linear: its backward is the adjoint gather, whose own backward is the forward).
+    Raises:
+        TypeError: ``x`` not a tensor or of another dtype, ``scale_factor`` not an int, ``align_corners``
+            not a bool.
+        ValueError: ``x`` not 4-D or on a device without kernels, ``scale_factor`` < 1, sizes too large.
     """
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor of shape (B, C, H, W), got {type(x).__name__}")
-    if not isinstance(align_corners, bool):
-        raise ValueError(f"align_corners must be a bool, got {align_corners!r}")
-    return torch.ops.cuda_ext.upsample_bilinear2d(x, _checked_scale_factor(scale_factor), align_corners)
+    scale = _checks.check_upsample_inputs(x, scale_factor, align_corners)
+    return torch.ops.cuda_ext.upsample_bilinear2d(x, scale, align_corners)
+
+
+# ----------------------------------------------------------------------------------------- fake kernels
 
 
 @torch.library.register_fake("cuda_ext::upsample_bilinear2d")
 def _upsample_fake(x: torch.Tensor, scale_factor: int, align_corners: bool) -> torch.Tensor:
-    torch._check(x.dim() == 4, lambda: f"upsample_bilinear2d: x must be 4-D (B, C, H, W), got {x.dim()}-D")
-    torch._check(scale_factor >= 1, lambda: f"upsample_bilinear2d: scale_factor must be >= 1, got {scale_factor}")
+    _checks.checked_upsample_inputs(x, scale_factor, align_corners)
     b, c, h, w = x.shape
     return x.new_empty((b, c, h * scale_factor, w * scale_factor))
 
@@ -55,8 +45,11 @@ def _upsample_fake(x: torch.Tensor, scale_factor: int, align_corners: bool) -> t
 def _upsample_backward_fake(
     grad_out: torch.Tensor, input_height: int, input_width: int, scale_factor: int, align_corners: bool
 ) -> torch.Tensor:
-    torch._check(grad_out.dim() == 4, lambda: f"upsample_bilinear2d_backward: grad_out must be 4-D, got {grad_out.dim()}-D")
+    _checks.check_upsample_backward_inputs(grad_out, input_height, input_width, scale_factor, align_corners)
     return grad_out.new_empty((grad_out.shape[0], grad_out.shape[1], input_height, input_width))
+
+
+# ----------------------------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:

@@ -248,7 +248,7 @@ def _bad_grid_inputs():
 @pytest.mark.parametrize("case", _bad_grid_inputs(), ids=lambda c: c[0])
 def test_bad_inputs_raise_naming_the_argument(case):
     _, grid, points, message = case
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):  # the wrapper's checks (cuda_ext/_checks.py)
         cuda_ext.grid_interpolate(grid, points)
     grad_out = torch.ones(points.shape[0], grid.shape[-1], dtype=grid.dtype)
     with pytest.raises(RuntimeError, match=message):
@@ -420,10 +420,12 @@ def test_cuda_empty_inputs_and_nan_point(gen):
 @pytest.mark.requires_cuda
 def test_cuda_inputs_on_different_devices_raise(gen):
     grid, points = torch.randn(3, 3, 3, 2), torch.rand(4, 3)
-    with pytest.raises(RuntimeError, match="points and grid must be on the same device"):
+    with pytest.raises(ValueError, match="points and grid must be on the same device"):
         cuda_ext.grid_interpolate(grid.cuda(), points)
-    with pytest.raises(RuntimeError, match="grid must be a CUDA tensor"):
+    with pytest.raises(ValueError, match="points and grid must be on the same device"):
         cuda_ext.grid_interpolate(grid, points.cuda())
+    with pytest.raises(RuntimeError, match="grid must be a CUDA tensor"):
+        OPS.grid_interpolate(grid, points.cuda())
     with pytest.raises(RuntimeError, match="grad_out and grid must be on the same device"):
         OPS.grid_interpolate_backward(torch.ones(4, 2), grid.cuda(), points.cuda(), True, True)
 

@@ -156,19 +156,25 @@ def test_opcheck(s, align):
 
 @pytest.mark.parametrize("shape", [(3, 4, 5), (1, 2, 3, 4, 5), ()])
 def test_wrong_ndim(shape):
-    with pytest.raises(RuntimeError, match=r"x must be 4-D \(B, C, H, W\)"):
+    with pytest.raises(ValueError, match=r"x must be 4-D \(B, C, H, W\)"):
         ours(torch.randn(shape), 2, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.float16, torch.bfloat16])
 def test_bad_dtype_on_cpu(dtype):
-    with pytest.raises(RuntimeError, match="x must be float32 or float64"):
+    with pytest.raises(TypeError, match="x must be float32 or float64"):
         ours(torch.zeros(1, 1, 2, 2, dtype=dtype), 2, False)
 
 
-@pytest.mark.parametrize("scale_factor", [0, -1, 1.5, 2.0, True, "2", None])
+@pytest.mark.parametrize("scale_factor", [0, -1])
 def test_bad_scale_factor(scale_factor):
     with pytest.raises(ValueError, match="scale_factor must be an integer >= 1"):
+        ours(torch.randn(1, 1, 2, 2), scale_factor, False)
+
+
+@pytest.mark.parametrize("scale_factor", [1.5, 2.0, True, "2", None])
+def test_scale_factor_not_an_int(scale_factor):
+    with pytest.raises(TypeError, match="scale_factor must be an integer >= 1"):
         ours(torch.randn(1, 1, 2, 2), scale_factor, False)
 
 
@@ -178,19 +184,21 @@ def test_bad_scale_factor_reaches_cpp_check():
 
 
 def test_bad_align_corners():
-    with pytest.raises(ValueError, match="align_corners must be a bool"):
+    with pytest.raises(TypeError, match="align_corners must be a bool"):
         ours(torch.randn(1, 1, 2, 2), 2, "yes")
 
 
 def test_not_a_tensor():
-    with pytest.raises(ValueError, match="x must be a torch.Tensor"):
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         ours([[1.0]], 2, False)
 
 
 def test_huge_size_raises():
     x = torch.zeros(1, dtype=torch.float32).expand(1, 1, 1, 2**30)  # no memory behind it
-    with pytest.raises(RuntimeError, match="x width times scale_factor must be at most"):
+    with pytest.raises(ValueError, match="x width times scale_factor must be at most"):
         ours(x, 4, False)
+    with pytest.raises(RuntimeError, match="x width times scale_factor must be at most"):
+        torch.ops.cuda_ext.upsample_bilinear2d(x, 4, False)  # the C++ check, for direct calls
 
 
 @pytest.mark.parametrize("grad_shape,match", [
@@ -277,7 +285,7 @@ def test_cuda_non_contiguous_and_empty():
 
 @requires_cuda
 def test_cuda_integer_dtype_raises():
-    with pytest.raises(RuntimeError, match="x must be float32 or float64"):
+    with pytest.raises(TypeError, match="x must be float32 or float64"):
         ours(torch.zeros(1, 1, 2, 2, dtype=torch.int32, device="cuda"), 2, False)
 
 
