@@ -23,6 +23,26 @@ def with_cuda() -> bool:
     return torch.version.cuda is not None
 
 
+def shared_libstdcxx_link_args() -> list:
+    """The shared libstdc++ that torch runs with, as a link input (Linux), so the extension uses it.
+
+    Why: a compiler set up to link libstdc++ statically (seen on the lent GPU machines: Python's own
+    /opt/gcc/bin/g++) copies iostreams and locales from libstdc++.a into the extension. That copy's locale
+    is never initialised, so formatting a number there (any TORCH_CHECK message with a size) segfaults.
+    Naming the process's libstdc++.so first makes the linker resolve against it and take nothing from the
+    archive (bench/experiments/cpp_exception_probe.py: the same probe crashes without it, raises with it).
+    Where the compiler links the shared library anyway, this is the same library and changes nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    with open("/proc/self/maps") as maps:  # torch (imported above) has loaded the process's libstdc++
+        for line in maps:
+            path = line.split()[-1]
+            if "libstdc++.so" in path and os.path.exists(path):
+                return [os.path.realpath(path)]
+    return []
+
+
 def extension():
     cpp_sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
     cxx_flags = ["-O3"]  # no -std: BuildExtension picks the standard this torch was built with (C++20 from 2.10 on)
@@ -32,6 +52,7 @@ def extension():
     if sys.platform.startswith("linux"):
         cxx_flags.append("-fopenmp")  # at::parallel_for is header-inlined OpenMP: without it, CPU kernels run serially
     link_args = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    link_args = shared_libstdcxx_link_args() + link_args
     if with_cuda():
         cu_sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
         nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]

@@ -18,7 +18,7 @@ def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Te
     """Blend each point's 8 cell-corner features (the tutorial's formula).
 
     Args:
-        feats: (N, 8, F) corner features; corner ``k = 4*iu + 2*iv + iw``.
+        feats: (N, 8, F) corner features; corner ``k = 4*iu + 2*iw + iv``.
         points: (N, 3) local coordinates (x, y, z) in [-1, 1].
     Returns:
         (N, F) with (u, v, w) = (points + 1) / 2 and corner k weighted by
@@ -29,8 +29,8 @@ def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Te
     v = (points[:, 1:2] + 1) / 2
     w = (points[:, 2:3] + 1) / 2
     a = (1 - v) * (1 - w)
-    b = (1 - v) * w
-    c = v * (1 - w)
+    b = v * (1 - w)
+    c = (1 - v) * w
     d = v * w
     return (1 - u) * (a * feats[:, 0] + b * feats[:, 1] + c * feats[:, 2] + d * feats[:, 3]) + u * (
         a * feats[:, 4] + b * feats[:, 5] + c * feats[:, 6] + d * feats[:, 7]

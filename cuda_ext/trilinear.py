@@ -23,9 +23,8 @@ def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Te
     """Blend each point's 8 cell-corner features.
 
     Args:
-        feats: (N, 8, F) corner features; corner ``k = 4*iu + 2*iv + iw``, the order of the tutorial's
-            ``trilinear_interpolation_py`` (corner 1 has weight ``(1-u)(1-v)w``). Issue 2 writes
-            ``4*iu + 2*iw + iv`` but also "the same corner order as the tutorial"; we follow the tutorial.
+        feats: (N, 8, F) corner features; corner ``k = 4*iu + 2*iw + iv``: corner 1 has weight
+            ``(1-u) v (1-w)`` and corner 2 ``(1-u)(1-v) w`` (issue 14).
         points: (N, 3) local coordinates in [-1, 1]; (u, v, w) = (points + 1) / 2.
     Returns:
         (N, F): ``sum_k weight_k * feats[:, k]`` with weight

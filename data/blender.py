@@ -142,7 +142,8 @@ def load_blender(
     """Load one split of a blender-format scene.
 
     Images are decoded in parallel threads, composited on ``background`` (RGB in [0, 1]; images without alpha are
-    opaque), area-averaged by ``downscale`` and kept as (V, H/d, W/d, 3) uint8 on the CPU; move the scene with
+    opaque), area-averaged by ``downscale`` and kept as (V, H/d, W/d, 3) uint8 on the CPU, with their alpha
+    (V, H/d, W/d) uint8 when any image has one (``Scene.alpha``); move the scene with
     ``Scene.to``. The scene box is [-scene_box, scene_box]^3. Every problem with the files raises
     :class:`SceneError` naming the file, before any image is decoded where possible.
     """
@@ -177,9 +178,13 @@ def load_blender(
                 )
         decoded = list(pool.map(lambda image: load_composited(image, background, downscale), images))
 
-    height, width = decoded[0].shape[:2]
+    height, width = decoded[0][0].shape[:2]
+    alphas = [alpha for _, alpha in decoded]
+    alpha = None
+    if any(a is not None for a in alphas):  # images without alpha are opaque
+        alpha = torch.from_numpy(np.stack([np.full((height, width), 255, np.uint8) if a is None else a for a in alphas]))
     return Scene(
-        images=torch.from_numpy(np.stack(decoded)),
+        images=torch.from_numpy(np.stack([rgb for rgb, _ in decoded])),
         c2w=torch.from_numpy(matrices.astype(np.float32)),
         height=height,
         width=width,
@@ -190,6 +195,7 @@ def load_blender(
         background=background,
         split=split,
         names=[frame["file_path"] for frame in frames],
+        alpha=alpha,
     )
 
 

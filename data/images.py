@@ -70,15 +70,23 @@ def composite_uint8(pixels: np.ndarray, background: tuple[float, float, float]) 
     return mixed.astype(np.uint8)
 
 
-def load_composited(path: Path, background: tuple[float, float, float], downscale: int) -> np.ndarray:
-    """Read one image, composite it on ``background`` and area-downscale it -> (H/d, W/d, 3) uint8."""
+def load_composited(path: Path, background: tuple[float, float, float], downscale: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Read one image, composite it on ``background`` and area-downscale it.
+
+    Returns (H/d, W/d, 3) uint8 colour and the (H/d, W/d) uint8 alpha it was composited with (area-averaged the
+    same way), or None for an image without alpha. With both, the image on any other background B' is
+    ``rgb + (B' - background) * (1 - alpha)``: training on random backgrounds needs no second copy.
+    """
     pixels = read_rgba(path)
     height, width = pixels.shape[:2]
     if height % downscale or width % downscale:
         raise SceneError(f"{path}: image size {height}x{width} is not divisible by downscale={downscale}")
+    alpha = pixels[..., 3] if pixels.shape[-1] == 4 else None
     if downscale == 1:
-        return composite_uint8(pixels, background)
-    return to_uint8(area_downscale(composite(pixels, background), downscale))
+        return composite_uint8(pixels, background), alpha
+    if alpha is not None:
+        alpha = to_uint8(area_downscale(alpha[..., None].astype(np.float32), downscale))[..., 0]
+    return to_uint8(area_downscale(composite(pixels, background), downscale)), alpha
 
 
 def image_size(path: Path) -> tuple[int, int]:

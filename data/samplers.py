@@ -18,7 +18,8 @@ from data.scene import Scene
 class RayBatch:
     """origins, directions (B, 3) float32 (unit directions); rgb (B, 3) float32 in [0, 1].
 
-    views (B,) and pixels (B, 2) (row, column) int64 say where each ray came from.
+    views (B,) and pixels (B, 2) (row, column) int64 say where each ray came from; alpha (B,) float32 in [0, 1]
+    is the pixels' coverage when the scene has it (rgb is composited on the scene's background).
     """
 
     origins: torch.Tensor
@@ -26,6 +27,7 @@ class RayBatch:
     rgb: torch.Tensor
     views: torch.Tensor | None = None
     pixels: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,6 +38,7 @@ class PatchBatch:
     hr_directions:       (n, sP, sP, 3) one ray per target pixel centre (same origins).
     rgb:                 (n, sP, sP, 3) float32 target pixels in [0, 1].
     views (n,) and top_left (n, 2) (row y0, column x0) int64 say where each patch came from.
+    alpha:               (n, sP, sP) float32 coverage of the target pixels when the scene has it.
     """
 
     origins: torch.Tensor
@@ -44,6 +47,7 @@ class PatchBatch:
     rgb: torch.Tensor
     views: torch.Tensor | None = None
     top_left: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
 
 
 def _positive_int(name: str, value) -> int:
@@ -78,6 +82,11 @@ class _SceneSampler:
         """Float rgb in [0, 1] of the uint8 images at broadcast index tensors -> (*shape, 3)."""
         return self.scene.images[views, rows, cols].float().div_(255.0)
 
+    def _alpha(self, views: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor | None:
+        """Float coverage in [0, 1] at broadcast index tensors -> (*shape,), or None for opaque scenes."""
+        alpha = self.scene.alpha
+        return None if alpha is None else alpha[views, rows, cols].float().div_(255.0)
+
 
 class RaySampler(_SceneSampler):
     """Uniformly random pixels over all views: ``sample()`` -> :class:`RayBatch` of ``batch_size`` rays."""
@@ -94,7 +103,8 @@ class RaySampler(_SceneSampler):
         rows = torch.div(within, width, rounding_mode="floor")
         cols = within - rows * width
         origins, directions = pixel_rays(self.c2w[views], cols + 0.5, rows + 0.5, *self.intrinsics)
-        return RayBatch(origins, directions, self._pixels(views, rows, cols), views, torch.stack([rows, cols], -1))
+        return RayBatch(origins, directions, self._pixels(views, rows, cols), views, torch.stack([rows, cols], -1),
+                        self._alpha(views, rows, cols))
 
 
 class PatchSampler(_SceneSampler):
@@ -142,4 +152,5 @@ class PatchSampler(_SceneSampler):
         cols = x0[:, None, None] + self.hr_offsets[None, None, :]  # (n, 1, sP)
         _, hr_directions = pixel_rays(c2w, cols + 0.5, rows + 0.5, *self.intrinsics)
         rgb = self._pixels(views[:, None, None], rows, cols)
-        return PatchBatch(origins, directions, hr_directions, rgb, views, torch.stack([y0, x0], -1))
+        return PatchBatch(origins, directions, hr_directions, rgb, views, torch.stack([y0, x0], -1),
+                          self._alpha(views[:, None, None], rows, cols))

@@ -20,6 +20,8 @@ class Scene:
     background: RGB in [0, 1] that transparent pixels were composited on.
     split:      the split's name (``"train"``, ``"val"``, ``"test"``, ...).
     names:      the frames' ``file_path`` as written in the transforms file.
+    alpha:      (V, H, W) uint8 coverage the images were composited with, or None (opaque images). The view
+                on another background B' is ``images + (B' - background) * (1 - alpha)`` (in [0, 1] units).
     """
 
     images: torch.Tensor
@@ -33,6 +35,7 @@ class Scene:
     background: tuple[float, float, float]
     split: str
     names: list[str]
+    alpha: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         views = self.images.shape[0] if self.images.dim() == 4 else -1
@@ -43,6 +46,10 @@ class Scene:
             )
         if self.c2w.dtype != torch.float32 or tuple(self.c2w.shape) != (views, 4, 4):
             raise ValueError(f"Scene.c2w must be float32 of shape ({views}, 4, 4), got {self.c2w.dtype} {tuple(self.c2w.shape)}")
+        if self.alpha is not None and (self.alpha.dtype != torch.uint8 or
+                                       tuple(self.alpha.shape) != (views, self.height, self.width)):
+            raise ValueError(f"Scene.alpha must be None or uint8 of shape ({views}, {self.height}, {self.width}), "
+                             f"got {self.alpha.dtype} {tuple(self.alpha.shape)}")
         if tuple(self.bbox.shape) != (2, 3):
             raise ValueError(f"Scene.bbox must have shape (2, 3), got {tuple(self.bbox.shape)}")
         if len(self.names) != views:
@@ -59,7 +66,8 @@ class Scene:
         return self.images.device
 
     def to(self, device: torch.device | str) -> "Scene":
-        """A copy with images, cameras and box on ``device`` (the images stay uint8)."""
+        """A copy with images, alpha, cameras and box on ``device`` (the images stay uint8)."""
         return dataclasses.replace(
-            self, images=self.images.to(device), c2w=self.c2w.to(device), bbox=self.bbox.to(device)
+            self, images=self.images.to(device), c2w=self.c2w.to(device), bbox=self.bbox.to(device),
+            alpha=None if self.alpha is None else self.alpha.to(device),
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 DIR_ENCODING = re.compile(r"^(none|sh[0-3]|pe[0-9]+)$")
 GELU_MODES = ("none", "tanh")
+SHADING_MODES = ("deferred", "per_sample")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ModelConfig:
     tv_features: float
     tv_until: float
     tv_samples: int
+    shading: str
+    shrink_at: float | int | None
+    shrink_threshold: float
 
 
 def _get(cfg: Mapping, key: str, prefix: str = "model") -> Any:
@@ -105,6 +109,14 @@ def parse_model_config(cfg: Mapping) -> ModelConfig:
     gelu_approximate = _get(cfg, "gelu_approximate")
     if gelu_approximate not in GELU_MODES:
         raise ValueError(f"model.gelu_approximate: expected 'none' or 'tanh', got {gelu_approximate!r}")
+    shading = cfg.get("shading", "deferred")
+    if shading not in SHADING_MODES:
+        raise ValueError(f"model.shading: expected 'deferred' or 'per_sample', got {shading!r}")
+    shrink_at = cfg.get("shrink_at")
+    if shrink_at is not None:
+        is_step = isinstance(shrink_at, int) and not isinstance(shrink_at, bool) and shrink_at >= 1
+        if not (is_step or (isinstance(shrink_at, float) and 0.0 < shrink_at < 1.0)):
+            raise ValueError(f"model.shrink_at: must be null, a step >= 1 (int) or a fraction in (0, 1), got {shrink_at!r}")
     parsed = ModelConfig(
         resolution_start=_int(cfg, "resolution_start", 2),
         resolution_end=_int(cfg, "resolution_end", 2),
@@ -130,7 +142,12 @@ def parse_model_config(cfg: Mapping) -> ModelConfig:
         tv_features=_float(cfg, "tv_features", 0.0),
         tv_until=_float(cfg, "tv_until", 0.0, 1.0),
         tv_samples=_int(cfg, "tv_samples", 0),
+        shading=shading,
+        shrink_at=shrink_at,
+        shrink_threshold=_float(cfg, "shrink_threshold", 0.0, 1.0) if "shrink_threshold" in cfg else 1e-3,
     )
+    if parsed.shading == "per_sample" and parsed.upsample != 1:
+        raise ValueError(f"model.upsample: per-sample shading decodes every sample, so it needs upsample=1, got {parsed.upsample}")
     if parsed.resolution_start > parsed.resolution_end:
         raise ValueError(
             f"model.resolution_start: must be <= model.resolution_end ({parsed.resolution_end}), got {parsed.resolution_start}"

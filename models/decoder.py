@@ -95,7 +95,44 @@ class DirectionEncoding(nn.Module):
         return positional_encoding(directions, int(self.name[2:]))
 
 
-class Decoder(nn.Module):
+class _ShadingMLP(nn.Module):
+    """The MLP both decoders share: GELU layers (``ops.gelu``) and a last layer that starts at zero, so a
+    decoder starts as the identity on the diffuse colour. Subclasses say what goes in and how it is used."""
+
+    def __init__(self, inputs: int, hidden: int, layers: int, dir_encoding: str, gelu_approximate: str, ops: OpSet):
+        super().__init__()
+        self.ops = ops
+        self.gelu_approximate = gelu_approximate
+        self.encoding = DirectionEncoding(dir_encoding)
+        widths = [inputs + self.encoding.dim] + [hidden] * layers
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.out = nn.Linear(widths[-1], 3)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def residual(self, inputs: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+        """(N, inputs), (N, 3) unit directions -> (N, 3)."""
+        x = torch.cat([inputs, self.encoding(directions)], dim=-1)
+        for layer in self.hidden:
+            x = self.ops.gelu(layer(x), self.gelu_approximate)
+        return self.out(x)
+
+
+class SampleDecoder(_ShadingMLP):
+    """Per-sample shading (DirectVoxGO / TensoRF style), applied before compositing.
+
+    forward(features (N,F), directions (N,3) unit) -> (N,3) colour in (0,1):
+    ``sigmoid(features[:, :3] + mlp(features, encoding(direction)))``. The first 3 channels stay a diffuse
+    colour logit (the residual starts at zero), so the grid learns most of the colour at grid learning rates
+    while the MLP adds what depends on the view at that point: highlights and reflections that a per-pixel
+    decoder only sees averaged along the ray.
+    """
+
+    def forward(self, features: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(features[:, :DIFFUSE_CHANNELS] + self.residual(features, directions))
+
+
+class Decoder(_ShadingMLP):
     """Per-pixel MLP: the view-dependent residual added to the composited diffuse colour.
 
     forward(diffuse (N,3), features (N,F'), opacity (N,), directions (N,3) unit) -> (N, 3) foreground colour
@@ -103,20 +140,10 @@ class Decoder(nn.Module):
     """
 
     def __init__(self, feature_dim: int, hidden: int, layers: int, dir_encoding: str, gelu_approximate: str, ops: OpSet):
-        super().__init__()
-        self.ops = ops
-        self.gelu_approximate = gelu_approximate
-        self.encoding = DirectionEncoding(dir_encoding)
-        widths = [DIFFUSE_CHANNELS + feature_dim + self.encoding.dim] + [hidden] * layers
-        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
-        self.out = nn.Linear(widths[-1], 3)
-        nn.init.zeros_(self.out.weight)
-        nn.init.zeros_(self.out.bias)
+        super().__init__(DIFFUSE_CHANNELS + feature_dim, hidden, layers, dir_encoding, gelu_approximate, ops)
 
     def forward(
         self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor
     ) -> torch.Tensor:
-        x = torch.cat([diffuse, features, self.encoding(directions)], dim=-1)
-        for layer in self.hidden:
-            x = self.ops.gelu(layer(x), self.gelu_approximate)
-        return diffuse + opacity[:, None] * self.out(x)
+        residual = self.residual(torch.cat([diffuse, features], dim=-1), directions)
+        return diffuse + opacity[:, None] * residual

@@ -39,6 +39,20 @@ def resample(grid: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     return resized[0].permute(1, 2, 3, 0).contiguous()
 
 
+def resample_box(grid: torch.Tensor, old_bbox: torch.Tensor, new_bbox: torch.Tensor,
+                 shape: tuple[int, int, int]) -> torch.Tensor:
+    """The field of a channels-last (R0, R1, R2, C) grid spanning ``old_bbox``, sampled (trilinear, border
+    clamp) at the vertices of a grid of ``shape`` spanning ``new_bbox`` -> ``shape`` + (C,). Boxes: (2, 3)."""
+    axes = [torch.linspace(float(new_bbox[0, a]), float(new_bbox[1, a]), shape[a], device=grid.device,
+                           dtype=grid.dtype) for a in range(3)]
+    points = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)
+    unit = to_unit(points, old_bbox.to(grid.device)).clamp(-1.0, 1.0)
+    # grid_sample wants (x, y, z) = (axis 2, axis 1, axis 0) and channels first
+    sampled = F.grid_sample(grid.permute(3, 0, 1, 2).unsqueeze(0), unit.flip(-1).unsqueeze(0).to(grid.dtype),
+                            mode="bilinear", padding_mode="border", align_corners=True)
+    return sampled[0].permute(1, 2, 3, 0).contiguous()
+
+
 class VoxelGrid(nn.Module):
     """A learnable (R0, R1, R2, C) channels-last grid, queried only through ``ops.grid_interpolate``."""
 
@@ -145,6 +159,7 @@ __all__ = [
     "voxel_size",
     "to_unit",
     "resample",
+    "resample_box",
     "VoxelGrid",
     "OccupancyGrid",
     "optical_depth",

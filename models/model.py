@@ -18,6 +18,7 @@ density grid every ``occupancy.refresh_every`` steps after ``occupancy.warmup``.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -26,8 +27,8 @@ import torch.nn as nn
 from data.rays import camera_rays
 from data.samplers import PatchBatch
 from models.config import ModelConfig, parse_model_config
-from models.decoder import DIFFUSE_CHANNELS, Decoder
-from models.field import OccupancyGrid, VoxelGrid, grid_shape, optical_depth, to_unit, voxel_size
+from models.decoder import DIFFUSE_CHANNELS, Decoder, SampleDecoder
+from models.field import OccupancyGrid, VoxelGrid, grid_shape, optical_depth, resample_box, to_unit, voxel_size
 from models.ops import OpSet
 from models.render import (
     PackedSamples,
@@ -69,21 +70,37 @@ class VoxelNeRF(nn.Module):
         self.config: ModelConfig = parse_model_config(cfg)
         self.ops = ops
         self.near, self.far = float(near), float(far)
-        self.extent = tuple(float(e) for e in (bbox[1] - bbox[0]).tolist())
+        # the scene's box: sets the voxel budget (resolution counts vertices along its longest side) and the
+        # density unit; ``bbox`` is where the grids are now (smaller after shrink_to_occupied)
+        self.initial_extent = tuple(float(e) for e in (bbox[1] - bbox[0]).tolist())
+        self.extent = self.initial_extent
         self.register_buffer("bbox", bbox.clone())
         self.register_buffer("background", torch.tensor(self.config.background, dtype=torch.float32))
 
         c = self.config
-        shape = grid_shape(self.extent, self.resolution_at(0, 1))
+        self._resolution = self.resolution_at(0, 1)
+        self.shrunk = False
+        shape = self.shape_at(self._resolution)
         # density in units of the final grid's voxel, so the field's meaning does not change as the grid grows
         self.base_voxel = voxel_size(self.extent, grid_shape(self.extent, c.resolution_end))
         self.density = VoxelGrid(shape, 1)
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)
-        self.decoder = Decoder(
-            c.feature_dim - DIFFUSE_CHANNELS, c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops
-        )
+        if c.shading == "per_sample":
+            self.decoder = SampleDecoder(c.feature_dim, c.decoder_hidden, c.decoder_layers, c.dir_encoding,
+                                         c.gelu_approximate, ops)
+        else:
+            self.decoder = Decoder(c.feature_dim - DIFFUSE_CHANNELS, c.decoder_hidden, c.decoder_layers, c.dir_encoding,
+                                   c.gelu_approximate, ops)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
+
+    # the schedule's state travels with the weights: state_dict "_extra_state" = (resolution, shrunk) int64
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([self._resolution, int(self.shrunk)], dtype=torch.int64)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self._resolution, self.shrunk = int(state[0]), bool(state[1])
+        self.extent = tuple(float(e) for e in (self.bbox[1] - self.bbox[0]).tolist())  # bbox is loaded first
 
     # ------------------------------------------------------------------ geometry and schedule
     @property
@@ -97,8 +114,17 @@ class VoxelNeRF(nn.Module):
 
     @property
     def resolution(self) -> int:
-        """Vertices along the box's longest side."""
-        return max(self.density.shape)
+        """The schedule's resolution: vertices along the scene box's longest side at this voxel size (the grid
+        holds about as many voxels after the box shrinks, over a smaller box: finer voxels)."""
+        return self._resolution
+
+    def shape_at(self, resolution: int) -> tuple[int, int, int]:
+        """Grid shape over the current box for ``resolution``: the scene box's voxel count at that resolution."""
+        if self.extent == self.initial_extent:
+            return grid_shape(self.extent, resolution)
+        voxel = max(self.initial_extent) / (resolution - 1)
+        voxel *= (math.prod(self.extent) / math.prod(self.initial_extent)) ** (1.0 / 3.0)
+        return tuple(max(2, round(e / voxel) + 1) for e in self.extent)
 
     @property
     def step_size(self) -> float:
@@ -120,10 +146,48 @@ class VoxelNeRF(nn.Module):
 
         The occupancy grid is reset to all-occupied at the new shape (on_step rebuilds it after warm-up).
         """
-        shape = grid_shape(self.extent, resolution)
+        self._resolution = resolution
+        shape = self.shape_at(resolution)
         self.density.resize(shape)
         self.features.resize(shape)
         self.occupancy.fill(shape)
+
+    def shrink_step(self, total_steps: int) -> int | None:
+        """The step after which the box shrinks to the occupied region (None: never)."""
+        at = self.config.shrink_at
+        if at is None:
+            return None
+        return at if isinstance(at, int) else max(1, round(at * total_steps))
+
+    @torch.no_grad()
+    def shrink_to_occupied(self, resolution: int) -> bool:
+        """Move the grids' box to the region whose density is visible, and resample both grids into it at
+        ``resolution`` (DirectVoxGO's coarse-geometry box, TensoRF's shrink): the same voxel budget then buys
+        finer voxels on the object. Occupied = per-vertex alpha at the current sampling step >= shrink_threshold,
+        plus a margin of two voxels. Returns False (nothing changed) when no vertex is occupied.
+        """
+        c = self.config
+        sigma_delta = optical_depth(self.density.grid[..., 0], c.density_shift, self.step_size / self.base_voxel)
+        occupied = (-torch.expm1(-sigma_delta) >= c.shrink_threshold).nonzero()
+        if occupied.shape[0] == 0:
+            return False
+        last = torch.tensor(self.grid_shape, device=occupied.device) - 1
+        low = (occupied.min(0).values - 2).clamp(min=0)
+        high = torch.minimum(occupied.max(0).values + 2, last)
+        spacing = (self.bbox[1] - self.bbox[0]) / last
+        new_bbox = torch.stack([self.bbox[0] + low * spacing, self.bbox[0] + high * spacing])
+        if bool((new_bbox[1] <= new_bbox[0]).any()):
+            return False
+        old_bbox = self.bbox.clone()
+        self.bbox.copy_(new_bbox)
+        self.extent = tuple(float(e) for e in (new_bbox[1] - new_bbox[0]).tolist())
+        self._resolution = resolution
+        shape = self.shape_at(resolution)
+        for grid in (self.density, self.features):
+            grid.grid = nn.Parameter(resample_box(grid.grid.detach(), old_bbox, new_bbox, shape))
+        self.occupancy.fill(shape)
+        self.shrunk = True
+        return True
 
     @torch.no_grad()
     def refresh_occupancy(self) -> None:
@@ -141,9 +205,13 @@ class VoxelNeRF(nn.Module):
         c = self.config
         self.progress = step / max(total_steps, 1)
         target = self.resolution_at(step, total_steps)
-        grown = target != self.resolution
-        if grown:
+        shrink = self.shrink_step(total_steps)
+        grown = False
+        if not self.shrunk and shrink is not None and step >= shrink:
+            grown = self.shrink_to_occupied(target)
+        if target != self.resolution:
             self.set_resolution(target)
+            grown = True
         due = step == c.occupancy_warmup or step % c.occupancy_refresh_every == 0
         if step >= c.occupancy_warmup and (grown or due):
             self.refresh_occupancy()
@@ -175,6 +243,7 @@ class VoxelNeRF(nn.Module):
         """Composite B rays: (B, 3) origins and unit directions ->
 
         dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count).
+        With per-sample shading, ``diffuse`` is the composited view-dependent colour and ``features`` is (B, 0).
         """
         c = self.config
         num_rays = origins.shape[0]
@@ -203,7 +272,10 @@ class VoxelNeRF(nn.Module):
             shaded = PackedSamples(samples.ray[keep], samples.t[keep], samples.points[keep])
             shaded_weights = weights[keep]
         feats = self.features(shaded.points, self.ops)
-        values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
+        if self.per_sample:
+            values = self.decoder(feats, directions[shaded.ray])
+        else:
+            values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
         colour = accumulate(values, shaded_weights, shaded.ray, num_rays)
         return {
             "diffuse": colour[:, :DIFFUSE_CHANNELS],
@@ -213,19 +285,29 @@ class VoxelNeRF(nn.Module):
             "samples": torch.tensor(len(samples)),
         }
 
-    def shade(self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
-        """(M,3), (M,F-3), (M,), (M,3) unit directions -> (M,3) pixel colour over the background."""
-        foreground = self.decoder(diffuse, features, opacity, directions)
-        return foreground + (1.0 - opacity)[:, None] * self.background
+    @property
+    def per_sample(self) -> bool:
+        """True when colour is decoded per sample before compositing (``model.shading=per_sample``)."""
+        return self.config.shading == "per_sample"
 
-    def render_rays(self, origins: torch.Tensor, directions: torch.Tensor) -> dict[str, torch.Tensor]:
+    def shade(self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor,
+              background: torch.Tensor | None = None) -> torch.Tensor:
+        """(M,3), (M,F-3), (M,), (M,3) unit directions -> (M,3) pixel colour over the background.
+
+        ``background``: (M, 3) colours per pixel (training on random backgrounds), or None for the model's own.
+        """
+        foreground = diffuse if self.per_sample else self.decoder(diffuse, features, opacity, directions)
+        return foreground + (1.0 - opacity)[:, None] * (self.background if background is None else background)
+
+    def render_rays(self, origins: torch.Tensor, directions: torch.Tensor,
+                    background: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Per-pixel path: (B,3) origins and unit directions -> dict(rgb (B,3), depth (B,), opacity (B,)).
 
-        Samples are jittered in training mode (``model.train()``).
+        Samples are jittered in training mode (``model.train()``). ``background``: optional (B, 3) colours.
         """
         _check_rays("render_rays", origins, directions)
         out = self.march(origins, directions, jitter=self.training)
-        rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions)
+        rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions, background)
         return {"rgb": rgb, "depth": out["depth"], "opacity": out["opacity"], "samples": out["samples"]}
 
     def _upsample(self, channels: torch.Tensor) -> torch.Tensor:
@@ -235,11 +317,11 @@ class VoxelNeRF(nn.Module):
         upsampled = self.ops.upsample_bilinear2d(channels.permute(0, 3, 1, 2).contiguous(), self.scale, False)
         return upsampled.permute(0, 2, 3, 1)
 
-    def render_patches(self, batch: PatchBatch) -> dict[str, torch.Tensor]:
+    def render_patches(self, batch: PatchBatch, background: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Patch path: low-res rays (n,P,P,3) -> dict(rgb (n,sP,sP,3), depth (n,P,P), opacity (n,P,P)).
 
         The composited diffuse colour, features and opacity are upsampled by s and decoded per full-res pixel
-        with ``batch.hr_directions`` (n,sP,sP,3).
+        with ``batch.hr_directions`` (n,sP,sP,3). ``background``: optional (n,sP,sP,3) colours.
         """
         n, p = batch.origins.shape[:2]
         if batch.origins.shape != (n, p, p, 3) or batch.directions.shape != batch.origins.shape:
@@ -253,7 +335,8 @@ class VoxelNeRF(nn.Module):
         out = self.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=self.training)
         low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
         high = self._upsample(low).reshape(n * side * side, -1)
-        rgb = self.shade(high[:, :DIFFUSE_CHANNELS], high[:, DIFFUSE_CHANNELS:-1], high[:, -1], batch.hr_directions.reshape(-1, 3))
+        rgb = self.shade(high[:, :DIFFUSE_CHANNELS], high[:, DIFFUSE_CHANNELS:-1], high[:, -1], batch.hr_directions.reshape(-1, 3),
+                         None if background is None else background.reshape(-1, 3))
         return {
             "rgb": rgb.reshape(n, side, side, 3),
             "depth": out["depth"].reshape(n, p, p),

@@ -235,7 +235,8 @@ class Trainer:
         groups = self.model.param_groups(float(self.train_cfg.lr), float(self.train_cfg.lr_decoder))
         for group in groups:
             group["initial_lr"] = group["lr"]
-        return torch.optim.Adam(groups, betas=ADAM_BETAS, fused=self.device.type == "cuda")
+        return torch.optim.Adam(groups, betas=ADAM_BETAS, eps=float(self.train_cfg.get("adam_eps", 1e-8)),
+                                fused=self.device.type == "cuda")
 
     def _rebuild_optimizer(self) -> None:
         """New Adam over the model's current parameters, keeping the moments of parameters that survived."""
@@ -259,15 +260,16 @@ class Trainer:
             self._set_learning_rates()
             with profiler.section("sampling"):
                 batch = self.sampler.sample()
+                background, target = self._training_background(batch)
             with profiler.section("forward"):
                 if self.model.scale == 1:
-                    out = self.model.render_rays(batch.origins, batch.directions)
+                    out = self.model.render_rays(batch.origins, batch.directions, background)
                 else:
-                    out = self.model.render_patches(batch)
+                    out = self.model.render_patches(batch, background)
             with profiler.section("regularization"):
                 regularization = self.model.regularization()
             with profiler.section("loss_backward"):
-                mse = F.mse_loss(out["rgb"], batch.rgb)
+                mse = F.mse_loss(out["rgb"], target)
                 loss = mse + regularization
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -283,6 +285,16 @@ class Trainer:
         self.pixels_done += batch.rgb.numel() // 3
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
+
+    def _training_background(self, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(background, target) for a batch: with ``train.random_background`` and a scene with alpha, a random
+        colour per pixel and the ground truth composited on it (Instant-NGP's default: the model can no longer
+        paint the background into the scene as haze); else (None, the images as loaded)."""
+        if not self.train_cfg.get("random_background", False) or batch.alpha is None:
+            return None, batch.rgb
+        background = torch.rand(batch.rgb.shape, device=batch.rgb.device, generator=self.generator)
+        scene_background = batch.rgb.new_tensor(self.train_scene.background)
+        return background, batch.rgb + (background - scene_background) * (1.0 - batch.alpha)[..., None]
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> int:
@@ -376,7 +388,8 @@ class Trainer:
             return
         views = np.linspace(0, self.eval_scene.num_views - 1, count).round().astype(int).tolist()
         result = self.evaluate(sorted(set(views)), write_images=False)
-        entry = {"step": self.step, "train_seconds": self.train_seconds, "psnr": result["psnr"], "ssim": result["ssim"]}
+        entry = {"step": self.step, "train_seconds": self.train_seconds, "psnr": result["psnr"], "ssim": result["ssim"],
+                 "psnr_worst10": result["psnr_worst10"]}
         self.eval_history.append(entry)
         tqdm.write(f"eval @ step {self.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
                    f"({len(views)} views, {self.train_seconds:.1f} s of training)", file=sys.stdout)
@@ -471,9 +484,13 @@ class Trainer:
                 writer.submit(iio.imwrite, f"{stem}_depth.png", colorize_depth(depth, scene.near, scene.far))
         _sync(self.device)
         self.model.train(was_training)
+        ranked = sorted(per_view, key=lambda v: v["psnr"])
+        worst = ranked[: max(1, math.ceil(len(ranked) / 10))]  # the held-out bar is about the worst views too
         return {
             "psnr": float(np.mean([v["psnr"] for v in per_view])),
             "ssim": float(np.mean([v["ssim"] for v in per_view])),
+            "psnr_worst10": float(np.mean([v["psnr"] for v in worst])),
+            "worst_views": [v["view"] for v in worst],
             "per_view": per_view,
             "seconds": time.perf_counter() - start,
         }
@@ -515,6 +532,8 @@ class Trainer:
         return {
             "psnr": result["psnr"],
             "ssim": result["ssim"],
+            "psnr_worst10": result["psnr_worst10"],
+            "worst_views": result["worst_views"],  # renders/<view>_compare.png shows their error images
             "per_view": result["per_view"],
             "iters": self.step,
             "train_seconds": self.train_seconds,
@@ -533,6 +552,7 @@ class Trainer:
             "eval_views": self.eval_scene.num_views,
             "train_views": self.train_scene.num_views,
             "grid_shape": list(self.model.grid_shape),
+            "grid_box": self.model.bbox.tolist(),
             "eval_history": self.eval_history,
             "render_only": render_only,
             "torch": torch.__version__,
@@ -610,8 +630,8 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
         if code != EXIT_OK:
             return code
     metrics = trainer.write_outputs(bool(cfg.render_only), data_seconds)
-    print(f"eval on {metrics['eval_views']} {metrics['eval_split']} views: PSNR {metrics['psnr']:.2f} dB, "
-          f"SSIM {metrics['ssim']:.4f}; {metrics['iters']} steps in {metrics['train_seconds']:.1f} s of training; "
+    print(f"eval on {metrics['eval_views']} {metrics['eval_split']} views: PSNR {metrics['psnr']:.2f} dB "
+          f"(worst 10% of views {metrics['psnr_worst10']:.2f} dB), SSIM {metrics['ssim']:.4f}; {metrics['iters']} steps in {metrics['train_seconds']:.1f} s of training; "
           f"wrote {paths.metrics}")
     return EXIT_OK
 

@@ -40,18 +40,14 @@ def grads_of(fn, feats: torch.Tensor, points: torch.Tensor, grad_out: torch.Tens
 
 
 def tutorial_trilinear_interpolation_py(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """The classic tutorial's ``trilinear_interpolation_py`` (kwea123/pytorch-cppcuda-tutorial, test.py; its
-    CUDA kernel in interpolation_kernel.cu uses the same a, b, c, d), line for line, except that ``d`` is
-    written as the product ``v*w`` instead of the tutorial's ``1-a-b-c`` (the same value).
-
-    So corner 1 carries ``(1-u)(1-v)w`` and corner 2 ``(1-u)v(1-w)``: corner ``k = 4*iu + 2*iv + iw``.
-    """
+    """The formula of issue 14, literally: corner 1 carries ``(1-u) v (1-w)`` and corner 2 ``(1-u)(1-v) w``,
+    so corner ``k = 4*iu + 2*iw + iv``."""
     u = (points[:, 0:1] + 1) / 2
     v = (points[:, 1:2] + 1) / 2
     w = (points[:, 2:3] + 1) / 2
     a = (1 - v) * (1 - w)
-    b = (1 - v) * w
-    c = v * (1 - w)
+    b = v * (1 - w)
+    c = (1 - v) * w
     d = v * w
     return (1 - u) * (a * feats[:, 0] + b * feats[:, 1] + c * feats[:, 2] + d * feats[:, 3]) + \
         u * (a * feats[:, 4] + b * feats[:, 5] + c * feats[:, 6] + d * feats[:, 7])
@@ -82,7 +78,7 @@ def check_corner_order_is_the_tutorials(gen: torch.Generator, dtype: torch.dtype
         assert a.dtype == dtype and a.device == feats.device, name
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
 
-    # These inputs tell the two orders apart: with corners 1<->2 and 5<->6 swapped (k = 4*iu + 2*iw + iv), the
+    # These inputs tell the two orders apart: with corners 1<->2 and 5<->6 swapped (k = 4*iu + 2*iv + iw), the
     # value and the point gradient are far outside the tolerance (the feats gradient is the same swap of weights).
     swapped = value_and_grads(tutorial_trilinear_interpolation_py, _swap_corners_1_2_and_5_6(feats.double()),
                               points.double(), weights.double())
@@ -96,11 +92,11 @@ def test_corner_order_is_the_tutorials(gen, dtype):
 
 
 def test_single_corner_weights(gen):
-    # A single non-zero corner isolates its weight: corner k = 4*iu + 2*iv + iw, so corner 1 = (0, 0, 1).
+    # A single non-zero corner isolates its weight: corner k = 4*iu + 2*iw + iv, so corner 1 = (iu, iv, iw) = (0, 1, 0).
     points = torch.rand(6, 3, generator=gen, dtype=torch.float64) * 2 - 1
     u, v, w = ((points + 1) / 2).unbind(1)
     for k in range(8):
-        iu, iv, iw = (k >> 2) & 1, (k >> 1) & 1, k & 1
+        iu, iw, iv = (k >> 2) & 1, (k >> 1) & 1, k & 1
         feats = torch.zeros(6, 8, 1, dtype=torch.float64)
         feats[:, k] = 1
         expected = (u if iu else 1 - u) * (v if iv else 1 - v) * (w if iw else 1 - w)
@@ -220,7 +216,7 @@ def _bad_pair_inputs():
 @pytest.mark.parametrize("case", _bad_pair_inputs(), ids=lambda c: c[0])
 def test_bad_inputs_raise_naming_the_argument(case):
     _, feats, points, message = case
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):  # the wrapper's checks, before dispatch
         cuda_ext.trilinear_interpolate(feats, points)
     grad_out = torch.ones(feats.shape[0], feats.shape[-1], dtype=feats.dtype)
     with pytest.raises(RuntimeError, match=message):
@@ -350,7 +346,7 @@ def test_cuda_empty_inputs(gen):
 @pytest.mark.requires_cuda
 def test_cuda_inputs_on_different_devices_raise(gen):
     feats, points = make_inputs(4, 3, gen, torch.float32)
-    with pytest.raises(RuntimeError, match="points and feats must be on the same device"):
+    with pytest.raises(ValueError, match="points and feats must be on the same device"):
         cuda_ext.trilinear_interpolate(feats.cuda(), points)
     with pytest.raises(RuntimeError, match="grad_out and feats must be on the same device"):
         OPS.trilinear_interpolate_backward(torch.ones(4, 3), feats.cuda(), points.cuda(), True, True)

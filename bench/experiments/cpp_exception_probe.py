@@ -115,7 +115,22 @@ VARIANTS = [
     ("static_libgcc", [], ["-static-libgcc"]),
     ("shared_libgcc_first", [], ["-shared-libgcc", "-Wl,--no-as-needed", "-lgcc_s"]),
     ("no_async_unwind", ["-fno-asynchronous-unwind-tables"], []),
+    # link the shared libstdc++ the interpreter already runs with (a compiler that only has libstdc++.a
+    # otherwise puts a second, uninitialised copy of iostreams and locales into the extension)
+    ("dynamic_libstdcxx", [], ["LOADED_LIBSTDCXX"]),
+    ("system_gxx", [], []),  # CXX=/usr/bin/g++ instead of whatever c++ is first on PATH
 ]
+
+
+def loaded_libstdcxx() -> str:
+    import torch  # noqa: F401  (loads the libstdc++ every extension will run with)
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libstdc++.so" in path:
+                return os.path.realpath(path)
+    return ""
 
 ENVIRONMENTS = {
     "plain": {},
@@ -127,6 +142,10 @@ ENVIRONMENTS = {
 def build(variant: tuple[str, list[str], list[str]], root: str) -> dict:
     name, cflags, ldflags = variant
     from torch.utils.cpp_extension import load_inline
+
+    ldflags = [loaded_libstdcxx() if flag == "LOADED_LIBSTDCXX" else flag for flag in ldflags]
+    if name == "system_gxx":
+        os.environ["CXX"] = "/usr/bin/g++"
 
     directory = os.path.join(root, name)
     os.makedirs(directory, exist_ok=True)
@@ -244,7 +263,13 @@ def facts() -> dict:
         flags = " ".join(sorted(w for w in words if w in {"user_shstk", "shstk", "ibt"}))
     except OSError:
         pass
+    import sysconfig
+
     return {
+        "sysconfig_cxx": [sysconfig.get_config_var(k) for k in ("CXX", "LDCXXSHARED", "LDSHARED")],
+        "which_cxx": out(["sh", "-c", "command -v c++ g++; c++ --version | head -1; "
+                          "c++ -print-file-name=libstdc++.so; c++ -print-file-name=libstdc++.a"]),
+        "libstdcxx_loaded": loaded_libstdcxx(),
         "torch": torch.__version__, "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "python": sys.version,
         "platform": platform.platform(), "glibc": platform.libc_ver(), "gcc": out(["gcc", "--version"]).splitlines()[:1],
         "cpu_flags": flags, "compiled_with_cxx11_abi": torch.compiled_with_cxx11_abi(),

@@ -1,9 +1,10 @@
 // Shared by cpu/trilinear.cpp and cuda/trilinear.cu: input validation (host only) and the
 // trilinear weight math (host and device), so both halves compute exactly the same formulas.
 //
-// Corner order everywhere: k = 4*i0 + 2*i1 + i2, where i_a in {0, 1} picks the low or high corner
-// along axis a (for the pairwise op the axes are u, v, w = (points + 1) / 2; corner 1 is (0,0,1)
-// with weight (1-u)(1-v)w, as in the tutorial's trilinear_interpolation_py).
+// Corner order of the grid op: k = 4*i0 + 2*i1 + i2, where i_a in {0, 1} picks the low or high
+// voxel along grid axis a. The pairwise op orders its corners k = 4*iu + 2*iw + iv, with
+// (u, v, w) = (points + 1) / 2: corner 1 has weight (1-u) v (1-w), corner 2 (1-u)(1-v) w
+// (pair_corner_weights / pair_fraction_grads below).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -127,6 +128,24 @@ CUDA_EXT_HOST_DEVICE void fraction_grads(T t0, T t1, T t2, const T d[8], T grad[
   grad[0] = s1 * (s2 * (d[4] - d[0]) + t2 * (d[5] - d[1])) + t1 * (s2 * (d[6] - d[2]) + t2 * (d[7] - d[3]));
   grad[1] = s0 * (s2 * (d[2] - d[0]) + t2 * (d[3] - d[1])) + t0 * (s2 * (d[6] - d[4]) + t2 * (d[7] - d[5]));
   grad[2] = s0 * (s1 * (d[1] - d[0]) + t1 * (d[3] - d[2])) + t0 * (s1 * (d[5] - d[4]) + t1 * (d[7] - d[6]));
+}
+
+// Pairwise op: weights of the 8 corners in its order k = 4*iu + 2*iw + iv, i.e. corner_weights with
+// w as the middle axis and v as the last:
+//   w[1] = (1-u) v (1-w), w[2] = (1-u)(1-v) w, w[5] = u v (1-w), w[6] = u (1-v) w.
+template <typename T>
+CUDA_EXT_HOST_DEVICE void pair_corner_weights(T u, T v, T w, T weights[8]) {
+  corner_weights(u, w, v, weights);
+}
+
+// Pairwise op: d(sum_k weight_k * d_k)/d(u, v, w) in that order, for pair_corner_weights' order.
+template <typename T>
+CUDA_EXT_HOST_DEVICE void pair_fraction_grads(T u, T v, T w, const T d[8], T grad[3]) {
+  T g[3];  // gradient with respect to (u, w, v)
+  fraction_grads(u, w, v, d, g);
+  grad[0] = g[0];
+  grad[1] = g[2];
+  grad[2] = g[1];
 }
 
 // Pairwise op: fraction along an axis from a local coordinate in [-1, 1]; d(fraction)/dx = 1/2.

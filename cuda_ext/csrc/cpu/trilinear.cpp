@@ -25,7 +25,7 @@ at::Tensor no_grad_placeholder(const at::Tensor& like) { return at::empty({0}, l
 
 template <typename scalar_t>
 void pair_weights(const scalar_t* point, scalar_t w[8]) {
-  corner_weights(local_fraction(point[0]), local_fraction(point[1]), local_fraction(point[2]), w);
+  pair_corner_weights(local_fraction(point[0]), local_fraction(point[1]), local_fraction(point[2]), w);
 }
 
 template <typename scalar_t>
@@ -70,7 +70,7 @@ void pair_backward(const scalar_t* grad_out, const scalar_t* feats, const scalar
           dots[k] = acc;
         }
         scalar_t grad[3];
-        fraction_grads(local_fraction(p[0]), local_fraction(p[1]), local_fraction(p[2]), dots, grad);
+        pair_fraction_grads(local_fraction(p[0]), local_fraction(p[1]), local_fraction(p[2]), dots, grad);
         for (int a = 0; a < 3; ++a) grad_points[3 * n + a] = grad[a] / scalar_t(2);  // du/dx = 1/2
       }
     }

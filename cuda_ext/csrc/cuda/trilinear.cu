@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & ((1 << group_shift) - 1);
   acc_t t[3], w[8];
   load_fractions(points + 3 * n, t);
-  corner_weights(t[0], t[1], t[2], w);
+  pair_corner_weights(t[0], t[1], t[2], w);
   const scalar_t* corners = feats + n * 8 * f;
   scalar_t* row = out + n * f;
   for (int64_t j = int64_t(lane) * VEC; j < f; j += int64_t(VEC) << group_shift) {
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & ((1 << group_shift) - 1);
   acc_t t[3] = {acc_t(0), acc_t(0), acc_t(0)}, w[8];
   if (active) load_fractions(points + 3 * n, t);
-  corner_weights(t[0], t[1], t[2], w);
+  pair_corner_weights(t[0], t[1], t[2], w);
   acc_t dots[8];  // <grad_out, feats[n, k]> over this lane's features
 #pragma unroll
   for (int k = 0; k < 8; ++k) dots[k] = acc_t(0);
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (kPointsGrad) {
     acc_t grad[3];
-    fraction_grads(t[0], t[1], t[2], dots, grad);  // linear in dots: reduce after combining
+    pair_fraction_grads(t[0], t[1], t[2], dots, grad);  // linear in dots: reduce after combining
     const int group = 1 << group_shift;
 #pragma unroll
     for (int a = 0; a < 3; ++a) {

@@ -1,0 +1,85 @@
+"""Train several variants of a config side by side and tabulate held-out quality: the ablation tool.
+
+    python bench/quality_runs.py --data lego_400 --parallel 4 --json OUT.json \
+        --variant base= --variant rb=train.random_background=true ...
+
+Each ``--variant NAME=OVERRIDES`` (space-separated Hydra overrides, appended to ``--common``) is one
+``train.py +experiment=blender`` run in its own folder under ``--runs``. ``--parallel`` runs share the device,
+so their PSNR is what the config gives but their times are not: time a variant alone (``--parallel 1``)
+before quoting its speed. The JSON has, per variant, mean PSNR / SSIM, the mean of the worst 10% of views,
+the worst views, training seconds, rays/s and the final grid shape and box.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
+    run_dir = Path(args.runs) / name
+    command = [sys.executable, "train.py", "+experiment=blender", f"data.root={args.data}", f"hydra.run.dir={run_dir}",
+               "train.turntable_frames=0", *shlex.split(args.common), *overrides]
+    start = time.perf_counter()
+    completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    result = {"variant": name, "overrides": overrides, "returncode": completed.returncode, "wall_seconds": wall}
+    metrics_path = run_dir / "metrics.json"
+    if completed.returncode != 0 or not metrics_path.is_file():
+        result["error"] = (completed.stdout[-1500:] + completed.stderr[-1500:]).strip()
+        return result
+    metrics = json.loads(metrics_path.read_text())
+    for key in ("psnr", "ssim", "psnr_worst10", "worst_views", "train_seconds", "rays_per_second", "grid_shape",
+                "grid_box", "iters", "eval_split", "eval_views", "device"):
+        result[key] = metrics.get(key)
+    result["eval_history"] = metrics.get("eval_history")
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="the blender scene folder")
+    parser.add_argument("--variant", action="append", required=True, help="NAME=space-separated overrides")
+    parser.add_argument("--common", default="", help="overrides every variant gets first")
+    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--runs", default="/tmp/quality_runs")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    variants = []
+    for item in args.variant:
+        name, _, overrides = item.partition("=")
+        if not name:
+            parser.error(f"--variant {item!r}: expected NAME=OVERRIDES")
+        variants.append((name, shlex.split(overrides)))
+    results: list[dict] = []
+
+    def record(result: dict) -> None:
+        results.append(result)
+        if "psnr" in result:
+            print(f"{result['variant']:28s} PSNR {result['psnr']:.3f}  worst10% {result['psnr_worst10']:.3f}  "
+                  f"SSIM {result['ssim']:.4f}  train {result['train_seconds']:.1f} s  "
+                  f"{result['rays_per_second'] / 1e6:.2f} M rays/s  grid {result['grid_shape']}", flush=True)
+        else:
+            print(f"{result['variant']:28s} FAILED rc={result['returncode']}: {result.get('error', '')[-600:]}", flush=True)
+        report = {"date": datetime.date.today().isoformat(), "common": args.common, "parallel": args.parallel,
+                  "data": args.data, "results": results}
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = [pool.submit(run_variant, name, overrides, args) for name, overrides in variants]
+        for future in futures:
+            record(future.result())
+    return 0 if all("psnr" in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
