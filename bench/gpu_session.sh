@@ -64,8 +64,8 @@ fi
 
 for s in "${stages[@]}"; do
   case $s in
-    tests) stage tests env CUDA_EXT_SKIP_CPP_RAISES=1 python3 -m pytest -q -rs --durations=15 ;;
-    grid-tests) stage grid_tests env CUDA_EXT_SKIP_CPP_RAISES=1 python3 -m pytest -q -rs tests/test_grid_interpolate.py ;;
+    tests) stage tests python3 -m pytest -q -rs --durations=15 ;;
+    grid-tests) stage grid_tests python3 -m pytest -q -rs tests/test_grid_interpolate.py ;;
     bench) stage bench python3 bench/bench_ops.py --device cuda --size full --json "$OUT/bench.json" --markdown "$OUT/bench.md" ;;
     bench-grid) stage bench_grid python3 bench/bench_ops.py --device cuda --size full --ops grid \
       --json "$OUT/bench_grid.json" --markdown "$OUT/bench_grid.md" ;;

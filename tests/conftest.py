@@ -22,33 +22,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "requires_cuda: needs a CUDA GPU and cuda_ext built with CUDA kernels")
 
 
-# Some torch builds segfault whenever a C++ extension raises (c10's backtrace capture crashes while
-# unwinding the extension's frames; seen with torch 2.11.0+cu130 on the lent H100/H200 machines, where
-# even a five-line load_inline op that fails a TORCH_CHECK crashes: README "Known issues"). There, set
-# CUDA_EXT_SKIP_CPP_RAISES=1 to report the tests that provoke a C++ exception as skipped, so the rest of
-# the suite can run. They run everywhere else (CI included).
-_CPP_RAISE_MARKERS = ("pytest.raises(RuntimeError", "pytest.raises((RuntimeError", "pytest.raises(torch.OutOfMemoryError")
-
-
-def _provokes_cpp_exception(item) -> bool:
-    import inspect
-
-    function = getattr(item, "function", None)
-    try:
-        source = inspect.getsource(function) if function is not None else ""
-    except (OSError, TypeError):
-        return False
-    return any(marker in source for marker in _CPP_RAISE_MARKERS)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    import os
-
-    if os.environ.get("CUDA_EXT_SKIP_CPP_RAISES") == "1":
-        skip_raise = pytest.mark.skip(reason="CUDA_EXT_SKIP_CPP_RAISES=1: this torch build segfaults on C++ exceptions")
-        for item in items:
-            if _provokes_cpp_exception(item):
-                item.add_marker(skip_raise)
     if cuda_kernels_available():
         return
     reason = "no CUDA device" if not torch.cuda.is_available() else "cuda_ext was built without CUDA kernels"
