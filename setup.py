@@ -81,6 +81,6 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy", "hydra-core>=1.3", "tqdm", "imageio>=2.9"],
+    install_requires=["torch>=2.4", "numpy", "hydra-core>=1.3", "tqdm", "imageio>=2.9", "pillow"],
     extras_require={"test": ["pytest"]},
 )
