@@ -4,6 +4,7 @@
     python train.py ops=torch                        # PyTorch reference ops instead of our kernels
     python train.py +experiment=blender data.root=PATH
     python train.py render_only=true hydra.run.dir=outputs/DATE/TIME
+    python train.py -m train.iters=500,1000          # a sweep: every job runs; failures are listed at the end
 
 Everything happens in models/trainer.py; this file only hands Hydra's config and run directory over.
 """
@@ -11,15 +12,34 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+# render_only keeps its own copy of the config next to the training run's (.hydra_render), not over it
+OmegaConf.register_new_resolver("config_subdir", lambda render_only: ".hydra_render" if render_only else ".hydra",
+                                replace=True)
+
+FAILED_JOBS: list[tuple[int, str, int]] = []  # (job number, run directory, exit code) of a sweep's failures
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     from models.trainer import run  # imported here so `--help` and config errors from Hydra stay fast
 
-    sys.exit(run(cfg, HydraConfig.get().runtime.output_dir))
+    hydra_cfg = HydraConfig.get()
+    code = run(cfg, hydra_cfg.runtime.output_dir)
+    if code == 0:
+        return
+    if hydra_cfg.mode != RunMode.MULTIRUN or code >= 128:  # one run, or a signal: stop here
+        sys.exit(code)
+    # a sweep goes on with its next job (sys.exit here would end the whole sweep silently)
+    FAILED_JOBS.append((hydra_cfg.job.num, hydra_cfg.runtime.output_dir, code))
+    print(f"job #{hydra_cfg.job.num} failed (exit code {code}); the sweep continues", file=sys.stderr)
 
 
 if __name__ == "__main__":
     main()
+    if FAILED_JOBS:
+        listed = ", ".join(f"#{num} ({folder}: exit {code})" for num, folder, code in FAILED_JOBS)
+        print(f"error: {len(FAILED_JOBS)} job(s) of the sweep failed: {listed}", file=sys.stderr)
+        sys.exit(FAILED_JOBS[0][2])

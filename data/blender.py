@@ -90,7 +90,20 @@ def _frame_matrix(path: Path, index: int, frame: dict) -> np.ndarray:
         raise SceneError(f"{where}: transform_matrix has non-finite entries")
     if not np.allclose(matrix[3], [0.0, 0.0, 0.0, 1.0], atol=1e-4):
         raise SceneError(f"{where}: transform_matrix last row must be [0, 0, 0, 1], got {matrix[3].tolist()}")
+    _check_rotation(where, matrix[:3, :3])
     return matrix
+
+
+def _check_rotation(where: str, rotation: np.ndarray) -> None:
+    """A camera's 3x3 block must be a rotation up to one uniform scale: anything else (a zero or collapsed
+    block) gives rays with NaN or wrong directions, which only shows up much later as a NaN loss or render."""
+    gram = rotation.T @ rotation
+    scale = float(np.trace(gram)) / 3.0
+    if not scale > 1e-12:
+        raise SceneError(f"{where}: transform_matrix has a zero rotation block (degenerate camera)")
+    if not np.allclose(gram / scale, np.eye(3), atol=1e-3):
+        raise SceneError(f"{where}: transform_matrix's rotation block is not orthonormal (up to scale): columns must "
+                         "be perpendicular unit vectors (degenerate or sheared camera)")
 
 
 def _frame_image(root: Path, path: Path, index: int, frame: dict) -> Path:

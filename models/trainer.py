@@ -49,20 +49,23 @@ from models.training import (
     comparison_image,
     load_checkpoint,
     plot_curve,
+    remove_stale_temporaries,
     restore_rng_state,
     save_checkpoint,
     to_uint8,
     validate_config,
     write_turntable,
 )
+from models.training.preflight import PreflightError, run_preflight
 from models.training.profiler import StepProfiler
 
 CHECKPOINT_FORMAT = 1
 EXIT_OK = 0
 EXIT_USAGE = 2  # bad config, bad scene, missing checkpoint
 EXIT_DIVERGED = 3  # NaN / inf loss
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CACHE = REPO_ROOT / ".cache" / "scenes"
+LOSS_LIMIT = 1e3  # colours live in [0, 1]: a loss this large (PSNR -30 dB) is an exploding run, not a slow one
+# generated scenes live in the user's cache, not inside the installed package (site-packages for a normal install)
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "voxel-field" / "scenes"
 ADAM_BETAS = (0.9, 0.99)  # DirectVoxGO's: a shorter second-moment memory suits grids whose voxels see rays rarely
 
 
@@ -140,6 +143,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _write_error(error: BaseException) -> str:
+    """A one-line reason for a failed write, saying "disk full" where that is what happened."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    errno_value = getattr(error, "errno", None)
+    if errno_value == 28 or "No space left" in text or "unexpected pos" in text:
+        return f"the disk is full ({text})"
+    if errno_value == 30:
+        return f"the file system is read-only ({text})"
+    return text
+
+
 def _write_json(path: Path, content: dict) -> None:
     """Write through a temporary file and rename, so a reader never sees half a file."""
     temporary = path.with_name(f".{path.name}.tmp")
@@ -211,6 +225,7 @@ class Trainer:
         self.samples_done = 0
         self.checkpoint_seconds = 0.0  # kept out of train_seconds, reported beside it
         self.last_saved_step: int | None = None
+        self.pending_writes: list = []  # (path, future) of the render writes in flight
 
     # ---------------------------------------------------------------- building blocks
     def _check_image_sizes(self) -> None:
@@ -320,7 +335,7 @@ class Trainer:
                 pause = False
                 if step % cfg.log_every == 0 or step == self.iters:
                     loss_value, mse_value = loss.item(), mse.item()  # syncs the device
-                    if not (math.isfinite(loss_value) and math.isfinite(mse_value)):
+                    if not (math.isfinite(loss_value) and math.isfinite(mse_value)) or loss_value > LOSS_LIMIT:
                         code = self._diverged(step, loss_value)
                         break
                     now = time.perf_counter()
@@ -378,8 +393,10 @@ class Trainer:
     def _diverged(self, step: int, loss: float) -> int:
         kept = (f"the last good checkpoint (step {self.last_saved_step}) is kept at {self.paths.checkpoint}"
                 if self.last_saved_step is not None else "no checkpoint was written")
-        print(f"error: training diverged: loss is {loss} at step {step}; stopped, {kept} "
-              "(try a lower train.lr / train.lr_decoder)", file=sys.stderr)
+        kind = "exploding" if math.isfinite(loss) else "not finite"
+        print(f"error: training diverged: loss is {loss} at step {step} ({kind}); stopped, {kept} "
+              "(likely cause: a learning rate too high for this scene: try a lower train.lr / train.lr_decoder)",
+              file=sys.stderr)
         return EXIT_DIVERGED
 
     def _periodic_eval(self) -> None:
@@ -406,7 +423,19 @@ class Trainer:
         return True
 
     def save(self) -> None:
+        """Write the checkpoint atomically; a write error (disk full, read-only, I/O) becomes a RunError that
+        says the previous checkpoint is kept (the atomic save never touches it)."""
         start = time.perf_counter()
+        try:
+            self._write_checkpoint()
+        except (OSError, RuntimeError) as error:
+            kept = (f"the previous checkpoint (step {self.last_saved_step}) is kept" if self.last_saved_step is not None
+                    else "no earlier checkpoint exists")
+            raise RunError(f"cannot write the checkpoint {self.paths.checkpoint}: {_write_error(error)}; {kept}") from None
+        self.last_saved_step = self.step
+        self.checkpoint_seconds += time.perf_counter() - start
+
+    def _write_checkpoint(self) -> None:
         save_checkpoint(self.paths.checkpoint, {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
@@ -421,10 +450,10 @@ class Trainer:
             "train_seconds": self.train_seconds,
             "rays": self.rays_done,
             "pixels": self.pixels_done,
+            "samples": self.samples_done,
+            "checkpoint_seconds": self.checkpoint_seconds,
             "seed": self.seed,
         })
-        self.last_saved_step = self.step
-        self.checkpoint_seconds += time.perf_counter() - start
 
     def restore(self, state: dict, with_training_state: bool) -> None:
         """Load a checkpoint's model (any grid resolution); with ``with_training_state`` also the optimiser,
@@ -442,6 +471,8 @@ class Trainer:
         self.eval_history = list(state["eval_history"])
         self.train_seconds = float(state["train_seconds"])
         self.rays_done, self.pixels_done = int(state["rays"]), int(state["pixels"])
+        self.samples_done = int(state.get("samples", 0))
+        self.checkpoint_seconds = float(state.get("checkpoint_seconds", 0.0))
         self.last_saved_step = self.step
         if not with_training_state:
             return
@@ -453,7 +484,13 @@ class Trainer:
             for group in self.optimizer.param_groups:  # the checkpoint may come from another device type
                 group["fused"] = self.device.type == "cuda"
         restore_rng_state(state["rng"])
-        self.generator.set_state(state["sampler_generator"].cpu())
+        generator_state = state["sampler_generator"].cpu()
+        if generator_state.numel() == self.generator.get_state().numel():
+            self.generator.set_state(generator_state)
+        else:  # written on another device type (CPU and CUDA generators keep different states): reseed
+            self.generator.manual_seed(self.seed + self.step)
+            print(f"note: the checkpoint's batch sampler state is from another device type; resampling from seed "
+                  f"{self.seed} + step {self.step}")
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -475,13 +512,16 @@ class Trainer:
             per_view.append({"view": view, "name": scene.names[view],
                              "psnr": psnr(out["rgb"], target), "ssim": ssim(out["rgb"], target)})
             if write_images:
+                if writer is None:
+                    raise ValueError("evaluate: write_images=True needs a writer (a ThreadPoolExecutor)")
                 pred, gt = out["rgb"].cpu().numpy(), target.cpu().numpy()
                 depth = torch.where(out["opacity"] > 0.5, out["depth"] / out["opacity"].clamp_min(1e-6),
                                     torch.full_like(out["depth"], float("nan"))).cpu().numpy()
                 stem = self.paths.renders / f"{view:03d}"
-                writer.submit(iio.imwrite, f"{stem}_pred.png", to_uint8(pred))
-                writer.submit(iio.imwrite, f"{stem}_compare.png", comparison_image(gt, pred))
-                writer.submit(iio.imwrite, f"{stem}_depth.png", colorize_depth(depth, scene.near, scene.far))
+                for name, image in (("pred", to_uint8(pred)), ("compare", comparison_image(gt, pred)),
+                                    ("depth", colorize_depth(depth, scene.near, scene.far))):
+                    path = f"{stem}_{name}.png"
+                    self.pending_writes.append((path, writer.submit(iio.imwrite, path, image)))
         _sync(self.device)
         self.model.train(was_training)
         ranked = sorted(per_view, key=lambda v: v["psnr"])
@@ -496,18 +536,28 @@ class Trainer:
         }
 
     def write_outputs(self, render_only: bool, data_seconds: float) -> dict:
-        """Final evaluation on every eval view, renders, turntable, curve and metrics.json; returns the metrics."""
-        self.paths.renders.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(max_workers=4) as writer:
-            result = self.evaluate(list(range(self.eval_scene.num_views)), write_images=True, writer=writer)
-            files_start = time.perf_counter()
-            self.write_turntable()
-            if len(self.history["step"]) >= 1:
-                plot_curve(self.history["step"], self.history["psnr"], self.paths.renders / "training_curve.png",
-                           title="training PSNR (batch)", ylabel="PSNR (dB)", xlabel="step")
-        files_seconds = time.perf_counter() - files_start
-        metrics = self.metrics(result, render_only, data_seconds, files_seconds)
-        _write_json(self.paths.metrics, metrics)
+        """Final evaluation on every eval view, renders, turntable, curve and metrics.json; returns the metrics.
+
+        Every file write is checked: a failed one (disk full, a folder in the way) stops the run with a
+        RunError naming the file, instead of leaving unreadable images behind an exit code of 0."""
+        self.pending_writes = []
+        try:
+            self.paths.renders.mkdir(parents=True, exist_ok=True)
+            with ThreadPoolExecutor(max_workers=4) as writer:
+                result = self.evaluate(list(range(self.eval_scene.num_views)), write_images=True, writer=writer)
+                files_start = time.perf_counter()
+                self.write_turntable()
+                if len(self.history["step"]) >= 1:
+                    plot_curve(self.history["step"], self.history["psnr"], self.paths.renders / "training_curve.png",
+                               title="training PSNR (batch)", ylabel="PSNR (dB)", xlabel="step")
+            for path, future in self.pending_writes:
+                if future.exception() is not None:
+                    raise RunError(f"cannot write the render {path}: {_write_error(future.exception())}")
+            files_seconds = time.perf_counter() - files_start
+            metrics = self.metrics(result, render_only, data_seconds, files_seconds)
+            _write_json(self.paths.metrics, metrics)
+        except OSError as error:
+            raise RunError(f"cannot write the run's outputs in {self.paths.root}: {_write_error(error)}") from None
         return metrics
 
     @torch.no_grad()
@@ -596,8 +646,23 @@ def _load_run_checkpoint(cfg: DictConfig, paths: RunPaths) -> dict | None:
     return state
 
 
+def _refuse_to_overwrite(cfg: DictConfig, paths: RunPaths) -> None:
+    """A new run (no resume, no render_only) never replaces a run folder's checkpoint or metrics silently."""
+    if cfg.render_only or cfg.train.resume or cfg.train.get("overwrite", False):
+        return
+    existing = [p for p in (paths.checkpoint, paths.metrics) if p.exists()]
+    if existing:
+        names = " and ".join(str(p.relative_to(paths.root)) for p in existing)
+        raise RunError(f"hydra.run.dir: {paths.root} already holds a run ({names}); pass train.resume=true to continue "
+                       "it, train.overwrite=true to replace it, or choose another hydra.run.dir")
+
+
 def _main(cfg: DictConfig, paths: RunPaths) -> int:
     validate_config(cfg)
+    _refuse_to_overwrite(cfg, paths)
+    removed = remove_stale_temporaries(paths.checkpoint)
+    if removed:
+        print(f"removed {removed} unfinished checkpoint file(s) left by an interrupted save in {paths.checkpoint.parent}")
     state = _load_run_checkpoint(cfg, paths)
     cfg = _config_from_checkpoint(cfg, state["config"]) if state is not None else \
         OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -621,6 +686,12 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
           f"{eval_scene.num_views} {eval_scene.split} views ({data_seconds:.1f} s); device {describe_device(device)}; "
           f"ops {ops.backends}")
 
+    extent = tuple(float(e) for e in (train_scene.bbox[1] - train_scene.bbox[0]).tolist())
+    try:
+        run_preflight(paths.root, device, extent, int(cfg.model.resolution_end), int(cfg.model.feature_dim),
+                      eval_scene.num_views, eval_scene.height, eval_scene.width, training=not cfg.render_only)
+    except PreflightError as error:
+        raise RunError(str(error)) from None
     trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed)
     if state is not None:
         trainer.restore(state, with_training_state=not cfg.render_only)
@@ -636,7 +707,48 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
     return EXIT_OK
 
 
+class _LogTee:
+    """A text stream that passes everything to ``stream`` and copies whole lines to ``log`` (train.log),
+    leaving out progress-bar redraws (lines holding a carriage return)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log, self.pending = stream, log, ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if "\r" not in line:
+                self.log.write(line + "\n")
+        self.log.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding...: the real stream's
+        return getattr(self.stream, name)
+
+
 def run(cfg: DictConfig, run_dir: str | os.PathLike) -> int:
+    """Train and/or evaluate as ``cfg`` says, in ``run_dir``; returns the process exit code. The run's
+    messages also go to ``run_dir/train.log`` (when the folder is writable)."""
+    log_path = Path(run_dir) / "train.log"
+    try:
+        log = open(log_path, "a", encoding="utf-8")
+    except OSError:
+        return _run(cfg, run_dir)  # a read-only folder: the preflight check says so in one line
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _LogTee(stdout, log), _LogTee(stderr, log)
+    try:
+        return _run(cfg, run_dir)
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+        log.close()
+
+
+def _run(cfg: DictConfig, run_dir: str | os.PathLike) -> int:
     """Train and/or evaluate as ``cfg`` says, in ``run_dir``; returns the process exit code.
 
     0 success; 2 a bad config, scene or checkpoint (one line on stderr); 3 the loss diverged (the last good

@@ -67,7 +67,7 @@ def test_round_trip_restores_model_and_optimizer(tmp_path):
     loaded = load_checkpoint(path)
     _assert_same(loaded, state)
     assert _stray_files(path.parent, "ckpt.pt") == []
-    assert path.stat().st_mode & 0o777 == 0o666 & ~checkpoint._UMASK  # not the temp file's 0600
+    assert path.stat().st_mode & 0o777 == 0o666 & ~checkpoint._umask()  # not the temp file's 0600
 
     # Resuming from the checkpoint continues exactly like the original run
     resumed_model, resumed_optimizer = _trained_pair(1)  # different weights before loading
@@ -291,16 +291,20 @@ def test_interrupt_guard_turns_signal_into_request(sentinel_handlers, signum):
     assert signal.getsignal(signal.SIGTERM) is sentinel_handlers
 
 
-def test_second_sigint_raises_keyboard_interrupt_and_restores_handlers(sentinel_handlers):
+def test_second_sigint_still_saves_third_raises_keyboard_interrupt_and_restores_handlers(sentinel_handlers):
     guard = InterruptGuard()
     with pytest.raises(KeyboardInterrupt):
         with guard:
             _send_and_wait(signal.SIGINT, guard)
             assert guard.requested
+            os.kill(os.getpid(), signal.SIGINT)  # people press twice: still a polite stop (the run saves)
+            for _ in range(200):
+                time.sleep(0.001)
+            assert guard.requested and guard.signum == signal.SIGINT
             os.kill(os.getpid(), signal.SIGINT)
             for _ in range(5000):  # the handler raises at the next bytecode boundary
                 time.sleep(0.001)
-            pytest.fail("second SIGINT did not raise KeyboardInterrupt")
+            pytest.fail("third SIGINT did not raise KeyboardInterrupt")
     assert signal.getsignal(signal.SIGINT) is sentinel_handlers
     assert signal.getsignal(signal.SIGTERM) is sentinel_handlers
     with guard:  # reusable, and a fresh entry clears the old request

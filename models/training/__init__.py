@@ -5,6 +5,7 @@ from models.training.checkpoint import (
     InterruptGuard,
     capture_rng_state,
     load_checkpoint,
+    remove_stale_temporaries,
     restore_rng_state,
     save_checkpoint,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "InterruptGuard",
     "capture_rng_state",
     "load_checkpoint",
+    "remove_stale_temporaries",
     "restore_rng_state",
     "save_checkpoint",
     "ConfigError",

@@ -19,9 +19,18 @@ from typing import Any
 import numpy as np
 import torch
 
-# Temporary files are created 0600; the finished checkpoint gets the usual permissions instead.
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+def _umask() -> int:
+    """The process umask, read without changing it where Linux tells (/proc), else by a set-and-restore."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class CheckpointError(RuntimeError):
@@ -45,7 +54,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
             torch.save(state, file)
             file.flush()
             if hasattr(os, "fchmod"):
-                os.fchmod(file.fileno(), 0o666 & ~_UMASK)
+                os.fchmod(file.fileno(), 0o666 & ~_umask())  # mkstemp made it 0600
             os.fsync(file.fileno())
         os.replace(temp_name, path)
     except BaseException:
@@ -55,6 +64,22 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
             pass
         raise
     _fsync_directory(path.parent)  # makes the rename itself durable
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> int:
+    """Delete the ``.<name>.*.tmp`` files that a save killed mid-write (SIGKILL, power loss) left beside
+    ``path``; returns how many. Call it before a run starts saving (they can be as large as a checkpoint)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return 0
+    removed = 0
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            stale.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def _fsync_directory(folder: Path) -> None:
@@ -145,16 +170,20 @@ class InterruptGuard:
     """Turn SIGINT / SIGTERM into a polite stop request while the ``with`` block runs.
 
     Inside the block the first SIGINT or SIGTERM only sets :attr:`requested` (and :attr:`signum`), so the
-    training loop can finish its step, save a checkpoint and exit. A SIGINT after a stop was already
-    requested raises KeyboardInterrupt as usual (press Ctrl-C twice to abort now). The previous handlers
-    are restored on exit. Signal handlers can only be installed from the main thread.
+    training loop can finish its step, save a checkpoint and exit. A second Ctrl-C changes nothing (people
+    press twice; a save in progress finishes and the run still stops with a checkpoint); a third raises
+    KeyboardInterrupt (abort now, nothing saved). The previous handlers are restored on exit. Signal
+    handlers can only be installed from the main thread.
     """
+
+    ABORT_AFTER = 3  # SIGINTs
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
         self.signum: signal.Signals | None = None
+        self._interrupts = 0
         self._previous: dict[int, Any] | None = None
 
     def __enter__(self) -> "InterruptGuard":
@@ -164,6 +193,7 @@ class InterruptGuard:
             raise RuntimeError("InterruptGuard is already active")
         self.requested = False
         self.signum = None
+        self._interrupts = 0
         self._previous = {sig: signal.getsignal(sig) for sig in self._SIGNALS}
         for sig in self._SIGNALS:
             signal.signal(sig, self._handle)
@@ -177,8 +207,10 @@ class InterruptGuard:
         return False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts >= self.ABORT_AFTER:
+                raise KeyboardInterrupt
         if not self.requested:
             self.requested = True
             self.signum = signal.Signals(signum)

@@ -124,8 +124,44 @@ def _check_train(cfg: DictConfig) -> None:
         _check_int(cfg, key, minimum=1, rule="> 0")
     for key in ("train.checkpoint_every", "train.eval_every", "train.eval_views", "train.turntable_frames"):
         _check_int(cfg, key, minimum=0)
-    for key in ("train.resume", "train.profile"):
+    for key in ("train.resume", "train.profile", "train.overwrite", "train.random_background"):
         _check_bool(cfg, key)
+    eps = _get(cfg, "train.adam_eps")
+    if eps is not _ABSENT and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1):
+        raise ConfigError(f"train.adam_eps: must be a number in (0, 1) (got {eps!r})")
+
+
+def _check_schedule(cfg: DictConfig) -> None:
+    """model.grow_at: increasing, and every step inside train.iters (a growth after the end never happens)."""
+    grow_at, iters = _get(cfg, "model.grow_at"), _get(cfg, "train.iters")
+    if grow_at is _ABSENT or grow_at is None or iters is _ABSENT or not _is_int(iters):
+        return
+    try:
+        entries = list(grow_at)
+    except TypeError:
+        return  # the model config's own check names the type
+    steps = [round(g * iters) if isinstance(g, float) else g for g in entries if isinstance(g, (int, float))]
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ConfigError(f"model.grow_at: must be increasing (steps or fractions of train.iters), got {list(entries)}")
+    late = [g for g, step in zip(entries, steps) if _is_int(g) and step >= iters]
+    if late:
+        raise ConfigError(f"model.grow_at: step {late[0]} is not before train.iters={iters} (the growth would never happen)")
+
+
+def _check_background(cfg: DictConfig) -> None:
+    """data.background (the model's background refers to it: name the key the user wrote)."""
+    value = _get(cfg, "data.background")
+    if value is _ABSENT:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value] * 3
+    try:
+        values = list(value)
+    except TypeError:
+        values = []
+    if len(values) != 3 or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c <= 1
+                                   for c in values):
+        raise ConfigError(f"data.background: must be 3 numbers in [0, 1] (RGB), got {value!r}")
 
 
 def _check_render_only(cfg: DictConfig) -> None:
@@ -138,6 +174,8 @@ _CHECKS: tuple[Callable[[DictConfig], None], ...] = (
     _check_ops,
     _check_train,
     _check_data,
+    _check_background,
+    _check_schedule,
     _check_render_only,
 )
 
