@@ -98,6 +98,13 @@ class VoxelNeRF(nn.Module):
     def get_extra_state(self) -> torch.Tensor:
         return torch.tensor([self._resolution, int(self.shrunk)], dtype=torch.int64)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint from before the schedule state was saved: its box never shrank, its grid shows the resolution
+        key, grid = prefix + "_extra_state", state_dict.get(prefix + "density.grid")
+        if key not in state_dict and isinstance(grid, torch.Tensor) and grid.dim() == 4:
+            state_dict[key] = torch.tensor([max(grid.shape[:3]), 0], dtype=torch.int64)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def set_extra_state(self, state: torch.Tensor) -> None:
         self._resolution, self.shrunk = int(state[0]), bool(state[1])
         self.extent = tuple(float(e) for e in (self.bbox[1] - self.bbox[0]).tolist())  # bbox is loaded first

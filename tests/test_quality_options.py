@@ -125,6 +125,14 @@ def test_shrink_survives_a_checkpoint_round_trip():
     assert not restored.on_step(6, 100)
 
 
+def test_checkpoints_from_before_the_schedule_state_still_load():
+    model = make_model(grow_at=[], resolution_start=16, resolution_end=16)
+    state = {k: v for k, v in model.state_dict().items() if k != "_extra_state"}
+    restored = make_model(grow_at=[], resolution_start=16, resolution_end=16)
+    restored.load_state_dict(state)
+    assert restored.resolution == 16 and not restored.shrunk
+
+
 def test_shrink_with_nothing_visible_keeps_the_box():
     model = make_model(grow_at=[], resolution_start=16, resolution_end=16, shrink_at=2)
     with torch.no_grad():
