@@ -8,6 +8,7 @@
 
 Everything happens in models/trainer.py; this file only hands Hydra's config and run directory over.
 """
+import os
 import sys
 
 import hydra
@@ -37,7 +38,26 @@ def main(cfg: DictConfig) -> None:
     print(f"job #{hydra_cfg.job.num} failed (exit code {code}); the sweep continues", file=sys.stderr)
 
 
+def read_only_run_dir(argv: list[str]) -> str | None:
+    """The one-line error for a ``hydra.run.dir=...`` that exists but cannot be written, else None.
+
+    Hydra writes its log and config copy there before any of our code runs, and on a read-only folder (an
+    archived run, say) it fails with a traceback from its logging set-up; this says it first, in one line.
+    """
+    for arg in argv:
+        if arg.startswith("hydra.run.dir="):
+            folder = arg.split("=", 1)[1].strip("'\"")
+            if os.path.isdir(folder) and not os.access(folder, os.W_OK):
+                return (f"error: hydra.run.dir: {folder} is read-only; a run writes its log, config and outputs there "
+                        "(render_only too: copy the run to a writable folder first)")
+    return None
+
+
 if __name__ == "__main__":
+    refusal = read_only_run_dir(sys.argv[1:])
+    if refusal:
+        print(refusal, file=sys.stderr)
+        sys.exit(2)
     main()
     if FAILED_JOBS:
         listed = ", ".join(f"#{num} ({folder}: exit {code})" for num, folder, code in FAILED_JOBS)

@@ -12,10 +12,32 @@ from data.errors import SceneError
 _MODES = {"RGBA": "RGBA", "LA": "RGBA", "PA": "RGBA", "RGB": "RGB", "L": "RGB", "1": "RGB", "P": None}
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # PIL's modes for 16- and 32-bit samples
+
+
+def _png_bit_depth(path: Path) -> int | None:
+    """Bits per sample from a PNG's IHDR chunk (PIL decodes 16-bit colour PNGs to 8 bits without a word)."""
+    with open(path, "rb") as file:
+        header = file.read(26)
+    if len(header) == 26 and header[:8] == _PNG_SIGNATURE and header[12:16] == b"IHDR":
+        return header[24]
+    return None
+
+
 def read_rgba(path: Path) -> np.ndarray:
-    """Decode an image file into (H, W, 4) or (H, W, 3) uint8; images without alpha come back as RGB."""
+    """Decode an image file into (H, W, 4) or (H, W, 3) uint8; images without alpha come back as RGB.
+
+    Images with more than 8 bits per sample are refused, whatever their channels: the pipeline keeps uint8,
+    and cutting them down silently would lose precision the user asked for.
+    """
     try:
         with Image.open(path) as image:
+            depth = _png_bit_depth(path) if image.format == "PNG" else None
+            if image.mode in _WIDE_MODES or (depth is not None and depth > 8):
+                bits = depth if depth and depth > 8 else (32 if image.mode in ("I", "F") else 16)
+                raise SceneError(f"{path}: {bits}-bit images are not supported (8 bits per channel expected); "
+                                 "convert it first, e.g. `magick IN -depth 8 OUT`")
             if image.mode not in _MODES:
                 raise SceneError(f"{path}: unsupported image mode {image.mode!r} (expected RGB, RGBA, L, LA or P)")
             target = _MODES[image.mode] or ("RGBA" if "transparency" in image.info else "RGB")

@@ -20,6 +20,7 @@ from models.training.checkpoint import (
     InterruptGuard,
     capture_rng_state,
     load_checkpoint,
+    remove_stale_temporaries,
     restore_rng_state,
     save_checkpoint,
 )
@@ -162,6 +163,9 @@ def test_sigkill_in_the_middle_of_a_write_leaves_previous_checkpoint(tmp_path):
     # The half-written bytes went to a temporary file, never to ckpt.pt (SIGKILL allows no clean-up)
     strays = [tmp_path / name for name in _stray_files(tmp_path, "ckpt.pt")]
     assert len(strays) == 1 and strays[0].name.startswith(".ckpt.pt.") and strays[0].stat().st_size > 0
+    # ... which the next run removes before it starts saving (the trainer calls this at start)
+    assert remove_stale_temporaries(tmp_path / "ckpt.pt") == 1
+    assert _stray_files(tmp_path, "ckpt.pt") == [] and load_checkpoint(tmp_path / "ckpt.pt")["version"] == 1
 
 
 def test_sigkill_during_repeated_saves_never_leaves_a_torn_checkpoint(tmp_path):

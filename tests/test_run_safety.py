@@ -148,3 +148,42 @@ def test_resume_across_device_types_and_render_only_keep_their_configs_apart(tmp
     result = run_train(tiny_overrides(cache, 6) + [f"hydra.run.dir={run_dir}", "render_only=true"])
     assert result.returncode == 0, result.stderr
     assert (run_dir / ".hydra_render" / "config.yaml").is_file()
+
+
+def _png_16bit(path: Path, channels: int) -> None:
+    """A 16-bit PNG written by hand (PIL cannot write 16-bit colour): colour type 0 (grey), 2 (RGB), 6 (RGBA)."""
+    import struct
+    import zlib
+
+    height, width = 3, 4
+    colour_type = {1: 0, 3: 2, 4: 6}[channels]
+    rows = b"".join(b"\x00" + np.arange(width * channels, dtype=">u2").tobytes() for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_16_bit_images_are_refused_the_same_way_for_every_layout(tmp_path, channels):
+    from data.images import read_rgba
+
+    path = tmp_path / "wide.png"
+    _png_16bit(path, channels)
+    with pytest.raises(SceneError, match="16-bit images are not supported"):
+        read_rgba(path)
+
+
+def test_a_read_only_run_folder_is_refused_in_one_line_before_hydra_writes(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_entry", REPO / "train.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    assert entry.read_only_run_dir([f"hydra.run.dir={tmp_path}", "render_only=true"]) is None
+    real_access = entry.os.access
+    monkeypatch.setattr(entry.os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
+    message = entry.read_only_run_dir([f"hydra.run.dir={tmp_path}", "render_only=true"])
+    assert message.startswith(f"error: hydra.run.dir: {tmp_path} is read-only")
