@@ -54,17 +54,23 @@ class VoxelNeRF(nn.Module):
     """Density grid (R0,R1,R2,1) + feature grid (R0,R1,R2,F) over ``bbox``, rendered between near and far.
 
     Args:
-        bbox: (2, 3) min and max corners of the scene box.
+        bbox: (2, 3) min and max corners of the scene box (sets the voxel budget and the density unit).
+        grid_box: optional (2, 3) smaller box the grids start on (same voxel budget: finer voxels).
         near, far: ray distance range (unit directions: Euclidean distances).
         cfg: the ``model`` config group (configs/model/default.yaml).
         ops: the op backends (models.ops.build_ops).
     """
 
-    def __init__(self, bbox: torch.Tensor, near: float, far: float, cfg: Mapping, ops: OpSet):
+    def __init__(self, bbox: torch.Tensor, near: float, far: float, cfg: Mapping, ops: OpSet,
+                 grid_box: torch.Tensor | None = None):
         super().__init__()
         bbox = torch.as_tensor(bbox, dtype=torch.float32)
         if bbox.shape != (2, 3) or not bool((bbox[1] > bbox[0]).all()):
             raise ValueError(f"bbox: expected (2, 3) min and max corners with max > min, got {bbox.tolist()}")
+        if grid_box is not None:
+            grid_box = torch.as_tensor(grid_box, dtype=torch.float32)
+            if grid_box.shape != (2, 3) or not bool((grid_box[1] > grid_box[0]).all()):
+                raise ValueError(f"grid_box: expected (2, 3) min and max corners with max > min, got {grid_box.tolist()}")
         if not 0.0 <= near < far:
             raise ValueError(f"near, far: need 0 <= near < far, got near={near}, far={far}")
         self.config: ModelConfig = parse_model_config(cfg)
@@ -73,16 +79,18 @@ class VoxelNeRF(nn.Module):
         # the scene's box: sets the voxel budget (resolution counts vertices along its longest side) and the
         # density unit; ``bbox`` is where the grids are now (smaller after shrink_to_occupied)
         self.initial_extent = tuple(float(e) for e in (bbox[1] - bbox[0]).tolist())
-        self.extent = self.initial_extent
-        self.register_buffer("bbox", bbox.clone())
+        start_box = bbox if grid_box is None else grid_box  # e.g. the masks' visual hull (data.bounds)
+        self.extent = tuple(float(e) for e in (start_box[1] - start_box[0]).tolist())
+        self.register_buffer("bbox", start_box.clone())
         self.register_buffer("background", torch.tensor(self.config.background, dtype=torch.float32))
 
         c = self.config
         self._resolution = self.resolution_at(0, 1)
         self.shrunk = False
         shape = self.shape_at(self._resolution)
-        # density in units of the final grid's voxel, so the field's meaning does not change as the grid grows
-        self.base_voxel = voxel_size(self.extent, grid_shape(self.extent, c.resolution_end))
+        # density in units of the final grid's voxel (in the scene box), so the field's meaning does not change
+        # as the grid grows or its box shrinks
+        self.base_voxel = voxel_size(self.initial_extent, grid_shape(self.initial_extent, c.resolution_end))
         self.density = VoxelGrid(shape, 1)
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data import PatchSampler, RaySampler, Scene, SceneError, ensure_synthetic_scene, eval_split, load_blender
+from data.bounds import mask_hull_box
 from data.cameras import look_at, orbit_positions
 from models.config import parse_model_config
 from models.metrics import psnr, ssim
@@ -197,10 +198,11 @@ class Trainer:
         ops: the op backends.
         train_scene, eval_scene: splits already on ``device``.
         seed: the seed the run was started with (seeds the batch sampler's generator).
+        grid_box: optional (2, 3) box the grids start on (``data.tight_box``: the masks' visual hull).
     """
 
     def __init__(self, cfg: DictConfig, paths: RunPaths, device: torch.device, ops: OpSet,
-                 train_scene: Scene, eval_scene: Scene, seed: int):
+                 train_scene: Scene, eval_scene: Scene, seed: int, grid_box: torch.Tensor | None = None):
         self.cfg, self.train_cfg = cfg, cfg.train
         self.paths, self.device, self.seed = paths, device, seed
         self.train_scene, self.eval_scene = train_scene, eval_scene
@@ -209,7 +211,7 @@ class Trainer:
         self.ops = ops
         model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
         self.model = VoxelNeRF(train_scene.bbox.cpu(), train_scene.near, train_scene.far, model_cfg,
-                               self.profiler.instrument_ops(ops)).to(device)
+                               self.profiler.instrument_ops(ops), grid_box=grid_box).to(device)
         self.profiler.instrument_module(self.model.decoder, "decoder")
         self._check_image_sizes()
         self.generator = torch.Generator(device=device)
@@ -692,7 +694,15 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
                       eval_scene.num_views, eval_scene.height, eval_scene.width, training=not cfg.render_only)
     except PreflightError as error:
         raise RunError(str(error)) from None
-    trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed)
+    grid_box = None
+    if cfg.data.get("tight_box", False):
+        if train_scene.alpha is None:
+            print("note: data.tight_box: the training images have no alpha; the grids use the whole scene box")
+        else:
+            grid_box = mask_hull_box(train_scene).cpu()
+            print(f"grid box from the training masks (data.tight_box): {[round(v, 3) for v in grid_box[0].tolist()]} .. "
+                  f"{[round(v, 3) for v in grid_box[1].tolist()]}")
+    trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, grid_box)
     if state is not None:
         trainer.restore(state, with_training_state=not cfg.render_only)
         print(f"loaded {paths.checkpoint} (step {trainer.step})")

@@ -2,6 +2,9 @@
 density, the scene's alpha and training on random backgrounds, and the worst-views figure of the evaluation."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -216,7 +219,7 @@ def test_app_trains_with_the_quality_options_and_reports_worst_views(tmp_path):
 
     overrides = tiny_overrides(tmp_path / "cache", 8) + [
         f"hydra.run.dir={tmp_path / 'run'}", "model.shading=per_sample", "model.upsample=1", "train.batch_rays=128",
-        "model.shrink_at=4", "train.random_background=true", "train.adam_eps=1e-15"]
+        "model.shrink_at=4", "train.random_background=true", "train.adam_eps=1e-15", "data.tight_box=true"]
     result = run_train(overrides)
     assert result.returncode == 0, result.stdout + result.stderr
     metrics = read_metrics(tmp_path / "run")
@@ -225,3 +228,51 @@ def test_app_trains_with_the_quality_options_and_reports_worst_views(tmp_path):
     assert metrics["psnr_worst10"] <= metrics["psnr"]
     assert len(metrics["worst_views"]) == len(worst) and "grid_box" in metrics
     assert "worst 10% of views" in result.stdout
+
+
+# ------------------------------------------------------------------------------------- the masks' hull
+
+
+def sphere_scene(centre=(0.4, -0.2, 0.1), radius=0.3, size=48) -> Scene:
+    """Cameras around the origin and alpha masks of a sphere, drawn by projecting dense points of it."""
+    from data.cameras import look_at, orbit_positions
+    from data.rays import camera_rays
+
+    positions = np.concatenate([orbit_positions(8, 4.0, 0.3), orbit_positions(8, 4.0, 1.0, phase=0.4),
+                                orbit_positions(4, 4.0, -0.4, phase=0.2)])
+    c2w = torch.from_numpy(look_at(positions).astype(np.float32))
+    focal = 0.5 * size / math.tan(0.5 * 0.7)
+    origins, directions = camera_rays(c2w, size, size, focal)
+    # a ray hits the sphere when its distance to the centre is below the radius (camera outside the sphere)
+    to_centre = torch.tensor(centre) - origins
+    along = (to_centre * directions).sum(-1, keepdim=True)
+    miss = (to_centre - along * directions).norm(dim=-1)
+    alpha = ((miss < radius) & (along[..., 0] > 0)).to(torch.uint8) * 255
+    return Scene(images=torch.full((len(positions), size, size, 3), 255, dtype=torch.uint8), c2w=c2w, height=size,
+                 width=size, focal=focal, near=NEAR, far=6.0, bbox=BBOX, background=(1.0, 1.0, 1.0), split="train",
+                 names=[str(i) for i in range(len(positions))], alpha=alpha)
+
+
+def test_mask_hull_box_holds_the_object_and_little_else():
+    from data.bounds import mask_hull_box
+
+    centre, radius = torch.tensor([0.4, -0.2, 0.1]), 0.3
+    box = mask_hull_box(sphere_scene(tuple(centre.tolist()), radius))
+    assert bool((box[0] <= centre - radius).all()) and bool((box[1] >= centre + radius).all())
+    assert bool(((box[1] - box[0]) < 2 * radius + 0.6).all())  # the hull of 20 views plus a 2-cell margin
+    no_alpha = dataclasses.replace(sphere_scene(), alpha=None)
+    torch.testing.assert_close(mask_hull_box(no_alpha), BBOX)
+
+
+def test_model_starts_on_a_grid_box_with_the_scene_voxel_budget():
+    from models import VoxelNeRF
+    from test_model import make_cfg
+
+    cfg, ops = make_cfg(grow_at=[], resolution_start=24, resolution_end=24), build_ops(TORCH_OPS)
+    grid_box = torch.tensor([[-0.5, -1.0, -0.4], [0.5, 1.0, 0.6]])
+    model = VoxelNeRF(BBOX, NEAR, 6.0, cfg, ops, grid_box=grid_box)
+    torch.testing.assert_close(model.bbox, grid_box)
+    assert np.prod(model.grid_shape) == pytest.approx(24**3, rel=0.25)  # the scene box's budget, finer voxels
+    assert model.base_voxel == pytest.approx(VoxelNeRF(BBOX, NEAR, 6.0, cfg, ops).base_voxel)
+    with pytest.raises(ValueError, match="grid_box"):
+        VoxelNeRF(BBOX, NEAR, 6.0, cfg, ops, grid_box=torch.zeros(2, 3))

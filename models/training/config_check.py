@@ -90,6 +90,7 @@ def _check_ops(cfg: DictConfig) -> None:
 def _check_data(cfg: DictConfig) -> None:
     name = _check_choice(cfg, "data.name", DATASETS, "dataset")
     _check_int(cfg, "data.downscale", minimum=1)
+    _check_bool(cfg, "data.tight_box")
     for key in ("data.resolution", "data.n_train", "data.n_val"):  # the synthetic scene's size
         _check_int(cfg, key, minimum=1, rule="> 0")
     _check_int(cfg, "data.n_test", minimum=0)
