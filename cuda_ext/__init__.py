@@ -7,21 +7,43 @@ Public ops (each differentiable, dispatching on the input's device):
 - :func:`upsample_bilinear2d` (B,C,H,W) -> (B,C,sH,sW).
 - :func:`gelu`, exact or tanh.
 
-:mod:`cuda_ext.reference` holds pure-PyTorch versions with the same signatures.
+:mod:`cuda_ext.reference` holds pure-PyTorch versions with the same signatures; they need no compiled
+extension, so ``import cuda_ext.reference`` and ``ops=torch`` work without a build. The custom ops need
+``cuda_ext._C``: without it, using one raises an ImportError that says how to build it.
 """
 import torch  # noqa: F401  (loads libtorch, which _C links against)
-from cuda_ext import _C  # noqa: F401  (loads the library: registers torch.ops.cuda_ext.*)
+
 from cuda_ext import reference
-from cuda_ext.gelu import gelu
-from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
-from cuda_ext.upsample import upsample_bilinear2d
+
+try:
+    from cuda_ext import _C  # noqa: F401  (loads the library: registers torch.ops.cuda_ext.*)
+except ImportError as _error:  # not built (or built for another torch): the references still work
+    _C = None
+    _MISSING = (f"cuda_ext: the compiled extension cuda_ext._C cannot be loaded ({_error}); build it with "
+                "`python3 -m pip install --no-build-isolation -e .` (cuda_ext.reference and ops=torch need no build)")
+else:
+    from cuda_ext.gelu import gelu
+    from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
+    from cuda_ext.upsample import upsample_bilinear2d
+
+_CUSTOM_OPS = ("trilinear_interpolate", "grid_interpolate", "upsample_bilinear2d", "gelu")
+
+
+def __getattr__(name: str):
+    # only reached when the import above failed: the custom ops were never defined
+    if name in _CUSTOM_OPS:
+        raise ImportError(_MISSING)
+    raise AttributeError(f"module 'cuda_ext' has no attribute {name!r}")
+
+
+def has_extension() -> bool:
+    """True when the compiled extension (the custom ops' kernels) is loaded."""
+    return _C is not None
 
 
 def has_cuda_kernels() -> bool:
     """True when the extension was built with its CUDA kernels."""
-    import torch
-
-    return torch._C._dispatch_has_kernel_for_dispatch_key("cuda_ext::gelu", "CUDA")
+    return _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key("cuda_ext::gelu", "CUDA")
 
 
 __all__ = [
@@ -30,5 +52,6 @@ __all__ = [
     "upsample_bilinear2d",
     "gelu",
     "reference",
+    "has_extension",
     "has_cuda_kernels",
 ]

@@ -54,6 +54,9 @@ def build_ops(ops_cfg: Mapping[str, str]) -> OpSet:
         if backend not in BACKENDS:
             raise ValueError(f"ops.{key}: unknown backend {backend!r} (expected 'custom' or 'torch')")
         module = cuda_ext if backend == "custom" else cuda_ext.reference
-        chosen[function] = getattr(module, function)
+        try:
+            chosen[function] = getattr(module, function)
+        except ImportError as error:  # the custom op without a compiled extension
+            raise ValueError(f"ops.{key}: {error}") from None
         backends[key] = str(backend)
     return OpSet(**chosen, backends=backends)
