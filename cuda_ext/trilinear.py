@@ -23,8 +23,10 @@ def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Te
     """Blend each point's 8 cell-corner features.
 
     Args:
-        feats: (N, 8, F) corner features; corner ``k = 4*iu + 2*iw + iv``: corner 1 has weight
-            ``(1-u) v (1-w)`` and corner 2 ``(1-u)(1-v) w`` (issue 14).
+        feats: (N, 8, F) corner features; corner ``k = 4*iu + 2*iw + iv``: with ``a, b, c, d = (1-v)(1-w),
+            v(1-w), (1-v)w, vw`` the output is ``(1-u)(a f0 + b f1 + c f2 + d f3) + u(a f4 + b f5 + c f6 + d f7)``,
+            so corner 1 has weight ``(1-u) v (1-w)`` and corner 2 ``(1-u)(1-v) w``. (The code published in
+            kwea123/pytorch-cppcuda-tutorial puts b and c the other way round: swap corners 1<->2 and 5<->6.)
         points: (N, 3) local coordinates in [-1, 1]; (u, v, w) = (points + 1) / 2.
     Returns:
         (N, F): ``sum_k weight_k * feats[:, k]`` with weight

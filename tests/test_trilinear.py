@@ -40,8 +40,8 @@ def grads_of(fn, feats: torch.Tensor, points: torch.Tensor, grad_out: torch.Tens
 
 
 def tutorial_trilinear_interpolation_py(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """The formula of issue 14, literally: corner 1 carries ``(1-u) v (1-w)`` and corner 2 ``(1-u)(1-v) w``,
-    so corner ``k = 4*iu + 2*iw + iv``."""
+    """The tutorial formula the op promises, literally (a, b, c, d, then the (1-u)/u blend): corner 1 carries
+    ``(1-u) v (1-w)`` and corner 2 ``(1-u)(1-v) w``, so corner ``k = 4*iu + 2*iw + iv``."""
     u = (points[:, 0:1] + 1) / 2
     v = (points[:, 1:2] + 1) / 2
     w = (points[:, 2:3] + 1) / 2
