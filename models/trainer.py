@@ -139,6 +139,20 @@ def orbit_cameras(c2w: torch.Tensor, count: int) -> torch.Tensor:
     return torch.from_numpy(look_at(orbit_positions(count, radius, elevation)).astype(np.float32))
 
 
+def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Mean squared difference between the rays' opacity and the training images' alpha: density where the
+    masks say empty is haze, even where its colour matches the background (``train.opacity_loss`` weighs it).
+
+    ``opacity`` (B,) or (n, P, P); ``alpha`` the same shape, or (n, sP, sP) for patch batches (area-averaged
+    down to the rays' resolution P).
+    """
+    if alpha.shape != opacity.shape:
+        if alpha.dim() != 3 or opacity.dim() != 3 or alpha.shape[1] % opacity.shape[1]:
+            raise ValueError(f"opacity_loss: alpha {tuple(alpha.shape)} does not fit opacity {tuple(opacity.shape)}")
+        alpha = F.avg_pool2d(alpha[:, None], alpha.shape[1] // opacity.shape[1])[:, 0]
+    return F.mse_loss(opacity, alpha)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -287,7 +301,7 @@ class Trainer:
                 regularization = self.model.regularization()
             with profiler.section("loss_backward"):
                 mse = F.mse_loss(out["rgb"], target)
-                loss = mse + regularization
+                loss = mse + regularization + self._opacity_loss(out["opacity"], batch.alpha)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
             with profiler.section("optimizer"):
@@ -302,6 +316,12 @@ class Trainer:
         self.pixels_done += batch.rgb.numel() // 3
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
+
+    def _opacity_loss(self, opacity: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor | float:
+        weight = float(self.train_cfg.get("opacity_loss", 0.0))
+        if weight == 0.0 or alpha is None:
+            return 0.0
+        return weight * opacity_loss(opacity, alpha)
 
     def _training_background(self, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(background, target) for a batch: with ``train.random_background`` and a scene with alpha, a random

@@ -211,6 +211,23 @@ def test_model_background_per_ray_replaces_its_own():
     torch.testing.assert_close(out["rgb"], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_opacity_loss_pulls_opacity_to_alpha_at_the_rays_resolution():
+    from models.trainer import opacity_loss
+
+    generator = torch.Generator().manual_seed(3)
+    opacity = torch.rand(2, 4, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    alpha = torch.rand(2, 8, 8, generator=generator, dtype=torch.float64)
+    pooled = alpha.reshape(2, 4, 2, 4, 2).mean(dim=(2, 4))  # 2x2 area average, written out
+    loss = opacity_loss(opacity, alpha)
+    torch.testing.assert_close(loss, ((opacity - pooled) ** 2).mean())
+    loss.backward()
+    torch.testing.assert_close(opacity.grad, 2 * (opacity - pooled).detach() / opacity.numel())
+    per_ray = torch.rand(16, generator=generator, dtype=torch.float64)
+    assert opacity_loss(per_ray, per_ray.clone()) == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        opacity_loss(opacity, torch.rand(2, 7, 7, dtype=torch.float64))
+
+
 # ------------------------------------------------------------------------------------------ the app
 
 
@@ -219,7 +236,8 @@ def test_app_trains_with_the_quality_options_and_reports_worst_views(tmp_path):
 
     overrides = tiny_overrides(tmp_path / "cache", 8) + [
         f"hydra.run.dir={tmp_path / 'run'}", "model.shading=per_sample", "model.upsample=1", "train.batch_rays=128",
-        "model.shrink_at=4", "train.random_background=true", "train.adam_eps=1e-15", "data.tight_box=true"]
+        "model.shrink_at=4", "train.random_background=true", "train.adam_eps=1e-15", "data.tight_box=true",
+        "train.opacity_loss=0.01"]
     result = run_train(overrides)
     assert result.returncode == 0, result.stdout + result.stderr
     metrics = read_metrics(tmp_path / "run")

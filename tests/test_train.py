@@ -175,7 +175,8 @@ def test_bad_config_fails_fast_in_one_line(tmp_path, overrides, key):
 @pytest.mark.parametrize(
     "override, key",
     [("train.batch_rays=0", "train.batch_rays"), ("train.checkpoint_every=-1", "train.checkpoint_every"),
-     ("train.resume=maybe", "train.resume"), ("data.n_train=0", "data.n_train"), ("seed=-3", "seed")],
+     ("train.resume=maybe", "train.resume"), ("data.n_train=0", "data.n_train"), ("seed=-3", "seed"),
+     ("train.opacity_loss=-0.1", "train.opacity_loss")],
 )
 def test_validate_config_names_the_key(override, key):
     cfg = OmegaConf.merge(

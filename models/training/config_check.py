@@ -120,6 +120,7 @@ def _check_train(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.lr")
     _check_nonnegative_number(cfg, "train.lr_decoder")
     _check_nonnegative_number(cfg, "train.lr_final_factor")
+    _check_nonnegative_number(cfg, "train.opacity_loss")
     for key in ("train.batch_rays", "train.patch_size", "train.patches_per_batch", "train.log_every", "train.render_chunk",
                 "train.turntable_max_side"):
         _check_int(cfg, key, minimum=1, rule="> 0")
