@@ -77,10 +77,10 @@ setup(
     name="voxel-field",
     version="0.1.0",
     description="A voxel-grid neural-field trainer with hand-written CPU and CUDA ops",
-    packages=find_packages(include=["cuda_ext", "cuda_ext.*", "models", "models.*", "data", "data.*"]),
+    packages=find_packages(include=["cuda_ext", "cuda_ext.*", "models", "models.*", "data", "data.*", "training", "training.*"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy", "hydra-core>=1.3", "tqdm", "imageio>=2.9", "pillow"],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest"], "lint": ["ruff==0.17.5", "clang-format==23.1.3"]},
 )

@@ -6,7 +6,8 @@
     python train.py render_only=true hydra.run.dir=outputs/DATE/TIME
     python train.py -m train.iters=500,1000          # a sweep: every job runs; failures are listed at the end
 
-Everything happens in models/trainer.py; this file only hands Hydra's config and run directory over.
+Everything happens in training/app.py; this file registers the config schema and hands Hydra's config and run
+directory over.
 """
 import os
 import sys
@@ -15,6 +16,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+
+from training.config import register_configs
+
+register_configs()  # the typed schema (training/config.py) that configs/config.yaml starts from
 
 # render_only keeps its own copy of the config next to the training run's (.hydra_render), not over it
 OmegaConf.register_new_resolver("config_subdir", lambda render_only: ".hydra_render" if render_only else ".hydra",
@@ -25,7 +30,7 @@ FAILED_JOBS: list[tuple[int, str, int]] = []  # (job number, run directory, exit
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from models.trainer import run  # imported here so `--help` and config errors from Hydra stay fast
+    from training.app import run  # imported here so `--help` and config errors from Hydra stay fast
 
     hydra_cfg = HydraConfig.get()
     code = run(cfg, hydra_cfg.runtime.output_dir)

@@ -2,7 +2,7 @@
 # One GPU session in one command: install the pure-Python wheels, build the extension for Hopper,
 # then run the requested stages, logging each under $OUT (default: ./gpu_out).
 #
-#   bench/gpu_session.sh [tests] [grid-tests] [bench] [bench-grid] [train] [lego] [lego-in-order] [lego-torch] [profile] [grid-variants] [grid-slabs] [grid-channels]
+#   bench/gpu_session.sh [tests] [grid-tests] [bench] [bench-grid] [train] [lego] [lego-in-order] [lego-torch] [profile] [grid-channels]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate.py only
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md; bench-grid: the grid op only
@@ -10,8 +10,6 @@
 # lego:       the shipped blender experiment on $LEGO (default ../shared/data/lego_400 or ./lego_400)
 # lego-torch: the same with ops=torch; lego-in-order: with CUDA_EXT_GRID_REORDER=off
 # profile:    300 lego steps with train.profile=true (where a step's time goes)
-# grid-variants: bench/experiments/grid_forward_variants.py -> $OUT/grid_variants.json
-# grid-slabs: bench/experiments/grid_slab_passes.py -> $OUT/grid_slabs.json
 # grid-channels: the grid op against F.grid_sample at each of $GRID_CHANNELS (default 1,3,4,7,12,16,24,32)
 #                channels -> $OUT/grid_channels.json, .md
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
@@ -79,8 +77,6 @@ for s in "${stages[@]}"; do
     grid-channels) stage grid_channels python3 bench/bench_ops.py --device cuda --size full --ops grid \
       --variants custom,custom-in-order,builtin --grid-channels "${GRID_CHANNELS:-1,3,4,7,12,16,24,32}" --budget-s 1 \
       --json "$OUT/grid_channels.json" --markdown "$OUT/grid_channels.md" ;;
-    grid-variants) stage grid_variants python3 bench/experiments/grid_forward_variants.py --json "$OUT/grid_variants.json" ;;
-    grid-slabs) stage grid_slabs python3 bench/experiments/grid_slab_passes.py --json "$OUT/grid_slabs.json" ;;
     profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=300 hydra.run.dir="$OUT/profile" ;;
     *) log "unknown stage $s"; failures=$((failures + 1)) ;;
   esac

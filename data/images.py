@@ -71,8 +71,8 @@ def area_downscale(image: np.ndarray, factor: int) -> np.ndarray:
     return blocks.mean(axis=(1, 3), dtype=np.float64 if image.dtype == np.float64 else np.float32)
 
 
-def to_uint8(image: np.ndarray) -> np.ndarray:
-    """Float image in [0, 255] -> uint8, rounding to nearest."""
+def round_to_uint8(image: np.ndarray) -> np.ndarray:
+    """Float image in [0, 255] (pixel values) -> uint8, rounding to nearest (for [0, 1] images: training.visualize.to_uint8)."""
     return np.clip(np.rint(image), 0, 255).astype(np.uint8)
 
 
@@ -84,7 +84,7 @@ def composite_uint8(pixels: np.ndarray, background: tuple[float, float, float]) 
     """
     scaled = np.asarray(background, np.float64) * 255.0
     if pixels.shape[-1] == 3 or not np.array_equal(scaled, np.round(scaled)):
-        return to_uint8(composite(pixels, background))
+        return round_to_uint8(composite(pixels, background))
     alpha = pixels[..., 3:].astype(np.uint16)
     mixed = pixels[..., :3] * alpha + scaled.astype(np.uint16) * (255 - alpha)  # <= 255 * 255: fits uint16
     mixed += 127
@@ -107,8 +107,8 @@ def load_composited(path: Path, background: tuple[float, float, float], downscal
     if downscale == 1:
         return composite_uint8(pixels, background), alpha
     if alpha is not None:
-        alpha = to_uint8(area_downscale(alpha[..., None].astype(np.float32), downscale))[..., 0]
-    return to_uint8(area_downscale(composite(pixels, background), downscale)), alpha
+        alpha = round_to_uint8(area_downscale(alpha[..., None].astype(np.float32), downscale))[..., 0]
+    return round_to_uint8(area_downscale(composite(pixels, background), downscale)), alpha
 
 
 def image_size(path: Path) -> tuple[int, int]:

@@ -29,7 +29,7 @@ import torch
 from data.blender import write_blender_split
 from data.cameras import look_at, orbit_positions, random_zone_positions
 from data.geometry import Box, Cylinder, Ellipsoid, Sphere, dot
-from data.images import area_downscale, to_uint8
+from data.images import area_downscale, round_to_uint8
 from data.rays import camera_rays
 
 GENERATOR_VERSION = 1  # bump when the rendering changes, so cached scenes are regenerated
@@ -218,7 +218,7 @@ def render_views(c2w: np.ndarray, resolution: int, seed: int) -> np.ndarray:
         pixel = area_downscale(premultiplied, SUPERSAMPLE)  # average premultiplied colour and coverage
         alpha = pixel[..., 3:]
         straight = np.where(alpha > 0, pixel[..., :3] / np.maximum(alpha, 1e-12), 0.0)
-        views.append(to_uint8(np.concatenate([straight, alpha], -1) * 255.0))
+        views.append(round_to_uint8(np.concatenate([straight, alpha], -1) * 255.0))
     return np.stack(views)
 
 

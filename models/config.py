@@ -1,155 +1,132 @@
-"""The ``model`` config group, read once into a typed, validated :class:`ModelConfig`.
+"""The ``model`` config: :class:`ModelConfig` is both the Hydra schema of the ``model`` group (registered by
+``training.config``; configs/model/default.yaml is its preset) and the typed settings :class:`VoxelNeRF` reads.
 
-Every problem raises ValueError naming the key (``model.<key>``) and what was expected, before any tensor is built.
+Types are enforced by OmegaConf (a wrong type or an unknown key fails naming the key); :func:`check_model_config`
+adds the value rules and raises ValueError naming ``model.<key>``. No ``from __future__ import annotations``
+here: OmegaConf reads the field types at runtime.
 """
-from __future__ import annotations
-
 import math
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, List
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 DIR_ENCODING = re.compile(r"^(none|sh[0-3]|pe[0-9]+)$")
 GELU_MODES = ("none", "tanh")
 SHADING_MODES = ("deferred", "per_sample")
 
 
-@dataclass(frozen=True)
+@dataclass
+class OccupancyConfig:
+    """Empty-space skipping: cells whose 8 corner alphas are all below ``threshold`` are skipped."""
+
+    threshold: float = 1.0e-3  # alpha (per sample) below which a cell counts as empty
+    refresh_every: int = 50  # steps between rebuilds from the density grid
+    warmup: int = 100  # no skipping before this step
+    dilate: int = 1  # grow the occupied region by this many cells (lets surfaces move)
+
+
+@dataclass
 class ModelConfig:
-    """See configs/model/default.yaml for what each field means."""
+    """VoxelNeRF's settings; configs/model/default.yaml says what each one means."""
 
-    resolution_start: int
-    resolution_end: int
-    grow_at: tuple[float, ...]
-    feature_dim: int
-    feature_init_std: float
-    decoder_hidden: int
-    decoder_layers: int
-    dir_encoding: str
-    gelu_approximate: str
-    upsample: int
-    step_ratio: float
-    max_samples: int
-    density_shift: float
-    background: tuple[float, float, float]
-    occupancy_threshold: float
-    occupancy_refresh_every: int
-    occupancy_warmup: int
-    occupancy_dilate: int
-    early_termination: float
-    weight_threshold: float
-    tv_density: float
-    tv_features: float
-    tv_until: float
-    tv_samples: int
-    shading: str
-    shrink_at: float | int | None
-    shrink_threshold: float
+    resolution_start: int = 32
+    resolution_end: int = 80
+    grow_at: List[Any] = field(default_factory=lambda: [0.1, 0.2, 0.3])  # steps (int) or fractions (float)
+    feature_dim: int = 12
+    feature_init_std: float = 0.1
+    density_shift: float = -7.0
+    decoder_hidden: int = 64
+    decoder_layers: int = 2
+    dir_encoding: str = "sh2"
+    gelu_approximate: str = "none"
+    upsample: int = 2
+    step_ratio: float = 1.0
+    max_samples: int = 512
+    background: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    occupancy: OccupancyConfig = field(default_factory=OccupancyConfig)
+    early_termination: float = 1.0e-3
+    weight_threshold: float = 1.0e-4
+    tv_density: float = 1.0e-3
+    tv_features: float = 1.0e-4
+    tv_until: float = 1.0
+    tv_samples: int = 65536
+    shading: str = "deferred"
+    shrink_at: Any = None  # null, a step (int) or a fraction of training (float)
+    shrink_threshold: float = 1.0e-3
 
 
-def _get(cfg: Mapping, key: str, prefix: str = "model") -> Any:
-    if key not in cfg:
-        raise ValueError(f"{prefix}.{key}: missing from the model config")
-    return cfg[key]
+def _int_at_least(cfg: ModelConfig, key: str, minimum: int) -> None:
+    value = getattr(cfg, key)
+    if value < minimum:
+        raise ValueError(f"model.{key}: must be an integer >= {minimum}, got {value!r}")
 
 
-def _int(cfg: Mapping, key: str, minimum: int, prefix: str = "model") -> int:
-    value = _get(cfg, key, prefix)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{prefix}.{key}: must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _float(cfg: Mapping, key: str, low: float = -math.inf, high: float = math.inf, prefix: str = "model") -> float:
-    value = _get(cfg, key, prefix)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{prefix}.{key}: must be a finite number, got {value!r}")
+def _number_in(key: str, value: float, low: float = -math.inf, high: float = math.inf) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"model.{key}: must be a finite number, got {value!r}")
     if not low <= value <= high:
-        raise ValueError(f"{prefix}.{key}: must be in [{low:g}, {high:g}], got {value!r}")
-    return float(value)
+        raise ValueError(f"model.{key}: must be in [{low:g}, {high:g}], got {value!r}")
 
 
-def _grow_at(cfg: Mapping) -> tuple[float, ...]:
-    value = _get(cfg, "grow_at")
-    if value is None:
-        return ()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ValueError(f"model.grow_at: must be a list of steps (ints) or fractions of training in (0, 1), got {value!r}")
-    steps = []
-    for item in value:
-        is_step = isinstance(item, int) and not isinstance(item, bool) and item >= 1
-        is_fraction = isinstance(item, float) and 0.0 < item < 1.0
-        if not (is_step or is_fraction):
+def _is_step_or_fraction(value: Any) -> bool:
+    is_step = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_step or (isinstance(value, float) and 0.0 < value < 1.0)
+
+
+def check_model_config(c: ModelConfig) -> None:
+    """The value rules the types cannot state; ValueError naming ``model.<key>``."""
+    for key, minimum in (("resolution_start", 2), ("resolution_end", 2), ("feature_dim", 3), ("decoder_hidden", 1),
+                         ("decoder_layers", 0), ("upsample", 1), ("max_samples", 1), ("tv_samples", 0)):
+        _int_at_least(c, key, minimum)
+    for key, minimum in (("refresh_every", 1), ("warmup", 0), ("dilate", 0)):
+        if getattr(c.occupancy, key) < minimum:
+            raise ValueError(f"model.occupancy.{key}: must be an integer >= {minimum}, got {getattr(c.occupancy, key)!r}")
+    _number_in("feature_init_std", c.feature_init_std, 0.0)
+    _number_in("density_shift", c.density_shift)
+    _number_in("step_ratio", c.step_ratio, 1e-3, 10.0)
+    _number_in("occupancy.threshold", c.occupancy.threshold, 0.0, 1.0)
+    for key in ("early_termination", "weight_threshold", "tv_until", "shrink_threshold"):
+        _number_in(key, getattr(c, key), 0.0, 1.0)
+    for key in ("tv_density", "tv_features"):
+        _number_in(key, getattr(c, key), 0.0)
+    if len(c.background) != 3 or not all(0.0 <= v <= 1.0 for v in c.background):
+        raise ValueError(f"model.background: must be 3 numbers in [0, 1], got {list(c.background)!r}")
+    if not DIR_ENCODING.match(c.dir_encoding):
+        raise ValueError(f"model.dir_encoding: expected 'none', 'sh0'..'sh3' or 'pe<frequencies>', got {c.dir_encoding!r}")
+    if c.gelu_approximate not in GELU_MODES:
+        raise ValueError(f"model.gelu_approximate: expected 'none' or 'tanh', got {c.gelu_approximate!r}")
+    if c.shading not in SHADING_MODES:
+        raise ValueError(f"model.shading: expected 'deferred' or 'per_sample', got {c.shading!r}")
+    for item in c.grow_at:
+        if not _is_step_or_fraction(item):
             raise ValueError(f"model.grow_at: entries must be steps >= 1 (ints) or fractions in (0, 1), got {item!r}")
-        steps.append(item)
-    return tuple(steps)
-
-
-def parse_model_config(cfg: Mapping) -> ModelConfig:
-    """Validate the ``model`` group (a dict or an OmegaConf DictConfig) into a :class:`ModelConfig`."""
-    if not isinstance(cfg, Mapping):
-        raise ValueError(f"model: expected a mapping of model settings, got {type(cfg).__name__}")
-    occupancy = _get(cfg, "occupancy")
-    if not isinstance(occupancy, Mapping):
-        raise ValueError(f"model.occupancy: expected a mapping (threshold, refresh_every, warmup, dilate), got {occupancy!r}")
-    background = _get(cfg, "background")
-    if isinstance(background, (int, float)) and not isinstance(background, bool):
-        background = [background] * 3
-    if (
-        isinstance(background, (str, bytes))
-        or not isinstance(background, Sequence)
-        or len(background) != 3
-        or not all(isinstance(c, (int, float)) and 0.0 <= c <= 1.0 for c in background)
-    ):
-        raise ValueError(f"model.background: must be 3 numbers in [0, 1] (or one), got {background!r}")
-    dir_encoding = _get(cfg, "dir_encoding")
-    if not isinstance(dir_encoding, str) or not DIR_ENCODING.match(dir_encoding):
-        raise ValueError(f"model.dir_encoding: expected 'none', 'sh0'..'sh3' or 'pe<frequencies>', got {dir_encoding!r}")
-    gelu_approximate = _get(cfg, "gelu_approximate")
-    if gelu_approximate not in GELU_MODES:
-        raise ValueError(f"model.gelu_approximate: expected 'none' or 'tanh', got {gelu_approximate!r}")
-    shading = cfg.get("shading", "deferred")
-    if shading not in SHADING_MODES:
-        raise ValueError(f"model.shading: expected 'deferred' or 'per_sample', got {shading!r}")
-    shrink_at = cfg.get("shrink_at")
-    if shrink_at is not None:
-        is_step = isinstance(shrink_at, int) and not isinstance(shrink_at, bool) and shrink_at >= 1
-        if not (is_step or (isinstance(shrink_at, float) and 0.0 < shrink_at < 1.0)):
-            raise ValueError(f"model.shrink_at: must be null, a step >= 1 (int) or a fraction in (0, 1), got {shrink_at!r}")
-    parsed = ModelConfig(
-        resolution_start=_int(cfg, "resolution_start", 2),
-        resolution_end=_int(cfg, "resolution_end", 2),
-        grow_at=_grow_at(cfg),
-        feature_dim=_int(cfg, "feature_dim", 3),
-        feature_init_std=_float(cfg, "feature_init_std", 0.0),
-        decoder_hidden=_int(cfg, "decoder_hidden", 1),
-        decoder_layers=_int(cfg, "decoder_layers", 0),
-        dir_encoding=dir_encoding,
-        gelu_approximate=gelu_approximate,
-        upsample=_int(cfg, "upsample", 1),
-        step_ratio=_float(cfg, "step_ratio", 1e-3, 10.0),
-        max_samples=_int(cfg, "max_samples", 1),
-        density_shift=_float(cfg, "density_shift"),
-        background=tuple(float(c) for c in background),
-        occupancy_threshold=_float(occupancy, "threshold", 0.0, 1.0, "model.occupancy"),
-        occupancy_refresh_every=_int(occupancy, "refresh_every", 1, "model.occupancy"),
-        occupancy_warmup=_int(occupancy, "warmup", 0, "model.occupancy"),
-        occupancy_dilate=_int(occupancy, "dilate", 0, "model.occupancy"),
-        early_termination=_float(cfg, "early_termination", 0.0, 1.0),
-        weight_threshold=_float(cfg, "weight_threshold", 0.0, 1.0),
-        tv_density=_float(cfg, "tv_density", 0.0),
-        tv_features=_float(cfg, "tv_features", 0.0),
-        tv_until=_float(cfg, "tv_until", 0.0, 1.0),
-        tv_samples=_int(cfg, "tv_samples", 0),
-        shading=shading,
-        shrink_at=shrink_at,
-        shrink_threshold=_float(cfg, "shrink_threshold", 0.0, 1.0) if "shrink_threshold" in cfg else 1e-3,
-    )
-    if parsed.shading == "per_sample" and parsed.upsample != 1:
-        raise ValueError(f"model.upsample: per-sample shading decodes every sample, so it needs upsample=1, got {parsed.upsample}")
-    if parsed.resolution_start > parsed.resolution_end:
+    if c.shrink_at is not None and not _is_step_or_fraction(c.shrink_at):
+        raise ValueError(f"model.shrink_at: must be null, a step >= 1 (int) or a fraction in (0, 1), got {c.shrink_at!r}")
+    if c.shading == "per_sample" and c.upsample != 1:
+        raise ValueError(f"model.upsample: per-sample shading decodes every sample, so it needs upsample=1, got {c.upsample}")
+    if c.resolution_start > c.resolution_end:
         raise ValueError(
-            f"model.resolution_start: must be <= model.resolution_end ({parsed.resolution_end}), got {parsed.resolution_start}"
-        )
+            f"model.resolution_start: must be <= model.resolution_end ({c.resolution_end}), got {c.resolution_start}")
+
+
+def parse_model_config(cfg: Any) -> ModelConfig:
+    """A checked :class:`ModelConfig` from one, from a mapping (a dict or the ``model`` DictConfig; missing keys
+    take the schema's defaults) or None (every default). Unknown keys and wrong types raise ValueError too."""
+    if isinstance(cfg, ModelConfig):
+        parsed = cfg
+    elif cfg is None or isinstance(cfg, Mapping):
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg or {})
+            parsed = OmegaConf.to_object(merged)
+        except OmegaConfBaseException as error:
+            key = getattr(error, "full_key", None) or "model"
+            reason = str(error).strip().splitlines()[0]
+            raise ValueError(f"model.{key}: {reason}" if key != "model" else f"model: {reason}") from None
+    else:
+        raise ValueError(f"model: expected a mapping of model settings, got {type(cfg).__name__}")
+    check_model_config(parsed)
     return parsed

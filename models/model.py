@@ -19,7 +19,7 @@ density grid every ``occupancy.refresh_every`` steps after ``occupancy.warmup``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -57,11 +57,11 @@ class VoxelNeRF(nn.Module):
         bbox: (2, 3) min and max corners of the scene box (sets the voxel budget and the density unit).
         grid_box: optional (2, 3) smaller box the grids start on (same voxel budget: finer voxels).
         near, far: ray distance range (unit directions: Euclidean distances).
-        cfg: the ``model`` config group (configs/model/default.yaml).
+        cfg: a :class:`ModelConfig`, or a mapping of its fields (missing ones take the defaults).
         ops: the op backends (models.ops.build_ops).
     """
 
-    def __init__(self, bbox: torch.Tensor, near: float, far: float, cfg: Mapping, ops: OpSet,
+    def __init__(self, bbox: torch.Tensor, near: float, far: float, cfg: Any, ops: OpSet,
                  grid_box: torch.Tensor | None = None):
         super().__init__()
         bbox = torch.as_tensor(bbox, dtype=torch.float32)
@@ -119,8 +119,8 @@ class VoxelNeRF(nn.Module):
 
     # ------------------------------------------------------------------ geometry and schedule
     @property
-    def scale(self) -> int:
-        """The decoder's upsample factor (1: per-pixel decoding)."""
+    def upsample(self) -> int:
+        """``model.upsample``: the deferred decoder's upsample factor, the op's ``scale_factor`` (1: per pixel)."""
         return self.config.upsample
 
     @property
@@ -209,7 +209,7 @@ class VoxelNeRF(nn.Module):
         """Rebuild the occupancy grid from the density grid at the current sampling step."""
         sigma_delta = optical_depth(self.density.grid[..., 0], self.config.density_shift, self.step_size / self.base_voxel)
         alpha = -torch.expm1(-sigma_delta)
-        self.occupancy.update(alpha, self.config.occupancy_threshold, self.config.occupancy_dilate)
+        self.occupancy.update(alpha, self.config.occupancy.threshold, self.config.occupancy.dilate)
 
     def on_step(self, step: int, total_steps: int) -> bool:
         """Call after optimiser step number ``step`` (1-based) of ``total_steps``.
@@ -227,8 +227,8 @@ class VoxelNeRF(nn.Module):
         if target != self.resolution:
             self.set_resolution(target)
             grown = True
-        due = step == c.occupancy_warmup or step % c.occupancy_refresh_every == 0
-        if step >= c.occupancy_warmup and (grown or due):
+        due = step == c.occupancy.warmup or step % c.occupancy.refresh_every == 0
+        if step >= c.occupancy.warmup and (grown or due):
             self.refresh_occupancy()
         return grown
 
@@ -327,9 +327,9 @@ class VoxelNeRF(nn.Module):
 
     def _upsample(self, channels: torch.Tensor) -> torch.Tensor:
         """(n, P, P, C) low-res composited channels -> (n, sP, sP, C) through ``ops.upsample_bilinear2d``."""
-        if self.scale == 1:
+        if self.upsample == 1:
             return channels
-        upsampled = self.ops.upsample_bilinear2d(channels.permute(0, 3, 1, 2).contiguous(), self.scale, False)
+        upsampled = self.ops.upsample_bilinear2d(channels.permute(0, 3, 1, 2).contiguous(), self.upsample, False)
         return upsampled.permute(0, 2, 3, 1)
 
     def render_patches(self, batch: PatchBatch, background: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -341,10 +341,10 @@ class VoxelNeRF(nn.Module):
         n, p = batch.origins.shape[:2]
         if batch.origins.shape != (n, p, p, 3) or batch.directions.shape != batch.origins.shape:
             raise ValueError(f"render_patches: origins/directions must be (n, P, P, 3), got {tuple(batch.origins.shape)}")
-        side = p * self.scale
+        side = p * self.upsample
         if batch.hr_directions.shape != (n, side, side, 3):
             raise ValueError(
-                f"render_patches: hr_directions must be (n, sP, sP, 3) = {(n, side, side, 3)} for upsample={self.scale}, "
+                f"render_patches: hr_directions must be (n, sP, sP, 3) = {(n, side, side, 3)} for upsample={self.upsample}, "
                 f"got {tuple(batch.hr_directions.shape)}"
             )
         out = self.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=self.training)
@@ -370,7 +370,7 @@ class VoxelNeRF(nn.Module):
             raise ValueError(f"render_image: chunk must be >= 1, got {chunk}")
         device = self.bbox.device
         c2w = torch.as_tensor(c2w, dtype=torch.float32, device=device)
-        origins, directions = camera_rays(c2w, height, width, focal, self.scale)
+        origins, directions = camera_rays(c2w, height, width, focal, self.upsample)
         low_h, low_w = origins.shape[:2]
         origins, directions = origins.reshape(-1, 3), directions.reshape(-1, 3)
         parts = []
@@ -379,7 +379,7 @@ class VoxelNeRF(nn.Module):
             parts.append(torch.cat([out["diffuse"], out["features"], out["depth"][:, None], out["opacity"][:, None]], 1))
         low = torch.cat(parts).reshape(1, low_h, low_w, -1)
         channels = self._upsample(low).reshape(height * width, -1)
-        if self.scale > 1:
+        if self.upsample > 1:
             directions = camera_rays(c2w, height, width, focal, 1)[1].reshape(-1, 3)
         rgb = torch.cat(
             [

@@ -1,7 +1,8 @@
 """The three hot ops the model calls, chosen per op between our kernels (``custom``) and the PyTorch references.
 
 The model never imports :mod:`cuda_ext` itself: it receives an :class:`OpSet`, so ``ops=torch`` swaps every op
-(and ``ops.trilinear=torch`` etc. swap one) without touching model code.
+(and ``ops.grid_interpolate=torch`` etc. swap one) without touching model code. Each config key is the op's
+name in :mod:`cuda_ext`; ``trilinear`` and ``upsample``, the keys' earlier names, are still accepted.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Callable
 import torch
 
 BACKENDS = ("custom", "torch")
-# config key -> name of the function in cuda_ext / cuda_ext.reference
-OP_FUNCTIONS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d", "gelu": "gelu"}
+OP_NAMES = ("grid_interpolate", "upsample_bilinear2d", "gelu")  # the config keys: functions of cuda_ext
+EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class OpSet:
     - ``upsample_bilinear2d(x (B,C,H,W), scale_factor: int, align_corners=False) -> (B,C,sH,sW)``
     - ``gelu(x, approximate="none") -> x.shape``
 
-    ``backends`` maps "trilinear"/"upsample"/"gelu" to "custom" or "torch" (for logs and metrics.json).
+    ``backends`` maps each op's name to "custom" or "torch" (for logs and metrics.json).
     """
 
     grid_interpolate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -33,30 +34,32 @@ class OpSet:
     backends: dict[str, str] = field(default_factory=dict)
 
 
-def build_ops(ops_cfg: Mapping[str, str]) -> OpSet:
-    """OpSet from ``{"trilinear": b, "upsample": b, "gelu": b}`` with each b in {"custom", "torch"}.
+def build_ops(ops_cfg: Mapping[str, str | None]) -> OpSet:
+    """OpSet from ``{"grid_interpolate": b, "upsample_bilinear2d": b, "gelu": b}``, each b "custom" or "torch";
+    an earlier key (``trilinear``, ``upsample``) set to a backend overrides the op it names.
 
     Raises ValueError naming the key for a missing key, an unknown key or an unknown backend.
     """
     if not isinstance(ops_cfg, Mapping):
-        raise ValueError(f"ops: expected a mapping with keys {sorted(OP_FUNCTIONS)}, got {type(ops_cfg).__name__}")
-    unknown = sorted(set(ops_cfg) - set(OP_FUNCTIONS))
+        raise ValueError(f"ops: expected a mapping with keys {', '.join(OP_NAMES)}, got {type(ops_cfg).__name__}")
+    unknown = sorted(set(ops_cfg) - set(OP_NAMES) - set(EARLIER_KEYS))
     if unknown:
-        raise ValueError(f"ops.{unknown[0]}: unknown op (expected one of {', '.join(OP_FUNCTIONS)})")
-    import cuda_ext  # deferred: importing loads the compiled extension
+        raise ValueError(f"ops.{unknown[0]}: unknown op (expected one of {', '.join(OP_NAMES)})")
+    wanted = {name: ops_cfg.get(name) for name in OP_NAMES}
+    for earlier, name in EARLIER_KEYS.items():
+        if ops_cfg.get(earlier) is not None:
+            wanted[name] = ops_cfg[earlier]
+    import cuda_ext  # deferred: the compiled extension loads only when a custom op is called
 
     chosen: dict[str, Callable] = {}
-    backends: dict[str, str] = {}
-    for key, function in OP_FUNCTIONS.items():
-        if key not in ops_cfg:
-            raise ValueError(f"ops.{key}: missing (expected 'custom' or 'torch')")
-        backend = ops_cfg[key]
+    for name, backend in wanted.items():
+        if backend is None:
+            raise ValueError(f"ops.{name}: missing (expected 'custom' or 'torch')")
         if backend not in BACKENDS:
-            raise ValueError(f"ops.{key}: unknown backend {backend!r} (expected 'custom' or 'torch')")
+            raise ValueError(f"ops.{name}: unknown backend {backend!r} (expected 'custom' or 'torch')")
         module = cuda_ext if backend == "custom" else cuda_ext.reference
         try:
-            chosen[function] = getattr(module, function)
+            chosen[name] = getattr(module, name)
         except ImportError as error:  # the custom op without a compiled extension
-            raise ValueError(f"ops.{key}: {error}") from None
-        backends[key] = str(backend)
-    return OpSet(**chosen, backends=backends)
+            raise ValueError(f"ops.{name}: {error}") from None
+    return OpSet(**chosen, backends={name: str(backend) for name, backend in wanted.items()})

@@ -8,6 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from training.config import register_configs
+
+register_configs()  # tests that compose configs/ with Hydra's API need the schema, as train.py registers it
+
 
 def cuda_kernels_available() -> bool:
     """A GPU is visible and cuda_ext was built with its CUDA kernels."""
@@ -16,10 +20,6 @@ def cuda_kernels_available() -> bool:
     import cuda_ext
 
     return cuda_ext.has_cuda_kernels()
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "requires_cuda: needs a CUDA GPU and cuda_ext built with CUDA kernels")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from models.training import checkpoint
-from models.training.checkpoint import (
+from training import checkpoint
+from training.checkpoint import (
     CheckpointError,
     InterruptGuard,
     capture_rng_state,
@@ -139,7 +139,7 @@ def test_sigkill_in_the_middle_of_a_write_leaves_previous_checkpoint(tmp_path):
     child = _python(
         """
         import io, sys, time, torch
-        from models.training.checkpoint import save_checkpoint
+        from training.checkpoint import save_checkpoint
         path = sys.argv[1]
         save_checkpoint(path, {"version": 1, "weights": torch.full((100_000,), 1.0)})
         real_save = torch.save
@@ -173,7 +173,7 @@ def test_sigkill_during_repeated_saves_never_leaves_a_torn_checkpoint(tmp_path):
     child = _python(
         """
         import sys, torch
-        from models.training.checkpoint import save_checkpoint
+        from training.checkpoint import save_checkpoint
         for version in range(1, 10_000):
             save_checkpoint(sys.argv[1], {"version": version, "weights": torch.full((2_000_000,), float(version))})
             print(version, flush=True)

@@ -24,8 +24,8 @@ from data import (
     load_blender,
     pixel_rays,
     project_to_pixels,
+    synthetic,
 )
-from data import synthetic
 from data.cameras import look_at
 from data.synthetic import CAMERA_ANGLE_X, intersect, scene_sdf
 

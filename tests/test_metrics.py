@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.metrics import psnr, ssim
+from training.metrics import psnr, ssim
 
 K1, K2, SIGMA, SIZE = 0.01, 0.03, 1.5, 11
 

@@ -12,7 +12,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from data import PatchSampler, RaySampler, camera_rays, ensure_synthetic_scene, load_blender
+from data import (
+    PatchSampler,
+    RaySampler,
+    camera_rays,
+    ensure_synthetic_scene,
+    load_blender,
+)
 from models import OpSet, VoxelNeRF, build_ops
 from models.decoder import spherical_harmonics
 from models.field import VoxelGrid, grid_shape, optical_depth, to_unit
@@ -27,7 +33,7 @@ from models.render import (
 DEFAULT_CFG = Path(__file__).resolve().parents[1] / "configs" / "model" / "default.yaml"
 BBOX = torch.tensor([[-1.5, -1.5, -1.5], [1.5, 1.5, 1.5]])
 NEAR, FAR = 2.0, 6.0
-TORCH_OPS = {"trilinear": "torch", "upsample": "torch", "gelu": "torch"}
+TORCH_OPS = {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}
 
 
 def make_cfg(**overrides) -> dict:
@@ -76,19 +82,19 @@ def look_at_c2w(position: tuple[float, float, float]) -> torch.Tensor:
 def test_build_ops_maps_each_key_to_its_backend():
     import cuda_ext
 
-    ops = build_ops({"trilinear": "custom", "upsample": "torch", "gelu": "custom"})
+    ops = build_ops({"grid_interpolate": "custom", "upsample_bilinear2d": "torch", "gelu": "custom"})
     assert ops.grid_interpolate is cuda_ext.grid_interpolate
     assert ops.upsample_bilinear2d is cuda_ext.reference.upsample_bilinear2d
     assert ops.gelu is cuda_ext.gelu
-    assert ops.backends == {"trilinear": "custom", "upsample": "torch", "gelu": "custom"}
+    assert ops.backends == {"grid_interpolate": "custom", "upsample_bilinear2d": "torch", "gelu": "custom"}
 
 
 @pytest.mark.parametrize(
     "ops_cfg, key",
     [
-        ({"trilinear": "torch", "upsample": "torch", "gelu": "cuda"}, "ops.gelu"),
-        ({"trilinear": "torch", "upsample": "torch"}, "ops.gelu"),
-        ({"trilinear": "torch", "upsample": "torch", "gelu": "torch", "relu": "torch"}, "ops.relu"),
+        ({"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "cuda"}, "ops.gelu"),
+        ({"grid_interpolate": "torch", "upsample_bilinear2d": "torch"}, "ops.gelu"),
+        ({"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch", "relu": "torch"}, "ops.relu"),
     ],
 )
 def test_build_ops_rejects_bad_config(ops_cfg, key):
@@ -114,11 +120,18 @@ def test_bad_model_config_names_the_key(key, value, message):
         make_model(**{key: value})
 
 
-def test_missing_model_key_is_named():
+def test_model_config_fills_defaults_and_names_unknown_keys_and_wrong_types():
+    from models.config import ModelConfig
+
     cfg = make_cfg()
-    del cfg["density_shift"]
-    with pytest.raises(ValueError, match="model.density_shift"):
-        VoxelNeRF(BBOX, NEAR, FAR, cfg, build_ops(TORCH_OPS))
+    del cfg["density_shift"]  # a missing key takes the schema's default
+    assert VoxelNeRF(BBOX, NEAR, FAR, cfg, build_ops(TORCH_OPS)).config.density_shift == ModelConfig().density_shift
+    with pytest.raises(ValueError, match="model.density_shfit"):
+        VoxelNeRF(BBOX, NEAR, FAR, {**make_cfg(), "density_shfit": -7.0}, build_ops(TORCH_OPS))
+    with pytest.raises(ValueError, match="model.feature_dim"):
+        VoxelNeRF(BBOX, NEAR, FAR, {**make_cfg(), "feature_dim": "twelve"}, build_ops(TORCH_OPS))
+    with pytest.raises(ValueError, match="model.occupancy.warmup"):
+        VoxelNeRF(BBOX, NEAR, FAR, {**make_cfg(), "occupancy": {"warmup": -1}}, build_ops(TORCH_OPS))
 
 
 def test_bad_rays_raise():
@@ -147,7 +160,7 @@ def test_render_rays_shapes_and_ranges():
 
 def test_render_patches_and_image_shapes():
     model = make_model(upsample=2)
-    assert model.scale == 2
+    assert model.upsample == 2
     randomize_density(model)
     n, p = 3, 4
     origins, directions = rays_towards_centre(n * p * p)
@@ -511,7 +524,7 @@ def test_tiny_overfit(tiny_scene, upsample, one_thread):
 
 # ---------------------------------------------------------------------------------------------- backends
 def test_custom_ops_match_torch_ops():
-    custom = build_ops({"trilinear": "custom", "upsample": "custom", "gelu": "custom"})
+    custom = build_ops({"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"})
     reference_model = make_model(upsample=2, decoder_layers=2)
     randomize_density(reference_model)
     custom_model = copy.deepcopy(reference_model)

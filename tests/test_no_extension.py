@@ -28,12 +28,12 @@ def test_references_and_ops_torch_need_no_build(tmp_path):
     result = run_without_extension(tiny_overrides(tmp_path / "cache", 4) + [f"hydra.run.dir={tmp_path / 'run'}",
                                                                             "train.turntable_frames=0"])
     assert result.returncode == 0, result.stderr
-    assert read_metrics(tmp_path / "run")["ops"] == {"trilinear": "torch", "upsample": "torch", "gelu": "torch"}
+    assert read_metrics(tmp_path / "run")["ops"] == {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}
 
 
 def test_a_custom_op_without_the_extension_says_how_to_build_it(tmp_path):
     overrides = [o for o in tiny_overrides(tmp_path / "cache", 4) if not o.startswith("ops=")]
     result = run_without_extension(overrides + [f"hydra.run.dir={tmp_path / 'run'}"])
     assert result.returncode == 2
-    assert "ops.trilinear: cuda_ext: the compiled extension" in result.stderr and "pip install" in result.stderr
+    assert "ops.grid_interpolate: cuda_ext: the compiled extension" in result.stderr and "pip install" in result.stderr
     assert "Traceback" not in result.stderr

@@ -8,6 +8,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_model import (
+    BBOX,
+    NEAR,
+    TORCH_OPS,
+    make_model,
+    randomize_density,
+    rays_towards_centre,
+)
 
 from data.images import composite, load_composited, write_png
 from data.samplers import RaySampler
@@ -15,9 +23,8 @@ from data.scene import Scene
 from models import build_ops
 from models.field import optical_depth, resample_box, to_unit
 from models.render import accumulate, compositing_weights
-from test_model import BBOX, NEAR, TORCH_OPS, make_model, randomize_density, rays_towards_centre
 
-CUSTOM_OPS = {"trilinear": "custom", "upsample": "custom", "gelu": "custom"}
+CUSTOM_OPS = {"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"}
 
 
 # ------------------------------------------------------------------------------------- per-sample shading
@@ -34,7 +41,12 @@ def test_per_sample_shading_starts_as_composited_sigmoid_colour():
     origins, directions = rays_towards_centre(64)
     out = model.render_rays(origins, directions)
     # brute force: the same samples, sigmoid of the first three feature channels (the residual starts at zero)
-    from models.render import num_samples_per_ray, pack, ray_box_intersect, uniform_samples
+    from models.render import (
+        num_samples_per_ray,
+        pack,
+        ray_box_intersect,
+        uniform_samples,
+    )
 
     step = model.step_size
     count = num_samples_per_ray(model.extent, NEAR, model.far, step, model.config.max_samples)
@@ -212,7 +224,7 @@ def test_model_background_per_ray_replaces_its_own():
 
 
 def test_opacity_loss_pulls_opacity_to_alpha_at_the_rays_resolution():
-    from models.trainer import opacity_loss
+    from training.trainer import opacity_loss
 
     generator = torch.Generator().manual_seed(3)
     opacity = torch.rand(2, 4, 4, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -283,8 +295,9 @@ def test_mask_hull_box_holds_the_object_and_little_else():
 
 
 def test_model_starts_on_a_grid_box_with_the_scene_voxel_budget():
-    from models import VoxelNeRF
     from test_model import make_cfg
+
+    from models import VoxelNeRF
 
     cfg, ops = make_cfg(grow_at=[], resolution_start=24, resolution_end=24), build_ops(TORCH_OPS)
     grid_box = torch.tensor([[-0.5, -1.0, -0.4], [0.5, 1.0, 0.6]])

@@ -3,7 +3,6 @@ temporary files, degenerate cameras, config gaps, exploding losses, memory and d
 cross-device resume, train.log and render_only's own config copy. CPU, tiny scenes."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +10,15 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from test_train import REPO, read_metrics, run_train, tiny_overrides
 
-import models.trainer as trainer_module
+import training.app as app_module
+import training.trainer as trainer_module
 from data import SceneError, load_blender
 from data.blender import write_blender_split
-from models.training import ConfigError, load_checkpoint, save_checkpoint, validate_config
-from models.training.preflight import PreflightError, check_disk, check_memory, check_writable
-from test_train import REPO, read_metrics, run_train, tiny_overrides
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.config import ConfigError, validate_config
+from training.preflight import PreflightError, check_disk, check_memory, check_writable
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def cache(tmp_path_factory) -> Path:
 def run_in_process(overrides: list[str], run_dir: Path) -> int:
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
-    return trainer_module.run(cfg, run_dir)
+    return app_module.run(cfg, run_dir)
 
 
 def test_a_sweep_runs_every_job_and_reports_the_failed_one(tmp_path, cache):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models.training import ConfigError, load_checkpoint, validate_config
+from training.checkpoint import load_checkpoint
+from training.config import ConfigError, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 METRIC_KEYS = {"psnr", "ssim", "per_view", "iters", "train_seconds", "eval_seconds", "rays_per_second", "ops",
@@ -61,7 +61,7 @@ def test_run_writes_metrics_renders_and_checkpoint(finished_run):
     metrics = read_metrics(finished_run)
     assert METRIC_KEYS <= set(metrics)
     assert metrics["iters"] == 12 and metrics["render_only"] is False
-    assert metrics["ops"] == {"trilinear": "torch", "upsample": "torch", "gelu": "torch"}
+    assert metrics["ops"] == {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}
     assert metrics["device"] == "cpu" and metrics["resolution"] == [16, 16]
     assert len(metrics["per_view"]) == N_TEST
     assert math.isfinite(metrics["psnr"]) and -1.0 <= metrics["ssim"] <= 1.0
@@ -152,7 +152,7 @@ def test_resume_without_checkpoint_fails_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["ops.trilinear=bogus"], "ops.trilinear"),
+        (["ops.grid_interpolate=bogus"], "ops.grid_interpolate"),
         (["data=blender"], "data.root"),
         (["data=blender", "data.root=/nonexistent/scene"], "data.root"),
         (["train.iters=0"], "train.iters"),
@@ -190,7 +190,8 @@ def test_validate_config_names_the_key(override, key):
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, scene_cache, monkeypatch, capsys):
     from hydra import compose, initialize_config_dir
 
-    from models import trainer as trainer_module
+    from training import app as app_module
+    from training import trainer as trainer_module
 
     original = trainer_module.VoxelNeRF.regularization
 
@@ -202,7 +203,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, scene_cache
     overrides = tiny_overrides(scene_cache, 20) + ["train.checkpoint_every=5", "train.log_every=3"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
-    code = trainer_module.run(cfg, tmp_path)
+    code = app_module.run(cfg, tmp_path)
     assert code == trainer_module.EXIT_DIVERGED
     assert "training diverged: loss is nan at step 9" in capsys.readouterr().err
     state = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
@@ -218,8 +219,8 @@ def test_profile_writes_a_breakdown(tmp_path, scene_cache):
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["steps"] == 6 and report["step_ms"] > 0 and report["rays_per_second"] > 0
     parts = report["per_step_ms"]
-    assert {"grid_lookup", "rendering", "decoder", "loss_backward", "optimizer"} <= set(parts)
-    assert parts["grid_lookup"] > 0 and parts["decoder"] > 0 and parts["loss_backward"] > 0
+    assert {"grid_interpolate", "rendering", "decoder", "loss_backward", "optimizer"} <= set(parts)
+    assert parts["grid_interpolate"] > 0 and parts["decoder"] > 0 and parts["loss_backward"] > 0
     assert sum(report["share"].values()) == pytest.approx(1.0)
     assert "profile over 6 steps" in result.stdout
 
@@ -250,10 +251,13 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        ([], {"trilinear": "custom", "upsample": "custom", "gelu": "custom"}),
-        (["ops=torch"], {"trilinear": "torch", "upsample": "torch", "gelu": "torch"}),
-        (["ops.upsample=torch"], {"trilinear": "custom", "upsample": "torch", "gelu": "custom"}),
-        (["ops=torch", "ops.gelu=custom"], {"trilinear": "torch", "upsample": "torch", "gelu": "custom"}),
+        ([], {"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"}),
+        (["ops=torch"], {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}),
+        (["ops.upsample_bilinear2d=torch"], {"grid_interpolate": "custom", "upsample_bilinear2d": "torch", "gelu": "custom"}),
+        (["ops=torch", "ops.gelu=custom"], {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "custom"}),
+        # the keys' earlier names still work
+        (["ops.trilinear=torch"], {"grid_interpolate": "torch", "upsample_bilinear2d": "custom", "gelu": "custom"}),
+        (["ops=torch", "ops.upsample=custom"], {"grid_interpolate": "torch", "upsample_bilinear2d": "custom", "gelu": "torch"}),
     ],
 )
 def test_op_overrides_choose_each_backend(overrides, expected):
@@ -265,6 +269,38 @@ def test_op_overrides_choose_each_backend(overrides, expected):
         cfg = compose(config_name="config", overrides=overrides)
     validate_config(cfg)
     assert build_ops(cfg.ops).backends == expected
+
+
+@pytest.mark.parametrize("override, key", [("train.itres=5", "train.itres"), ("train.iters=abc", "train.iters"),
+                                           ("model.occupancy.warmpu=3", "model.occupancy.warmpu"),
+                                           ("data.n_train=many", "data.n_train")])
+def test_typo_or_wrong_type_stops_in_hydra_naming_the_key(override, key):
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        with pytest.raises(ConfigCompositionException) as raised:
+            compose(config_name="config", overrides=[override])
+    assert key in str(raised.value) + str(raised.value.__cause__)
+
+
+def test_typo_on_the_command_line_stops_before_any_work(tmp_path):
+    result = run_train(["train.itres=5", f"hydra.run.dir={tmp_path / 'run'}"], timeout=60)
+    assert result.returncode != 0 and "train.itres" in result.stderr
+    assert not (tmp_path / "run" / "train.log").exists()
+
+
+def test_schema_defaults_match_the_presets():
+    """configs/*/default.yaml and the dataclasses in training/config.py say the same (no drift)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from training.config import Config, SyntheticDataConfig
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = OmegaConf.to_container(compose(config_name="config"), resolve=True)
+    schema = OmegaConf.to_container(OmegaConf.structured(Config(data=SyntheticDataConfig())), resolve=True)
+    assert cfg == schema
 
 
 def test_blender_experiment_config_composes():

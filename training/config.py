@@ -1,20 +1,141 @@
-"""Up-front validation of the training config, so a typo fails in one clear line before any work starts."""
-from __future__ import annotations
+"""The app's config: one typed schema (dataclasses registered in Hydra's ConfigStore; the YAML files under
+configs/ are presets of it) and the value and cross-field rules the types cannot state, checked in one place.
 
+Hydra enforces the schema while composing: an unknown key (``train.itres=5``) or a wrong type
+(``train.iters=abc``) stops before any of our code runs, with Hydra's error naming the key.
+:func:`validate_config` then checks values (ranges, choices, files) and raises :class:`ConfigError` whose one-line
+message starts with the key. No ``from __future__ import annotations``: OmegaConf reads field types at runtime.
+"""
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, List, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from models.config import ModelConfig, parse_model_config
+from models.ops import EARLIER_KEYS, OP_NAMES
 
 DEVICES = ("auto", "cpu", "cuda")
 OP_BACKENDS = ("custom", "torch")
-OP_NAMES = ("trilinear", "upsample", "gelu")
 DATASETS = ("synthetic", "blender")
+
+
+@dataclass
+class OpsConfig:
+    """Backend per op family: ``custom`` (cuda_ext kernels) or ``torch`` (cuda_ext.reference)."""
+
+    grid_interpolate: str = "custom"  # the trilinear lookup in the voxel grids
+    upsample_bilinear2d: str = "custom"  # the deferred decoder's feature upsampling
+    gelu: str = "custom"  # the decoder's activation
+    trilinear: Optional[str] = None  # earlier name of grid_interpolate (set: overrides it)
+    upsample: Optional[str] = None  # earlier name of upsample_bilinear2d (set: overrides it)
+
+
+@dataclass
+class DataConfig:
+    """What every scene source has; configs/data/*.yaml are the presets."""
+
+    name: str = MISSING
+    root: Optional[str] = None
+    downscale: int = 1
+    background: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    near: float = 2.0
+    far: float = 6.0
+    scene_box: float = 1.5
+    tight_box: bool = False
+
+
+@dataclass
+class BlenderDataConfig(DataConfig):
+    name: str = "blender"
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    """The built-in procedural scene (data/synthetic.py)."""
+
+    name: str = "synthetic"
+    resolution: int = 96
+    n_train: int = 48
+    n_val: int = 8
+    n_test: int = 16
+    scene_seed: int = 0
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    """configs/train/default.yaml says what each one means."""
+
+    iters: int = 1500
+    lr: float = 0.1
+    lr_decoder: float = 0.001
+    lr_final_factor: float = 0.1
+    batch_rays: int = 8192
+    patch_size: int = 8
+    patches_per_batch: int = 16
+    log_every: int = 25
+    checkpoint_every: int = 500
+    eval_every: int = 0
+    eval_views: int = 4
+    resume: bool = False
+    profile: bool = False
+    render_chunk: int = 8192
+    turntable_frames: int = 40
+    turntable_max_side: int = 400
+    adam_eps: float = 1.0e-8
+    opacity_loss: float = 0.0
+    random_background: bool = False
+    overwrite: bool = False
+
+
+@dataclass
+class Config:
+    """The whole config of ``train.py`` (configs/config.yaml)."""
+
+    data: DataConfig = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    device: str = "auto"
+    seed: Optional[int] = 0
+    render_only: bool = False
+
+
+DATA_SCHEMAS = {"synthetic": SyntheticDataConfig, "blender": BlenderDataConfig}
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore: ``schema`` (the whole config, first in configs/config.yaml's
+    defaults) and ``data/<name>_schema`` (extended by configs/data/<name>.yaml)."""
+    store = ConfigStore.instance()
+    store.store(name="schema", node=Config)
+    for name, schema in DATA_SCHEMAS.items():
+        store.store(group="data", name=f"{name}_schema", node=schema)
+
+
+def typed(cfg: DictConfig | Mapping) -> DictConfig:
+    """``cfg`` merged onto the schema (data's by ``data.name``): missing keys get their defaults, unknown keys
+    and wrong types raise :class:`ConfigError` naming the key. For configs that did not come through Hydra
+    (a checkpoint's, a test's dict)."""
+    plain = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
+    data_name = (plain.get("data") or {}).get("name", "synthetic")
+    if data_name not in DATA_SCHEMAS:
+        raise ConfigError(f"data.name: unknown dataset {data_name!r} (expected {_one_of(DATASETS)})")
+    schema = OmegaConf.structured(Config(data=DATA_SCHEMAS[data_name]()))
+    try:
+        return OmegaConf.merge(schema, plain)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "config"
+        raise ConfigError(f"{key}: {str(error).strip().splitlines()[0]}") from None
+
+
 _ABSENT = object()
 
 
@@ -83,8 +204,9 @@ def _check_device(cfg: DictConfig) -> None:
 
 
 def _check_ops(cfg: DictConfig) -> None:
-    for name in OP_NAMES:
-        _check_choice(cfg, f"ops.{name}", OP_BACKENDS, "backend")
+    for name in (*OP_NAMES, *EARLIER_KEYS):
+        if _get(cfg, f"ops.{name}") is not None:
+            _check_choice(cfg, f"ops.{name}", OP_BACKENDS, "backend")
 
 
 def _check_data(cfg: DictConfig) -> None:
@@ -170,6 +292,16 @@ def _check_render_only(cfg: DictConfig) -> None:
     _check_bool(cfg, "render_only")
 
 
+def _check_model(cfg: DictConfig) -> None:
+    model = _get(cfg, "model")
+    if model is _ABSENT:
+        return
+    try:
+        parse_model_config(OmegaConf.to_container(model, resolve=True) if isinstance(model, DictConfig) else model)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 _CHECKS: tuple[Callable[[DictConfig], None], ...] = (
     _check_device,
     _check_seed,
@@ -179,6 +311,7 @@ _CHECKS: tuple[Callable[[DictConfig], None], ...] = (
     _check_background,
     _check_schedule,
     _check_render_only,
+    _check_model,
 )
 
 
@@ -186,7 +319,7 @@ def validate_config(cfg: DictConfig | Mapping) -> None:
     """Raise :class:`ConfigError` (one line, naming the key) for the first unusable setting in ``cfg``.
 
     Checked when present (a missing key is left to the caller's defaults): ``device`` in auto|cpu|cuda
-    (cuda needs a visible GPU), ``seed`` an integer in [0, 2**32) or null, ``ops.{trilinear,upsample,gelu}``
+    (cuda needs a visible GPU), ``seed`` an integer in [0, 2**32) or null, ``ops.{grid_interpolate,upsample_bilinear2d,gelu}``
     in custom|torch, ``train.iters`` > 0, ``train.lr`` and ``train.lr_decoder`` >= 0, ``data.name`` in
     synthetic|blender, ``data.root`` an existing folder with transforms_*.json when data.name=blender,
     ``data.downscale`` an integer >= 1 (and the synthetic scene's sizes), ``render_only`` a bool, and the

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from models.training.config_check import ConfigError
+from training.config import ConfigError
 
 FLOAT_BYTES = 4
 # a grid voxel during training: value, gradient and Adam's two moments; in a checkpoint: value and moments

@@ -23,9 +23,9 @@ _NO_OP = contextlib.nullcontext()
 # how the report is laid out: (name, description); the forward pass is split into its parts
 REPORT_PARTS = (
     ("sampling", "draw the batch of rays / patches"),
-    ("grid_lookup", "ops.grid_interpolate forward (density and feature grids)"),
+    ("grid_interpolate", "ops.grid_interpolate forward (density and feature grids)"),
     ("rendering", "ray marching, occupancy, compositing (forward minus lookup, upsample, decoder)"),
-    ("upsample", "ops.upsample_bilinear2d forward"),
+    ("upsample_bilinear2d", "ops.upsample_bilinear2d forward"),
     ("decoder", "decoder MLP forward (its GELUs included)"),
     ("regularization", "total-variation forward"),
     ("loss_backward", "loss and the whole backward pass (every op's backward)"),
@@ -75,13 +75,13 @@ class StepProfiler:
         return timed
 
     def instrument_ops(self, ops: OpSet) -> OpSet:
-        """An OpSet whose forward calls are timed (grid_lookup, upsample, gelu); unchanged when disabled."""
+        """An OpSet whose forward calls are timed (grid_interpolate, upsample_bilinear2d, gelu); unchanged when disabled."""
         if not self.enabled:
             return ops
         return dataclasses.replace(
             ops,
-            grid_interpolate=self.wrap("grid_lookup", ops.grid_interpolate),
-            upsample_bilinear2d=self.wrap("upsample", ops.upsample_bilinear2d),
+            grid_interpolate=self.wrap("grid_interpolate", ops.grid_interpolate),
+            upsample_bilinear2d=self.wrap("upsample_bilinear2d", ops.upsample_bilinear2d),
             gelu=self.wrap("gelu", ops.gelu),
         )
 
@@ -114,9 +114,9 @@ class StepProfiler:
         t = self.totals
         parts = {
             "sampling": t["sampling"],
-            "grid_lookup": t["grid_lookup"],
-            "rendering": t["forward"] - t["grid_lookup"] - t["upsample"] - t["decoder"],
-            "upsample": t["upsample"],
+            "grid_interpolate": t["grid_interpolate"],
+            "rendering": t["forward"] - t["grid_interpolate"] - t["upsample_bilinear2d"] - t["decoder"],
+            "upsample_bilinear2d": t["upsample_bilinear2d"],
             "decoder": t["decoder"],
             "regularization": t["regularization"],
             "loss_backward": t["loss_backward"],

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+
 def _umask() -> int:
     """The process umask, read without changing it where Linux tells (/proc), else by a set-and-restore."""
     try:

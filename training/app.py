@@ -1,0 +1,153 @@
+"""The program ``train.py`` runs: validate the config, set up the run folder, load the scene, train (with
+checkpoints, interruption handling and a progress bar) or restore a checkpoint, then evaluate and write the
+outputs. :func:`run` returns the process exit code; every expected failure (bad config, bad scene, missing
+checkpoint, a full disk) is one line on stderr and exit code 2.
+
+Run directory layout::
+
+    checkpoints/last.pt   model, optimiser, step, RNG states, config, loss history (atomic writes)
+    metrics.json          final evaluation (training.evaluation.run_metrics)
+    renders/              <view>_pred.png, <view>_compare.png (gt | pred | error), <view>_depth.png,
+                          turntable.gif (or .mp4), training_curve.png
+    train.log             the run's messages; profile.json with train.profile=true
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from data import SceneError
+from models.ops import build_ops
+from training.checkpoint import CheckpointError, remove_stale_temporaries
+from training.config import ConfigError, typed, validate_config
+from training.evaluation import write_outputs
+from training.preflight import PreflightError, run_preflight
+from training.run_dir import (
+    RunError,
+    RunPaths,
+    config_from_checkpoint,
+    load_run_checkpoint,
+    refuse_to_overwrite,
+)
+from training.scenes import (
+    describe_device,
+    grid_box,
+    load_scenes,
+    resolve_device,
+    seed_everything,
+)
+from training.trainer import EXIT_OK, Trainer
+
+EXIT_USAGE = 2  # bad config, bad scene, missing checkpoint
+
+
+def _main(cfg: DictConfig, paths: RunPaths) -> int:
+    validate_config(cfg)
+    refuse_to_overwrite(cfg, paths)
+    removed = remove_stale_temporaries(paths.checkpoint)
+    if removed:
+        print(f"removed {removed} unfinished checkpoint file(s) left by an interrupted save in {paths.checkpoint.parent}")
+    state = load_run_checkpoint(cfg, paths)
+    if state is not None:  # the checkpoint's data and model config, typed again (it may predate a key)
+        cfg = typed(config_from_checkpoint(cfg, state["config"]))
+        validate_config(cfg)
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # plain from here: nothing resolves late
+    try:
+        ops = build_ops(cfg.ops)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    device = resolve_device(cfg.device)
+    seed = seed_everything(state["seed"] if state is not None else cfg.seed)
+
+    data_start = time.perf_counter()
+    try:
+        train_scene, eval_scene = load_scenes(cfg.data, device)
+    except ValueError as error:  # option checks of the loader / generator (SceneError is about the files)
+        raise ConfigError(f"data: {error}") from None
+    data_seconds = time.perf_counter() - data_start
+    print(f"data: {cfg.data.name} {train_scene.width}x{train_scene.height}, {train_scene.num_views} train / "
+          f"{eval_scene.num_views} {eval_scene.split} views ({data_seconds:.1f} s); device {describe_device(device)}; "
+          f"ops {ops.backends}")
+
+    extent = tuple(float(e) for e in (train_scene.bbox[1] - train_scene.bbox[0]).tolist())
+    try:
+        run_preflight(paths.root, device, extent, int(cfg.model.resolution_end), int(cfg.model.feature_dim),
+                      eval_scene.num_views, eval_scene.height, eval_scene.width, training=not cfg.render_only)
+    except PreflightError as error:
+        raise RunError(str(error)) from None
+    trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, grid_box(cfg.data, train_scene))
+    if state is not None:
+        trainer.restore(state, with_training_state=not cfg.render_only)
+        print(f"loaded {paths.checkpoint} (step {trainer.step})")
+    if not cfg.render_only:
+        code = trainer.fit()
+        if code != EXIT_OK:
+            return code
+    metrics = write_outputs(trainer, bool(cfg.render_only), data_seconds)
+    print(f"eval on {metrics['eval_views']} {metrics['eval_split']} views: PSNR {metrics['psnr']:.2f} dB "
+          f"(worst 10% of views {metrics['psnr_worst10']:.2f} dB), SSIM {metrics['ssim']:.4f}; {metrics['iters']} steps in {metrics['train_seconds']:.1f} s of training; "
+          f"wrote {paths.metrics}")
+    return EXIT_OK
+
+
+class _LogTee:
+    """A text stream that passes everything to ``stream`` and copies whole lines to ``log`` (train.log),
+    leaving out progress-bar redraws (lines holding a carriage return)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log, self.pending = stream, log, ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if "\r" not in line:
+                self.log.write(line + "\n")
+        self.log.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding...: the real stream's
+        return getattr(self.stream, name)
+
+
+def run(cfg: DictConfig, run_dir: str | os.PathLike) -> int:
+    """Train and/or evaluate as ``cfg`` says, in ``run_dir``; returns the process exit code. The run's
+    messages also go to ``run_dir/train.log`` (when the folder is writable)."""
+    log_path = Path(run_dir) / "train.log"
+    try:
+        log = open(log_path, "a", encoding="utf-8")
+    except OSError:
+        return _run(cfg, run_dir)  # a read-only folder: the preflight check says so in one line
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _LogTee(stdout, log), _LogTee(stderr, log)
+    try:
+        return _run(cfg, run_dir)
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+        log.close()
+
+
+def _run(cfg: DictConfig, run_dir: str | os.PathLike) -> int:
+    """Train and/or evaluate as ``cfg`` says, in ``run_dir``; returns the process exit code.
+
+    0 success; 2 a bad config, scene or checkpoint (one line on stderr); 3 the loss diverged (the last good
+    checkpoint is kept); 128 + signal number when SIGINT / SIGTERM stopped training (after a checkpoint).
+    """
+    try:
+        return _main(cfg, RunPaths(Path(run_dir)))
+    except (ConfigError, SceneError, CheckpointError, RunError) as error:
+        message = " ".join(str(error).split())  # one line, whatever the source
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted (outside training: nothing to save)", file=sys.stderr)
+        return 128 + 2
+

@@ -1,0 +1,163 @@
+"""Evaluation and the run's outputs: held-out PSNR / SSIM (mean and worst 10% of views), the renders, the
+turntable, the training curve and metrics.json."""
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import imageio.v3 as iio
+import numpy as np
+import torch
+
+from data.cameras import look_at, orbit_positions
+from training.metrics import psnr, ssim
+from training.run_dir import RunError, write_error, write_json
+from training.scenes import describe_device
+from training.visualize import (
+    colorize_depth,
+    comparison_image,
+    plot_curve,
+    to_uint8,
+    write_turntable,
+)
+
+if TYPE_CHECKING:
+    from training.trainer import Trainer
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (timings and evaluations start and end on a settled device)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def orbit_cameras(c2w: torch.Tensor, count: int) -> torch.Tensor:
+    """(count, 4, 4) cameras on a circle around the origin (z up) at the mean radius and elevation of ``c2w``."""
+    positions = c2w[:, :3, 3].double().cpu().numpy()
+    radius = float(np.linalg.norm(positions, axis=-1).mean())
+    elevation = float(np.mean(np.arcsin(np.clip(positions[:, 2] / np.linalg.norm(positions, axis=-1), -1, 1))))
+    elevation = float(np.clip(elevation, -math.radians(80), math.radians(80)))  # look_at needs up != view axis
+    return torch.from_numpy(look_at(orbit_positions(count, radius, elevation)).astype(np.float32))
+
+
+
+@torch.no_grad()
+def render(trainer: Trainer, c2w: torch.Tensor) -> dict[str, torch.Tensor]:
+    scene = trainer.eval_scene
+    return trainer.model.render_image(c2w, scene.height, scene.width, scene.focal, chunk=trainer.train_cfg.render_chunk)
+
+@torch.no_grad()
+def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: ThreadPoolExecutor | None = None) -> dict:
+    """Render ``views`` of the eval split -> dict(psnr, ssim (means), per_view, seconds); PNGs when asked."""
+    was_training = trainer.model.training
+    trainer.model.eval()
+    scene = trainer.eval_scene
+    per_view = []
+    start = time.perf_counter()
+    for view in views:
+        out = render(trainer, scene.c2w[view])
+        target = scene.images[view].float() / 255.0
+        per_view.append({"view": view, "name": scene.names[view],
+                         "psnr": psnr(out["rgb"], target), "ssim": ssim(out["rgb"], target)})
+        if write_images:
+            if writer is None:
+                raise ValueError("evaluate: write_images=True needs a writer (a ThreadPoolExecutor)")
+            pred, gt = out["rgb"].cpu().numpy(), target.cpu().numpy()
+            depth = torch.where(out["opacity"] > 0.5, out["depth"] / out["opacity"].clamp_min(1e-6),
+                                torch.full_like(out["depth"], float("nan"))).cpu().numpy()
+            stem = trainer.paths.renders / f"{view:03d}"
+            for name, image in (("pred", to_uint8(pred)), ("compare", comparison_image(gt, pred)),
+                                ("depth", colorize_depth(depth, scene.near, scene.far))):
+                path = f"{stem}_{name}.png"
+                trainer.pending_writes.append((path, writer.submit(iio.imwrite, path, image)))
+    sync(trainer.device)
+    trainer.model.train(was_training)
+    ranked = sorted(per_view, key=lambda v: v["psnr"])
+    worst = ranked[: max(1, math.ceil(len(ranked) / 10))]  # the held-out bar is about the worst views too
+    return {
+        "psnr": float(np.mean([v["psnr"] for v in per_view])),
+        "ssim": float(np.mean([v["ssim"] for v in per_view])),
+        "psnr_worst10": float(np.mean([v["psnr"] for v in worst])),
+        "worst_views": [v["view"] for v in worst],
+        "per_view": per_view,
+        "seconds": time.perf_counter() - start,
+    }
+
+def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> dict:
+    """Final evaluation on every eval view, renders, turntable, curve and metrics.json; returns the metrics.
+
+    Every file write is checked: a failed one (disk full, a folder in the way) stops the run with a
+    RunError naming the file, instead of leaving unreadable images behind an exit code of 0."""
+    trainer.pending_writes = []
+    try:
+        trainer.paths.renders.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=4) as writer:
+            result = evaluate(trainer, list(range(trainer.eval_scene.num_views)), write_images=True, writer=writer)
+            files_start = time.perf_counter()
+            render_turntable(trainer)
+            if len(trainer.history["step"]) >= 1:
+                plot_curve(trainer.history["step"], trainer.history["psnr"], trainer.paths.renders / "training_curve.png",
+                           title="training PSNR (batch)", ylabel="PSNR (dB)", xlabel="step")
+        for path, future in trainer.pending_writes:
+            if future.exception() is not None:
+                raise RunError(f"cannot write the render {path}: {write_error(future.exception())}")
+        files_seconds = time.perf_counter() - files_start
+        metrics = run_metrics(trainer, result, render_only, data_seconds, files_seconds)
+        write_json(trainer.paths.metrics, metrics)
+    except OSError as error:
+        raise RunError(f"cannot write the run's outputs in {trainer.paths.root}: {write_error(error)}") from None
+    return metrics
+
+@torch.no_grad()
+def render_turntable(trainer: Trainer) -> Path | None:
+    count = trainer.train_cfg.turntable_frames
+    if count == 0:
+        return None
+    trainer.model.eval()
+    scene, scale = trainer.eval_scene, trainer.model.upsample
+    # at most turntable_max_side pixels a side (same field of view), a multiple of the upsample factor
+    shrink = max(1, math.ceil(max(scene.height, scene.width) / trainer.train_cfg.turntable_max_side))
+    height, width = (max(scale, side // shrink // scale * scale) for side in (scene.height, scene.width))
+    focal = scene.focal * width / scene.width
+    frames = [
+        to_uint8(trainer.model.render_image(c2w, height, width, focal, chunk=trainer.train_cfg.render_chunk)["rgb"].cpu().numpy())
+        for c2w in orbit_cameras(scene.c2w, count)
+    ]
+    return write_turntable(frames, trainer.paths.renders / "turntable.mp4", fps=20.0)
+
+def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds: float, files_seconds: float) -> dict:
+    seconds = max(trainer.train_seconds, 1e-9)
+    return {
+        "psnr": result["psnr"],
+        "ssim": result["ssim"],
+        "psnr_worst10": result["psnr_worst10"],
+        "worst_views": result["worst_views"],  # renders/<view>_compare.png shows their error images
+        "per_view": result["per_view"],
+        "iters": trainer.step,
+        "train_seconds": trainer.train_seconds,
+        "eval_seconds": result["seconds"],
+        "checkpoint_seconds": trainer.checkpoint_seconds,
+        "output_seconds": files_seconds,
+        "data_seconds": data_seconds,
+        "rays_per_second": trainer.rays_done / seconds if trainer.train_seconds > 0 else None,
+        "pixels_per_second": trainer.pixels_done / seconds if trainer.train_seconds > 0 else None,
+        "ops": dict(trainer.ops.backends),
+        "device": describe_device(trainer.device),
+        "seed": trainer.seed,
+        "resolution": [trainer.eval_scene.height, trainer.eval_scene.width],
+        "data": trainer.cfg.data.name,
+        "eval_split": trainer.eval_scene.split,
+        "eval_views": trainer.eval_scene.num_views,
+        "train_views": trainer.train_scene.num_views,
+        "grid_shape": list(trainer.model.grid_shape),
+        "grid_box": trainer.model.bbox.tolist(),
+        "eval_history": trainer.eval_history,
+        "render_only": render_only,
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+

@@ -1,0 +1,104 @@
+"""A run's folder: where its files live, atomic writes, and the rules that protect a finished run
+(no silent overwrite; resume and render_only need a checkpoint and take its data and model config)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from training.checkpoint import CheckpointError, load_checkpoint
+
+
+class RunError(RuntimeError):
+    """An expected failure whose one-line message is shown to the user as is."""
+
+
+
+def write_error(error: BaseException) -> str:
+    """A one-line reason for a failed write, saying "disk full" where that is what happened."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    errno_value = getattr(error, "errno", None)
+    if errno_value == 28 or "No space left" in text or "unexpected pos" in text:
+        return f"the disk is full ({text})"
+    if errno_value == 30:
+        return f"the file system is read-only ({text})"
+    return text
+
+
+def write_json(path: Path, content: dict) -> None:
+    """Write through a temporary file and rename, so a reader never sees half a file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run keeps its files."""
+
+    root: Path
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "checkpoints" / "last.pt"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def renders(self) -> Path:
+        return self.root / "renders"
+
+    @property
+    def profile(self) -> Path:
+        return self.root / "profile.json"
+
+
+def config_from_checkpoint(cfg: DictConfig, saved: dict) -> DictConfig:
+    """The run's config for resume / render_only: the checkpoint's ``data`` and ``model`` (what the weights were
+    trained with) and everything else from the command line; a ``data.root`` given on the command line wins
+    (the scene may have moved)."""
+    current = OmegaConf.to_container(cfg, resolve=True)
+    merged = dict(current, data=dict(saved["data"]), model=dict(saved["model"]))
+    if current["data"].get("root") and merged["data"].get("name") == current["data"].get("name"):
+        merged["data"]["root"] = current["data"]["root"]
+    for group in ("data", "model"):
+        changed = sorted(k for k in set(current[group]) | set(merged[group])
+                         if current[group].get(k) != merged[group].get(k))
+        if changed:
+            print(f"note: using the checkpoint's {group} config (differs from this command at "
+                  f"{', '.join(f'{group}.{k}' for k in changed)})")
+    return OmegaConf.create(merged)
+
+
+def load_run_checkpoint(cfg: DictConfig, paths: RunPaths) -> dict | None:
+    if cfg.render_only:
+        key = "render_only"
+    elif cfg.train.resume:
+        key = "train.resume"
+    else:
+        return None
+    if not paths.checkpoint.is_file():
+        raise RunError(f"{key}: no checkpoint at {paths.checkpoint} (pass the hydra.run.dir of a run that saved one)")
+    state = load_checkpoint(paths.checkpoint, map_location="cpu")
+    missing = {"format", "step", "model", "optimizer", "rng", "sampler_generator", "config"} - set(state)
+    if missing:
+        raise CheckpointError(f"{paths.checkpoint}: not a trainer checkpoint (missing {', '.join(sorted(missing))})")
+    return state
+
+
+def refuse_to_overwrite(cfg: DictConfig, paths: RunPaths) -> None:
+    """A new run (no resume, no render_only) never replaces a run folder's checkpoint or metrics silently."""
+    if cfg.render_only or cfg.train.resume or cfg.train.get("overwrite", False):
+        return
+    existing = [p for p in (paths.checkpoint, paths.metrics) if p.exists()]
+    if existing:
+        names = " and ".join(str(p.relative_to(paths.root)) for p in existing)
+        raise RunError(f"hydra.run.dir: {paths.root} already holds a run ({names}); pass train.resume=true to continue "
+                       "it, train.overwrite=true to replace it, or choose another hydra.run.dir")
+
+

@@ -1,0 +1,372 @@
+"""The training loop of one run: :class:`Trainer` owns the model, the optimiser, the batch sampler and the
+run's counters; it steps, logs, evaluates periodically, and saves and restores checkpoints."""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from data import PatchSampler, RaySampler, Scene
+from models.model import VoxelNeRF
+from models.ops import OpSet
+from training import evaluation
+from training.checkpoint import (
+    CheckpointError,
+    InterruptGuard,
+    capture_rng_state,
+    restore_rng_state,
+    save_checkpoint,
+)
+from training.config import ConfigError
+from training.evaluation import sync
+from training.profiler import StepProfiler
+from training.run_dir import RunError, RunPaths, write_error, write_json
+
+CHECKPOINT_FORMAT = 1
+EXIT_OK = 0
+EXIT_DIVERGED = 3  # NaN / inf loss
+LOSS_LIMIT = 1e3  # colours live in [0, 1]: a loss this large (PSNR -30 dB) is an exploding run, not a slow one
+ADAM_BETAS = (0.9, 0.99)  # DirectVoxGO's: a shorter second-moment memory suits grids whose voxels see rays rarely
+
+
+
+def learning_rate_factor(step: int, total_steps: int, final_factor: float) -> float:
+    """Exponential decay from 1 at step 0 to ``final_factor`` (>= 0) at ``total_steps``."""
+    return final_factor ** (min(step, total_steps) / max(total_steps, 1))
+
+
+
+def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Mean squared difference between the rays' opacity and the training images' alpha: density where the
+    masks say empty is haze, even where its colour matches the background (``train.opacity_loss`` weighs it).
+
+    ``opacity`` (B,) or (n, P, P); ``alpha`` the same shape, or (n, sP, sP) for patch batches (area-averaged
+    down to the rays' resolution P).
+    """
+    if alpha.shape != opacity.shape:
+        if alpha.dim() != 3 or opacity.dim() != 3 or alpha.shape[1] % opacity.shape[1]:
+            raise ValueError(f"opacity_loss: alpha {tuple(alpha.shape)} does not fit opacity {tuple(opacity.shape)}")
+        alpha = F.avg_pool2d(alpha[:, None], alpha.shape[1] // opacity.shape[1])[:, 0]
+    return F.mse_loss(opacity, alpha)
+
+
+
+class Trainer:
+    """Owns the model, optimiser, sampler and bookkeeping of one run.
+
+    Args:
+        cfg: the resolved config (plain, not struct).
+        paths: the run directory's files.
+        device: where the model and images live.
+        ops: the op backends.
+        train_scene, eval_scene: splits already on ``device``.
+        seed: the seed the run was started with (seeds the batch sampler's generator).
+        grid_box: optional (2, 3) box the grids start on (``data.tight_box``: the masks' visual hull).
+    """
+
+    def __init__(self, cfg: DictConfig, paths: RunPaths, device: torch.device, ops: OpSet,
+                 train_scene: Scene, eval_scene: Scene, seed: int, grid_box: torch.Tensor | None = None):
+        self.cfg, self.train_cfg = cfg, cfg.train
+        self.paths, self.device, self.seed = paths, device, seed
+        self.train_scene, self.eval_scene = train_scene, eval_scene
+        self.iters = int(cfg.train.iters)
+        self.profiler = StepProfiler(device, bool(cfg.train.profile))
+        self.ops = ops
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        self.model = VoxelNeRF(train_scene.bbox.cpu(), train_scene.near, train_scene.far, model_cfg,
+                               self.profiler.instrument_ops(ops), grid_box=grid_box).to(device)
+        self.profiler.instrument_module(self.model.decoder, "decoder")
+        self._check_image_sizes()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.sampler: RaySampler | PatchSampler | None = None  # built by fit(): render_only needs none
+        self.optimizer = self._new_optimizer()
+        self.step = 0
+        self.history: dict[str, list[float]] = {"step": [], "loss": [], "psnr": []}
+        self.eval_history: list[dict] = []
+        self.train_seconds = 0.0
+        self.rays_done = 0
+        self.pixels_done = 0
+        self.samples_done = 0
+        self.checkpoint_seconds = 0.0  # kept out of train_seconds, reported beside it
+        self.last_saved_step: int | None = None
+        self.pending_writes: list = []  # (path, future) of the render writes in flight
+
+    # ---------------------------------------------------------------- building blocks
+    def _check_image_sizes(self) -> None:
+        scale = self.model.upsample
+        for scene in (self.train_scene, self.eval_scene):
+            if scene.height % scale or scene.width % scale:
+                raise ConfigError(
+                    f"model.upsample: the {scene.split} images ({scene.height}x{scene.width}) are not divisible by "
+                    f"{scale} (change model.upsample or data.downscale)"
+                )
+
+    def _build_sampler(self) -> RaySampler | PatchSampler:
+        if self.model.upsample == 1:
+            return RaySampler(self.train_scene, self.train_cfg.batch_rays, self.generator)
+        try:
+            return PatchSampler(self.train_scene, self.train_cfg.patch_size, self.model.upsample,
+                                self.train_cfg.patches_per_batch, self.generator)
+        except ValueError as error:
+            raise ConfigError(f"train.patch_size: {error}") from None
+
+    def _new_optimizer(self) -> torch.optim.Adam:
+        groups = self.model.param_groups(float(self.train_cfg.lr), float(self.train_cfg.lr_decoder))
+        for group in groups:
+            group["initial_lr"] = group["lr"]
+        return torch.optim.Adam(groups, betas=ADAM_BETAS, eps=float(self.train_cfg.get("adam_eps", 1e-8)),
+                                fused=self.device.type == "cuda")
+
+    def _rebuild_optimizer(self) -> None:
+        """New Adam over the model's current parameters, keeping the moments of parameters that survived."""
+        old = self.optimizer
+        self.optimizer = self._new_optimizer()
+        for group in self.optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter in old.state:
+                    self.optimizer.state[parameter] = old.state[parameter]
+
+    def _set_learning_rates(self) -> None:
+        factor = learning_rate_factor(self.step, self.iters, float(self.train_cfg.lr_final_factor))
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimiser step; returns the detached (loss, mse) without syncing the device."""
+        profiler = self.profiler
+        with profiler.section("step"):
+            self._set_learning_rates()
+            with profiler.section("sampling"):
+                batch = self.sampler.sample()
+                background, target = self._training_background(batch)
+            with profiler.section("forward"):
+                if self.model.upsample == 1:
+                    out = self.model.render_rays(batch.origins, batch.directions, background)
+                else:
+                    out = self.model.render_patches(batch, background)
+            with profiler.section("regularization"):
+                regularization = self.model.regularization()
+            with profiler.section("loss_backward"):
+                mse = F.mse_loss(out["rgb"], target)
+                loss = mse + regularization + self._opacity_loss(out["opacity"], batch.alpha)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            with profiler.section("optimizer"):
+                self.optimizer.step()
+            self.step += 1
+            with profiler.section("schedule"):
+                if self.model.on_step(self.step, self.iters):
+                    self._rebuild_optimizer()
+        rays = batch.origins.numel() // 3
+        self.rays_done += rays
+        self.samples_done += int(out["samples"]) if "samples" in out else 0  # a CPU count: no device sync
+        self.pixels_done += batch.rgb.numel() // 3
+        profiler.end_step(rays)
+        return loss.detach(), mse.detach()
+
+    def _opacity_loss(self, opacity: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor | float:
+        weight = float(self.train_cfg.get("opacity_loss", 0.0))
+        if weight == 0.0 or alpha is None:
+            return 0.0
+        return weight * opacity_loss(opacity, alpha)
+
+    def _training_background(self, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(background, target) for a batch: with ``train.random_background`` and a scene with alpha, a random
+        colour per pixel and the ground truth composited on it (Instant-NGP's default: the model can no longer
+        paint the background into the scene as haze); else (None, the images as loaded)."""
+        if not self.train_cfg.get("random_background", False) or batch.alpha is None:
+            return None, batch.rgb
+        background = torch.rand(batch.rgb.shape, device=batch.rgb.device, generator=self.generator)
+        scene_background = batch.rgb.new_tensor(self.train_scene.background)
+        return background, batch.rgb + (background - scene_background) * (1.0 - batch.alpha)[..., None]
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> int:
+        """Train from :attr:`step` to ``train.iters``; returns the exit code (0, 128+signal, or EXIT_DIVERGED)."""
+        cfg = self.train_cfg
+        if self.step >= self.iters:
+            print(f"checkpoint is at step {self.step} >= train.iters={self.iters}: nothing to train")
+            return EXIT_OK
+        if self.sampler is None:
+            self.sampler = self._build_sampler()
+        self.model.train()
+        self.profiler.recording = True
+        bar = tqdm(total=self.iters, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   mininterval=0.5, file=sys.stdout)
+        code = EXIT_OK
+        with InterruptGuard() as guard:
+            sync(self.device)
+            segment_start = window_start = time.perf_counter()
+            window_rays, window_samples = self.rays_done, self.samples_done
+            while self.step < self.iters:
+                loss, mse = self.train_step()
+                step = self.step
+                pause = False
+                if step % cfg.log_every == 0 or step == self.iters:
+                    loss_value, mse_value = loss.item(), mse.item()  # syncs the device
+                    if not (math.isfinite(loss_value) and math.isfinite(mse_value)) or loss_value > LOSS_LIMIT:
+                        code = self._diverged(step, loss_value)
+                        break
+                    now = time.perf_counter()
+                    rays_per_second = (self.rays_done - window_rays) / max(now - window_start, 1e-9)
+                    samples_per_ray = (self.samples_done - window_samples) / max(self.rays_done - window_rays, 1)
+                    window_start, window_rays, window_samples = now, self.rays_done, self.samples_done
+                    batch_psnr = -10.0 * math.log10(max(mse_value, 1e-12))
+                    self._record(step, loss_value, batch_psnr)
+                    bar.set_postfix(loss=f"{loss_value:.4f}", psnr=f"{batch_psnr:.2f}",
+                                    rays_s=f"{rays_per_second:,.0f}", grid=self.model.resolution,
+                                    spr=f"{samples_per_ray:.0f}", refresh=False)
+                    bar.update(step - bar.n)
+                periodic_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.iters
+                periodic_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < self.iters
+                if periodic_checkpoint or periodic_eval or guard.requested:
+                    sync(self.device)
+                    self.train_seconds += time.perf_counter() - segment_start
+                    pause = True
+                if periodic_checkpoint or guard.requested:
+                    if not self._save_if_finite(loss):
+                        code = self._diverged(step, loss.item())
+                        break
+                if guard.requested:
+                    bar.close()
+                    print(f"interrupted by {guard.signum.name} at step {step}/{self.iters}: checkpoint saved to "
+                          f"{self.paths.checkpoint}; continue with train.resume=true and the same hydra.run.dir",
+                          file=sys.stderr)
+                    self.profiler.recording = False
+                    return guard.exit_code
+                if periodic_eval:
+                    self._periodic_eval()
+                if pause:
+                    segment_start = window_start = time.perf_counter()
+                    window_rays, window_samples = self.rays_done, self.samples_done
+            else:
+                sync(self.device)
+                self.train_seconds += time.perf_counter() - segment_start
+        self.profiler.recording = False
+        bar.close()
+        if code != EXIT_OK:
+            return code
+        if not self._save_if_finite(loss):
+            return self._diverged(self.step, loss.item())
+        if self.profiler.enabled:
+            report = self.profiler.report()
+            write_json(self.paths.profile, report)
+            print(StepProfiler.format(report))
+        return EXIT_OK
+
+    def _record(self, step: int, loss: float, batch_psnr: float) -> None:
+        self.history["step"].append(float(step))
+        self.history["loss"].append(loss)
+        self.history["psnr"].append(batch_psnr)
+
+    def _diverged(self, step: int, loss: float) -> int:
+        kept = (f"the last good checkpoint (step {self.last_saved_step}) is kept at {self.paths.checkpoint}"
+                if self.last_saved_step is not None else "no checkpoint was written")
+        kind = "exploding" if math.isfinite(loss) else "not finite"
+        print(f"error: training diverged: loss is {loss} at step {step} ({kind}); stopped, {kept} "
+              "(likely cause: a learning rate too high for this scene: try a lower train.lr / train.lr_decoder)",
+              file=sys.stderr)
+        return EXIT_DIVERGED
+
+    def _periodic_eval(self) -> None:
+        count = min(self.train_cfg.eval_views, self.eval_scene.num_views)
+        if count == 0:
+            return
+        views = np.linspace(0, self.eval_scene.num_views - 1, count).round().astype(int).tolist()
+        result = evaluation.evaluate(self, sorted(set(views)), write_images=False)
+        entry = {"step": self.step, "train_seconds": self.train_seconds, "psnr": result["psnr"], "ssim": result["ssim"],
+                 "psnr_worst10": result["psnr_worst10"]}
+        self.eval_history.append(entry)
+        tqdm.write(f"eval @ step {self.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
+                   f"({len(views)} views, {self.train_seconds:.1f} s of training)", file=sys.stdout)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _parameters_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def _save_if_finite(self, loss: torch.Tensor) -> bool:
+        """Save a checkpoint unless the loss or the parameters went NaN / inf (then keep the previous one)."""
+        if not (bool(torch.isfinite(loss)) and self._parameters_finite()):
+            return False
+        self.save()
+        return True
+
+    def save(self) -> None:
+        """Write the checkpoint atomically; a write error (disk full, read-only, I/O) becomes a RunError that
+        says the previous checkpoint is kept (the atomic save never touches it)."""
+        start = time.perf_counter()
+        try:
+            self._write_checkpoint()
+        except (OSError, RuntimeError) as error:
+            kept = (f"the previous checkpoint (step {self.last_saved_step}) is kept" if self.last_saved_step is not None
+                    else "no earlier checkpoint exists")
+            raise RunError(f"cannot write the checkpoint {self.paths.checkpoint}: {write_error(error)}; {kept}") from None
+        self.last_saved_step = self.step
+        self.checkpoint_seconds += time.perf_counter() - start
+
+    def _write_checkpoint(self) -> None:
+        save_checkpoint(self.paths.checkpoint, {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step,
+            "iters": self.iters,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": capture_rng_state(),
+            "sampler_generator": self.generator.get_state(),
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "history": self.history,
+            "eval_history": self.eval_history,
+            "train_seconds": self.train_seconds,
+            "rays": self.rays_done,
+            "pixels": self.pixels_done,
+            "samples": self.samples_done,
+            "checkpoint_seconds": self.checkpoint_seconds,
+            "seed": self.seed,
+        })
+
+    def restore(self, state: dict, with_training_state: bool) -> None:
+        """Load a checkpoint's model (any grid resolution); with ``with_training_state`` also the optimiser,
+        RNG states and counters, so training continues exactly where it stopped."""
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{self.paths.checkpoint}: unknown checkpoint format {state.get('format')!r}")
+        try:
+            self.model.load_state_dict(state["model"])
+        except (RuntimeError, KeyError) as error:
+            first = str(error).strip().splitlines()[0]
+            raise CheckpointError(f"{self.paths.checkpoint}: does not fit this model ({first})") from None
+        self.model.to(self.device)
+        self.step = int(state["step"])
+        self.history = state["history"]
+        self.eval_history = list(state["eval_history"])
+        self.train_seconds = float(state["train_seconds"])
+        self.rays_done, self.pixels_done = int(state["rays"]), int(state["pixels"])
+        self.samples_done = int(state.get("samples", 0))
+        self.checkpoint_seconds = float(state.get("checkpoint_seconds", 0.0))
+        self.last_saved_step = self.step
+        if not with_training_state:
+            return
+        # re-apply the schedule at this step (idempotent: sets the TV switch; grows only if train.iters changed)
+        grown = self.step > 0 and self.model.on_step(self.step, self.iters)
+        self.optimizer = self._new_optimizer()
+        if not grown:
+            self.optimizer.load_state_dict(state["optimizer"])
+            for group in self.optimizer.param_groups:  # the checkpoint may come from another device type
+                group["fused"] = self.device.type == "cuda"
+        restore_rng_state(state["rng"])
+        generator_state = state["sampler_generator"].cpu()
+        if generator_state.numel() == self.generator.get_state().numel():
+            self.generator.set_state(generator_state)
+        else:  # written on another device type (CPU and CUDA generators keep different states): reseed
+            self.generator.manual_seed(self.seed + self.step)
+            print(f"note: the checkpoint's batch sampler state is from another device type; resampling from seed "
+                  f"{self.seed} + step {self.step}")
+
+    # ---------------------------------------------------------------- evaluation
