@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 # custom-in-order: the grid lookup with CUDA_EXT_GRID_REORDER=off (points always visited as given), to show
 # what the bucket order gains on grids larger than L2
 VARIANTS = ("custom", "custom-in-order", "reference", "builtin")
-OPS = ("trilinear", "grid", "upsample", "gelu")
+OPS = ("trilinear", "grid_interpolate", "upsample", "gelu")
+OP_ALIASES = {"grid": "grid_interpolate"}  # --ops grid still works
 DTYPE = torch.float32
 CPU_CACHE_BYTES = 32 << 20  # assumed last-level cache of a CPU host; CUDA reads the L2 size from the device
 MAX_REL_ERR = 1e-4  # fp32 forward vs the reference; above this a row's timing is of a wrong answer
@@ -40,7 +41,7 @@ MAX_REL_ERR = 1e-4  # fp32 forward vs the reference; above this a row's timing i
 @dataclass(frozen=True)
 class Sizes:
     trilinear: tuple[int, int]  # N points, F features
-    grid: tuple[int, int, int]  # R (cube side), C channels, N points
+    grid_interpolate: tuple[int, int, int]  # R (cube side), C channels, N points
     samples_per_ray: int  # "rays" distribution: N / samples_per_ray rays
     upsample: tuple[int, int, int, int]  # B, C, H, W (scale 2)
     gelu: int  # elements
@@ -58,8 +59,8 @@ COUNTING_RULES = {
     "GB/s = bytes / time; % copy = GB/s over the copy bandwidth of this run (a device-to-device copy, read + write)",
     "trilinear": "fw: feats + points + out; bw with grad=feats: grad_out + points + grad_feats; "
     "grad=feats+points adds feats + grad_points",
-    "grid": "compulsory bytes only: fw: grid once + points + out; bw (grad=grid): grad_out + points + grad_grid once; "
-    "random gathers and scattered atomics move more than this",
+    "grid_interpolate": "compulsory bytes only: fw: grid once + points + out; "
+    "bw (grad=grid): grad_out + points + grad_grid once; random gathers and scattered atomics move more than this",
     "upsample": "fw: in + out; bw: grad_out + grad_in",
     "gelu": "fw: in + out; bw: grad_out + x + grad_x",
     "bw_ms": "the backward op timed alone where the custom op has one (marked * in the table), else fwbw - fw",
@@ -202,7 +203,7 @@ def trilinear_cases(s: Sizes, ops: Ops) -> list[Case]:
 
 def grid_cases(s: Sizes, ops: Ops, channels: Optional[int] = None) -> list[Case]:
     """The random and rays cases at the size's channel count, or at `channels` (case names then say C=...)."""
-    r, c, n = s.grid
+    r, c, n = s.grid_interpolate
     suffix = "" if channels is None or channels == c else f" C={channels}"
     c = c if channels is None else channels
     e = DTYPE.itemsize
@@ -229,7 +230,7 @@ def grid_cases(s: Sizes, ops: Ops, channels: Optional[int] = None) -> list[Case]
         rays = f" ({n // s.samples_per_ray} rays x {s.samples_per_ray})" if name == "rays" else ""
         shape = f"{r}^3x{c} N={n}{rays}"
         return Case(
-            "grid", name, shape, make, (n, c), (True, False), variants,
+            "grid_interpolate", name, shape, make, (n, c), (True, False), variants,
             lambda g, x: backward(g, x[0], x[1], True, False),
             bytes_fw=(r**3 * c + 3 * n + n * c) * e, bytes_bw=(n * c + 3 * n + r**3 * c) * e,
         )
@@ -271,7 +272,8 @@ def gelu_cases(s: Sizes, ops: Ops) -> list[Case]:
     )]
 
 
-CASE_BUILDERS = {"trilinear": trilinear_cases, "grid": grid_cases, "upsample": upsample_cases, "gelu": gelu_cases}
+CASE_BUILDERS = {"trilinear": trilinear_cases, "grid_interpolate": grid_cases, "upsample": upsample_cases,
+                 "gelu": gelu_cases}
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -503,9 +505,9 @@ TARGETS = (
            lambda g: g("custom", "fw_pct_copy"), 85, unit="%"),
     Target("trilinear bw >= 80% of copy BW (backward op alone)", "cuda", "trilinear", "grad=feats",
            lambda g: g("custom", "bw_pct_copy"), 80, unit="%"),
-    Target("grid random fw >= 6x F.grid_sample", "cuda", "grid", "random",
+    Target("grid_interpolate random fw >= 6x F.grid_sample", "cuda", "grid_interpolate", "random",
            lambda g: _ratio(g("builtin", "fw_ms"), g("custom", "fw_ms")), 6),
-    Target("grid random fwbw >= 6x F.grid_sample", "cuda", "grid", "random",
+    Target("grid_interpolate random fwbw >= 6x F.grid_sample", "cuda", "grid_interpolate", "random",
            lambda g: _ratio(g("builtin", "fwbw_ms"), g("custom", "fwbw_ms")), 6),
     Target("upsample fwbw >= 1.5x F.interpolate", "cuda", "upsample", "x2",
            lambda g: _ratio(g("builtin", "fwbw_ms"), g("custom", "fwbw_ms")), 1.5),
@@ -513,7 +515,7 @@ TARGETS = (
            lambda g: _ratio(g("custom", "fw_ms"), g("builtin", "fw_ms")), 1.05, at_least=False),
     Target("gelu fwbw within 5% of F.gelu (time ratio)", "cuda", "gelu", "exact",
            lambda g: _ratio(g("custom", "fwbw_ms"), g("builtin", "fwbw_ms")), 1.05, at_least=False),
-    Target("CPU grid random fwbw >= 2x reference", "cpu", "grid", "random",
+    Target("CPU grid_interpolate random fwbw >= 2x reference", "cpu", "grid_interpolate", "random",
            lambda g: _ratio(g("reference", "fwbw_ms"), g("custom", "fwbw_ms")), 2, sizes=("small", "full")),
 )
 
@@ -613,18 +615,21 @@ def default_json_path(info: dict, date: str) -> Path:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--ops", default=",".join(OPS),
+                   help=f"comma-separated subset of {','.join(OPS)} (grid: grid_interpolate)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: full on cuda, small on cpu")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 50 cuda, 10 cpu)")
     p.add_argument("--budget-s", type=float, default=2.0, help="stop repeating a measurement after this long")
     p.add_argument("--grid-channels", default=None,
-                   help="comma-separated channel counts for the grid op (default: the size's own, 12 at full size)")
+                   help="comma-separated channel counts for grid_interpolate (default: the size's own, 12 at full "
+                   "size)")
     p.add_argument("--json", type=Path, default=None, help="default bench/results/<device-kind>-<date>.json")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown here")
     args = p.parse_args(argv)
     for option, allowed in (("ops", OPS), ("variants", VARIANTS)):
-        chosen = [x.strip() for x in getattr(args, option).split(",") if x.strip()]
+        chosen = [OP_ALIASES.get(x.strip(), x.strip()) if option == "ops" else x.strip()
+                  for x in getattr(args, option).split(",") if x.strip()]
         unknown = sorted(set(chosen) - set(allowed))
         if unknown or not chosen:
             p.error(f"--{option}: unknown or empty {unknown}; choose from {','.join(allowed)}")
@@ -664,7 +669,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     rows: list[dict] = []
     for op in args.ops:
         try:
-            if op == "grid" and args.grid_channels:
+            if op == "grid_interpolate" and args.grid_channels:
                 cases = [case for c in args.grid_channels for case in grid_cases(sizes, ops, c)]
             else:
                 cases = CASE_BUILDERS[op](sizes, ops)

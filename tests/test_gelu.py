@@ -1,7 +1,6 @@
 """cuda_ext.gelu against F.gelu: both approximations, forward and backward, edge cases, bad input."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import cuda_ext
 from cuda_ext import reference
@@ -208,7 +207,7 @@ def test_not_a_tensor():
 
 @pytest.mark.parametrize("grad_out,match", [
     (torch.randn(4, dtype=torch.float64), "grad_out must have the shape of x"),
-    (torch.randn(3, 4, dtype=torch.float32), "grad_out must have the same dtype as x"),
+    (torch.randn(3, 4, dtype=torch.float32), "grad_out and x must have the same dtype"),
 ])
 def test_backward_bad_grad_out(grad_out, match):
     with pytest.raises(RuntimeError, match=match):
@@ -282,7 +281,7 @@ def test_cuda_large_magnitudes_and_empty():
 
 @requires_cuda
 def test_cuda_device_mismatch_raises():
-    with pytest.raises(RuntimeError, match="grad_out must be on the same device as x"):
+    with pytest.raises(RuntimeError, match="grad_out and x must be on the same device"):
         torch.ops.cuda_ext.gelu_backward(torch.randn(3), torch.randn(3, device="cuda"), "none")
 
 

@@ -430,7 +430,7 @@ def test_cuda_inputs_on_different_devices_raise(gen):
         OPS.grid_interpolate_backward(torch.ones(4, 2), grid.cuda(), points.cuda(), True, True)
 
 
-# ------------------------------------------------------------- CUDA: the forward's bucket order (point_buckets.cuh)
+# ------------------------------------------------------ CUDA: the forward's bucket order (grid_interpolate_buckets.cuh)
 
 
 def _launched_kernels(fn) -> str:

@@ -13,21 +13,17 @@ enum class GeluApproximate { kNone, kTanh };
 
 inline GeluApproximate parse_gelu_approximate(c10::string_view approximate) {
   if (approximate == "none") return GeluApproximate::kNone;
-  TORCH_CHECK(
-      approximate == "tanh", "gelu: approximate must be \"none\" or \"tanh\", got \"", approximate, "\"");
+  TORCH_CHECK(approximate == "tanh", "gelu: approximate must be \"none\" or \"tanh\", got \"", approximate, "\"");
   return GeluApproximate::kTanh;
 }
 
-inline void check_gelu_input(const at::Tensor& x, const char* op) {
-  check_floating_dtype(x, op, "x");
-}
+inline void check_gelu_input(const at::Tensor& x, const char* op) { check_floating_dtype(x, op, "x"); }
 
 inline void check_gelu_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x) {
   check_gelu_input(x, "gelu_backward");
   check_same_device_and_dtype(grad_out, x, "gelu_backward", "grad_out", "x");
-  TORCH_CHECK(
-      grad_out.sizes() == x.sizes(), "gelu_backward: grad_out must have the shape of x ", x.sizes(), ", got ",
-      grad_out.sizes());
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), "gelu_backward: grad_out must have the shape of x ", x.sizes(), ", got ",
+              grad_out.sizes());
 }
 
 // Calls fn(std::true_type) for "tanh" and fn(std::false_type) for "none", so kernels get the mode as a
@@ -42,12 +38,12 @@ void dispatch_gelu_approximate(GeluApproximate approximate, Fn&& fn) {
 }
 
 // libm/CUDA math by precision: the float versions (erff, ...) are much cheaper than promoting to double.
-HOST_DEVICE inline float erf_of(float v) { return erff(v); }
-HOST_DEVICE inline double erf_of(double v) { return erf(v); }
-HOST_DEVICE inline float exp_of(float v) { return expf(v); }
-HOST_DEVICE inline double exp_of(double v) { return exp(v); }
-HOST_DEVICE inline float tanh_of(float v) { return tanhf(v); }
-HOST_DEVICE inline double tanh_of(double v) { return tanh(v); }
+CUDA_EXT_HOST_DEVICE float erf_of(float v) { return erff(v); }
+CUDA_EXT_HOST_DEVICE double erf_of(double v) { return erf(v); }
+CUDA_EXT_HOST_DEVICE float exp_of(float v) { return expf(v); }
+CUDA_EXT_HOST_DEVICE double exp_of(double v) { return exp(v); }
+CUDA_EXT_HOST_DEVICE float tanh_of(float v) { return tanhf(v); }
+CUDA_EXT_HOST_DEVICE double tanh_of(double v) { return tanh(v); }
 
 // acc_t is float or double: the precision the kernels compute in.
 template <typename acc_t, bool kTanh>
@@ -58,7 +54,7 @@ struct GeluMath {
   static constexpr double kKappa = 0.044715;
 
   // gelu(x)
-  HOST_DEVICE static acc_t value(acc_t x) {
+  CUDA_EXT_HOST_DEVICE static acc_t value(acc_t x) {
     const acc_t half = acc_t(0.5), one = acc_t(1);
     if constexpr (kTanh) {
       const acc_t inner = acc_t(kSqrt2OverPi) * (x + acc_t(kKappa) * x * x * x);
@@ -69,7 +65,7 @@ struct GeluMath {
   }
 
   // d gelu / dx
-  HOST_DEVICE static acc_t derivative(acc_t x) {
+  CUDA_EXT_HOST_DEVICE static acc_t derivative(acc_t x) {
     const acc_t half = acc_t(0.5), one = acc_t(1);
     if constexpr (kTanh) {
       const acc_t x_sq = x * x;

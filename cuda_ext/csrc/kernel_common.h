@@ -1,17 +1,22 @@
-// Small pieces every op family needs on both sides: the HOST_DEVICE marker for math shared by the
-// C++ and CUDA kernels, the dtype and device checks with their user-facing messages, and (in .cu
-// files) device attributes and the number of blocks that fit on the device at once.
+// Small pieces every op family needs on both sides: the CUDA_EXT_HOST_DEVICE marker for math shared by
+// the C++ and CUDA kernels, the dtype and device checks with their user-facing messages (worded as the
+// Python wrappers' checks in cuda_ext/_checks.py), compile-time dispatch helpers, and (in .cu files)
+// device attributes and launch sizes.
 #pragma once
 
 #include <ATen/ATen.h>
 
-// Same spelling as ATen/native/Pow.h, so including both is harmless.
-#ifndef HOST_DEVICE
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+// Math shared by the C++ and CUDA kernels: a host and device function under nvcc, forced inline on the
+// device (each call sits in a kernel's inner loop); a plain inline function in C++.
 #if defined(__CUDACC__) || defined(__HIPCC__)
-#define HOST_DEVICE __host__ __device__
+#define CUDA_EXT_HOST_DEVICE __host__ __device__ __forceinline__
 #else
-#define HOST_DEVICE
-#endif
+#define CUDA_EXT_HOST_DEVICE inline
 #endif
 
 namespace cuda_ext {
@@ -19,11 +24,12 @@ namespace cuda_ext {
 // float32/float64 everywhere; float16/bfloat16 only on CUDA, where kernels compute in float.
 inline void check_floating_dtype(const at::Tensor& t, const char* op, const char* arg) {
   const auto dtype = t.scalar_type();
-  const bool everywhere = dtype == at::kFloat || dtype == at::kDouble;
-  const bool cuda_only = dtype == at::kHalf || dtype == at::kBFloat16;
-  TORCH_CHECK(
-      everywhere || (cuda_only && t.is_cuda()), op, ": ", arg,
-      " must be float32 or float64 (float16/bfloat16 also on CUDA), got ", dtype, " on ", t.device());
+  if (dtype == at::kFloat || dtype == at::kDouble) return;
+  TORCH_CHECK(!t.is_cpu(), op, ": ", arg,
+              " must be float32 or float64 on the CPU (float16/bfloat16 are CUDA only), got ", dtype);
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  TORCH_CHECK(half && t.is_cuda(), op, ": ", arg, " must be float32 or float64 (or float16/bfloat16 on CUDA), got ",
+              dtype);
 }
 
 // t must live on the backend whose kernel is running. The dispatcher picks the kernel from all tensor
@@ -40,14 +46,36 @@ inline at::Tensor contiguous_on(const at::Tensor& t, const char* name, at::Devic
   return t.contiguous();
 }
 
-inline void check_same_device_and_dtype(
-    const at::Tensor& t, const at::Tensor& like, const char* op, const char* arg, const char* like_arg) {
-  TORCH_CHECK(
-      t.device() == like.device(), op, ": ", arg, " must be on the same device as ", like_arg, " (",
-      like.device(), "), got ", t.device());
-  TORCH_CHECK(
-      t.scalar_type() == like.scalar_type(), op, ": ", arg, " must have the same dtype as ", like_arg, " (",
-      like.scalar_type(), "), got ", t.scalar_type());
+// t (called arg) must have the device and dtype of like (called like_arg).
+inline void check_same_device_and_dtype(const at::Tensor& t, const at::Tensor& like, const char* op, const char* arg,
+                                        const char* like_arg) {
+  TORCH_CHECK(t.device() == like.device(), op, ": ", arg, " and ", like_arg, " must be on the same device, got ",
+              t.device(), " and ", like.device());
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), op, ": ", arg, " and ", like_arg,
+              " must have the same dtype, got ", t.scalar_type(), " and ", like.scalar_type());
+}
+
+// Calls fn(std::integral_constant<int, VEC>) with VEC = kWide if `wide`, else 1.
+template <int kWide, typename Fn>
+void with_vector_width(bool wide, Fn&& fn) {
+  if (wide) {
+    fn(std::integral_constant<int, kWide>{});
+  } else {
+    fn(std::integral_constant<int, 1>{});
+  }
+}
+
+// Calls fn(bool_constant<A>, bool_constant<B>) for the runtime pair (a, b), not both false: which
+// gradients a backward kernel computes, as template arguments.
+template <typename Fn>
+void with_gradient_flags(bool a, bool b, Fn&& fn) {
+  if (a && b) {
+    fn(std::true_type{}, std::true_type{});
+  } else if (a) {
+    fn(std::true_type{}, std::false_type{});
+  } else {
+    fn(std::false_type{}, std::true_type{});
+  }
 }
 
 }  // namespace cuda_ext
@@ -72,6 +100,14 @@ int resident_blocks(Kernel kernel, int threads) {
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
   return std::max(per_sm, 1) * current_device_attribute(cudaDevAttrMultiProcessorCount);
+}
+
+// Blocks of block_threads threads that cover `threads` threads of a point op's one launch.
+inline unsigned int block_count(int64_t threads, int block_threads, const char* op) {
+  const int64_t blocks = (threads + block_threads - 1) / block_threads;
+  TORCH_CHECK(blocks <= std::numeric_limits<int>::max(), op, ": too many points for one launch (", threads,
+              " threads)");
+  return static_cast<unsigned int>(blocks);
 }
 
 }  // namespace cuda_ext

@@ -1,6 +1,8 @@
 // Declarations of every kernel entry point, CPU and CUDA. registration.cpp binds them to the
 // schemas; each op family implements its CPU half in cpu/<family>.cpp and its CUDA half in
-// cuda/<family>.cu. Validation shared by both halves lives in <family>.h beside this file.
+// cuda/<family>*.cu. Validation and math shared by both halves live in <family>.h beside this file
+// (trilinear.h, grid_interpolate.h, upsample.h, gelu.h); kernel_common.h and interpolation.h hold what
+// several families share.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,21 +12,23 @@
 
 namespace cuda_ext {
 
-// trilinear family: pairwise (N,8,F) form and the fused dense-grid lookup.
+// trilinear_interpolate: the pairwise op, (N, 8, F) corner features at (N, 3) points.
 at::Tensor trilinear_interpolate_cpu(const at::Tensor& feats, const at::Tensor& points);
-std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& feats, const at::Tensor& points,
-    bool feats_requires_grad, bool points_requires_grad);
+std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cpu(const at::Tensor& grad_out,
+                                                                      const at::Tensor& feats, const at::Tensor& points,
+                                                                      bool feats_requires_grad,
+                                                                      bool points_requires_grad);
+
+// grid_interpolate: the fused lookup in a dense channels-last (R0, R1, R2, C) grid at (N, 3) points.
 at::Tensor grid_interpolate_cpu(const at::Tensor& grid, const at::Tensor& points);
-std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& grid, const at::Tensor& points,
-    bool grid_requires_grad, bool points_requires_grad);
+std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cpu(const at::Tensor& grad_out, const at::Tensor& grid,
+                                                                 const at::Tensor& points, bool grid_requires_grad,
+                                                                 bool points_requires_grad);
 
 // bilinear upsampling by an integer factor.
 at::Tensor upsample_bilinear2d_cpu(const at::Tensor& x, int64_t scale_factor, bool align_corners);
-at::Tensor upsample_bilinear2d_backward_cpu(
-    const at::Tensor& grad_out, int64_t input_height, int64_t input_width, int64_t scale_factor,
-    bool align_corners);
+at::Tensor upsample_bilinear2d_backward_cpu(const at::Tensor& grad_out, int64_t input_height, int64_t input_width,
+                                            int64_t scale_factor, bool align_corners);
 
 // GELU, exact ("none") or tanh approximation.
 at::Tensor gelu_cpu(const at::Tensor& x, c10::string_view approximate);
@@ -32,17 +36,18 @@ at::Tensor gelu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, c1
 
 #ifdef WITH_CUDA
 at::Tensor trilinear_interpolate_cuda(const at::Tensor& feats, const at::Tensor& points);
-std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& feats, const at::Tensor& points,
-    bool feats_requires_grad, bool points_requires_grad);
+std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cuda(const at::Tensor& grad_out,
+                                                                       const at::Tensor& feats,
+                                                                       const at::Tensor& points,
+                                                                       bool feats_requires_grad,
+                                                                       bool points_requires_grad);
 at::Tensor grid_interpolate_cuda(const at::Tensor& grid, const at::Tensor& points);
-std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& grid, const at::Tensor& points,
-    bool grid_requires_grad, bool points_requires_grad);
+std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tensor& grad_out, const at::Tensor& grid,
+                                                                  const at::Tensor& points, bool grid_requires_grad,
+                                                                  bool points_requires_grad);
 at::Tensor upsample_bilinear2d_cuda(const at::Tensor& x, int64_t scale_factor, bool align_corners);
-at::Tensor upsample_bilinear2d_backward_cuda(
-    const at::Tensor& grad_out, int64_t input_height, int64_t input_width, int64_t scale_factor,
-    bool align_corners);
+at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_out, int64_t input_height, int64_t input_width,
+                                             int64_t scale_factor, bool align_corners);
 at::Tensor gelu_cuda(const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, c10::string_view approximate);
 #endif

@@ -40,8 +40,8 @@ struct UpsampleAxis {
   int64_t step_num;
   int64_t offset_num;
   int64_t den;
-  double inverse_den;   // 1 / den: the position without a division (GPU divisions are slow)
-  acc_t inverse_step;   // 1 / step_num (0 when step_num is 0), to invert the map without dividing
+  double inverse_den;  // 1 / den: the position without a division (GPU divisions are slow)
+  acc_t inverse_step;  // 1 / step_num (0 when step_num is 0), to invert the map without dividing
 
   static UpsampleAxis make(int64_t in_size, int64_t scale, bool align_corners) {
     UpsampleAxis a;
@@ -65,7 +65,7 @@ struct UpsampleAxis {
   }
 
   // PyTorch's floating-point source position of output o (clamped at 0 without align_corners).
-  HOST_DEVICE acc_t source(int64_t o) const {
+  CUDA_EXT_HOST_DEVICE acc_t source(int64_t o) const {
     if (align_corners) return ratio * static_cast<acc_t>(o);
     const acc_t s = ratio * (static_cast<acc_t>(o) + acc_t(0.5)) - acc_t(0.5);
     return s < acc_t(0) ? acc_t(0) : s;
@@ -73,7 +73,7 @@ struct UpsampleAxis {
 
   // floor of the exact source position of output o, clamped to the inputs. The double estimate is
   // within one of the true floor (|num| < 2^63, quotient < 2^31), and one integer step makes it exact.
-  HOST_DEVICE int64_t source_floor(int64_t o) const {
+  CUDA_EXT_HOST_DEVICE int64_t source_floor(int64_t o) const {
     const int64_t num = step_num * o + offset_num;
     int64_t f = static_cast<int64_t>(floor(static_cast<double>(num) * inverse_den));
     if (f * den > num) {
@@ -84,7 +84,7 @@ struct UpsampleAxis {
     return f < 0 ? 0 : (f > in_size - 1 ? in_size - 1 : f);
   }
 
-  HOST_DEVICE LinearTaps<acc_t> taps(int64_t o) const {
+  CUDA_EXT_HOST_DEVICE LinearTaps<acc_t> taps(int64_t o) const {
     const acc_t src = source(o);
     LinearTaps<acc_t> t;
     t.i0 = source_floor(o);
@@ -96,13 +96,13 @@ struct UpsampleAxis {
   }
 
   // How much input i contributes to output o (0 when neither tap of o is i).
-  HOST_DEVICE acc_t weight(int64_t i, int64_t o) const {
+  CUDA_EXT_HOST_DEVICE acc_t weight(int64_t i, int64_t o) const {
     const LinearTaps<acc_t> t = taps(o);
     return (t.i0 == i ? t.l0 : acc_t(0)) + (t.i1 == i ? t.l1 : acc_t(0));
   }
 
   // An output whose source position is near input position pos (inverse of the map, rounded).
-  HOST_DEVICE int64_t output_near(int64_t pos) const {
+  CUDA_EXT_HOST_DEVICE int64_t output_near(int64_t pos) const {
     if (step_num == 0) return pos <= 0 ? 0 : out_size;  // a single input feeds every output
     // Only an estimate (window() walks to the exact bounds), so floating point and no division.
     const acc_t o = static_cast<acc_t>(pos * den - offset_num) * inverse_step;
@@ -111,7 +111,7 @@ struct UpsampleAxis {
 
   // The outputs whose taps touch input i: {o : i0(o) <= i <= i1(o)}, one range because i0 and i1
   // never decrease with o. Starts from the inverse map and walks to the exact bounds.
-  HOST_DEVICE OutputRange window(int64_t i) const {
+  CUDA_EXT_HOST_DEVICE OutputRange window(int64_t i) const {
     int64_t b = output_near(i - 1);
     while (b > 0 && taps(b - 1).i1 >= i) --b;
     while (b < out_size && taps(b).i1 < i) ++b;
@@ -140,9 +140,8 @@ inline void check_scale_factor(int64_t scale_factor, const char* op) {
 // Output size along an axis, refusing sizes whose products would overflow 64-bit indexing.
 inline int64_t upsampled_size(int64_t in_size, int64_t scale_factor, const char* op, const char* arg) {
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();  // keeps step_num * o and f * den far from overflow
-  TORCH_CHECK(
-      in_size <= kMax / scale_factor, op, ": ", arg, " times scale_factor must be at most ", kMax, ", got ", in_size,
-      " * ", scale_factor);
+  TORCH_CHECK(in_size <= kMax / scale_factor, op, ": ", arg, " times scale_factor must be at most ", kMax, ", got ",
+              in_size, " * ", scale_factor);
   return in_size * scale_factor;
 }
 
@@ -155,22 +154,20 @@ inline void check_upsample_input(const at::Tensor& x, int64_t scale_factor) {
   upsampled_size(x.size(3), scale_factor, op, "x width");
 }
 
-inline void check_upsample_backward_input(
-    const at::Tensor& grad_out, int64_t input_height, int64_t input_width, int64_t scale_factor) {
+inline void check_upsample_backward_input(const at::Tensor& grad_out, int64_t input_height, int64_t input_width,
+                                          int64_t scale_factor) {
   constexpr const char* op = "upsample_bilinear2d_backward";
   check_scale_factor(scale_factor, op);
-  TORCH_CHECK(
-      input_height >= 0 && input_width >= 0, op, ": input_height and input_width must be >= 0, got ", input_height,
-      " and ", input_width);
-  TORCH_CHECK(
-      grad_out.dim() == 4, op, ": grad_out must be 4-D (B, C, H*s, W*s), got ", grad_out.dim(), "-D with shape ",
-      grad_out.sizes());
+  TORCH_CHECK(input_height >= 0 && input_width >= 0, op, ": input_height and input_width must be >= 0, got ",
+              input_height, " and ", input_width);
+  TORCH_CHECK(grad_out.dim() == 4, op, ": grad_out must be 4-D (B, C, H*s, W*s), got ", grad_out.dim(),
+              "-D with shape ", grad_out.sizes());
   check_floating_dtype(grad_out, op, "grad_out");
   const int64_t out_h = upsampled_size(input_height, scale_factor, op, "input_height");
   const int64_t out_w = upsampled_size(input_width, scale_factor, op, "input_width");
-  TORCH_CHECK(
-      grad_out.size(2) == out_h && grad_out.size(3) == out_w, op, ": grad_out must be (B, C, ", out_h, ", ", out_w,
-      ") for input ", input_height, "x", input_width, " and scale_factor ", scale_factor, ", got ", grad_out.sizes());
+  TORCH_CHECK(grad_out.size(2) == out_h && grad_out.size(3) == out_w, op, ": grad_out must be (B, C, ", out_h, ", ",
+              out_w, ") for input ", input_height, "x", input_width, " and scale_factor ", scale_factor, ", got ",
+              grad_out.sizes());
 }
 
 }  // namespace cuda_ext

@@ -77,9 +77,8 @@ at::Tensor upsample_bilinear2d_cpu(const at::Tensor& x_in, int64_t scale_factor,
   return y;
 }
 
-at::Tensor upsample_bilinear2d_backward_cpu(
-    const at::Tensor& grad_out_in, int64_t input_height, int64_t input_width, int64_t scale_factor,
-    bool align_corners) {
+at::Tensor upsample_bilinear2d_backward_cpu(const at::Tensor& grad_out_in, int64_t input_height, int64_t input_width,
+                                            int64_t scale_factor, bool align_corners) {
   check_upsample_backward_input(grad_out_in, input_height, input_width, scale_factor);
   const at::Tensor grad_out = contiguous_on(grad_out_in, "grad_out", at::kCPU, "upsample_bilinear2d_backward");
   if (scale_factor == 1) return grad_out.clone();
@@ -92,25 +91,26 @@ at::Tensor upsample_bilinear2d_backward_cpu(
     const int64_t out_h = input_height * scale_factor, out_w = input_width * scale_factor;
     const scalar_t* src = grad_out.const_data_ptr<scalar_t>();
     scalar_t* dst = grad_x.data_ptr<scalar_t>();
-    at::parallel_for(0, planes * input_height, row_grain(input_width * rows.width * cols.width), [&](int64_t first, int64_t last) {
-      std::vector<scalar_t> row_sum(input_width);  // this row's gather, one window row at a time
-      for (int64_t row = first; row < last; ++row) {
-        const int64_t plane = row / input_height, ih = row % input_height;
-        const scalar_t* wh = &rows.weights[ih * rows.width];
-        std::fill(row_sum.begin(), row_sum.end(), scalar_t(0));
-        for (int64_t j = 0; j < rows.width; ++j) {
-          const scalar_t* g = src + (plane * out_h + rows.begin[ih] + j) * out_w;
-          for (int64_t iw = 0; iw < input_width; ++iw) {
-            const scalar_t* ww = &cols.weights[iw * cols.width];
-            const scalar_t* gw = g + cols.begin[iw];
-            scalar_t acc = 0;
-            for (int64_t k = 0; k < cols.width; ++k) acc += ww[k] * gw[k];
-            row_sum[iw] += wh[j] * acc;
-          }
-        }
-        std::copy(row_sum.begin(), row_sum.end(), dst + row * input_width);
-      }
-    });
+    at::parallel_for(0, planes * input_height, row_grain(input_width * rows.width * cols.width),
+                     [&](int64_t first, int64_t last) {
+                       std::vector<scalar_t> row_sum(input_width);  // this row's gather, one window row at a time
+                       for (int64_t row = first; row < last; ++row) {
+                         const int64_t plane = row / input_height, ih = row % input_height;
+                         const scalar_t* wh = &rows.weights[ih * rows.width];
+                         std::fill(row_sum.begin(), row_sum.end(), scalar_t(0));
+                         for (int64_t j = 0; j < rows.width; ++j) {
+                           const scalar_t* g = src + (plane * out_h + rows.begin[ih] + j) * out_w;
+                           for (int64_t iw = 0; iw < input_width; ++iw) {
+                             const scalar_t* ww = &cols.weights[iw * cols.width];
+                             const scalar_t* gw = g + cols.begin[iw];
+                             scalar_t acc = 0;
+                             for (int64_t k = 0; k < cols.width; ++k) acc += ww[k] * gw[k];
+                             row_sum[iw] += wh[j] * acc;
+                           }
+                         }
+                         std::copy(row_sum.begin(), row_sum.end(), dst + row * input_width);
+                       }
+                     });
   });
   return grad_x;
 }

@@ -121,7 +121,8 @@ at::Tensor gelu_cuda(const at::Tensor& x_in, c10::string_view approximate) {
   at::Tensor y = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gelu_cuda", [&] {
     dispatch_gelu_approximate(mode, [&](auto tanh_tag) {
-      const GeluForwardOp<scalar_t, decltype(tanh_tag)::value> op{{x.const_data_ptr<scalar_t>()}, y.data_ptr<scalar_t>()};
+      const GeluForwardOp<scalar_t, decltype(tanh_tag)::value> op{{x.const_data_ptr<scalar_t>()},
+                                                                  y.data_ptr<scalar_t>()};
       launch_elementwise<scalar_t>(x.numel(), op);
     });
   });

@@ -1,5 +1,6 @@
-// Kernels that put a grid lookup's points in axis-0 bucket order; why and when: point_buckets.cuh.
-#include "point_buckets.cuh"
+// Kernels that put the grid lookup's points in axis-0 bucket order; why and when:
+// grid_interpolate_buckets.cuh.
+#include "grid_interpolate_buckets.cuh"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -7,7 +8,8 @@
 #include <algorithm>
 #include <limits>
 
-#include "kernel_common.h"  // current_device_attribute
+#include "grid_interpolate.h"  // sample_axis
+#include "kernel_common.h"     // current_device_attribute
 
 namespace cuda_ext {
 namespace {
@@ -25,7 +27,7 @@ constexpr int64_t kMinPoints = int64_t(1) << 20;
 constexpr int kCoherent = 0, kCounts = 32, kCursors = kCounts + kMaxBuckets, kWorkspaceInts = kCursors + kMaxBuckets;
 
 __device__ __forceinline__ int bucket_of(float x0, int64_t r0, int slices) {
-  return static_cast<int>(trilinear::sample_axis(x0, r0).lo / slices);
+  return static_cast<int>(sample_axis(x0, r0).lo / slices);
 }
 
 // One block: zeroes the counts and cursors, then counts neighbours in the same bucket inside 128 windows
@@ -60,8 +62,8 @@ __global__ void __launch_bounds__(kProbeWarps * 32)
 
 // work[kCounts + b] = points in bucket b. A warp's lanes with one bucket add with one shared atomic.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-    bucket_count_kernel(const scalar_t* __restrict__ points, int64_t n, int64_t r0, int slices, int* __restrict__ work) {
+__global__ void __launch_bounds__(kThreads) bucket_count_kernel(const scalar_t* __restrict__ points, int64_t n,
+                                                                int64_t r0, int slices, int* __restrict__ work) {
   if (work[kCoherent]) return;
   __shared__ int hist[kMaxBuckets];
   hist[threadIdx.x] = 0;
@@ -69,7 +71,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % 32;
   const int64_t stride = int64_t(gridDim.x) * kThreads * kCountUnroll;
   // Each warp takes 32 * kCountUnroll consecutive points per step; the bounds are warp-uniform.
-  for (int64_t first = (int64_t(blockIdx.x) * kThreads + threadIdx.x - lane) * kCountUnroll; first < n; first += stride) {
+  for (int64_t first = (int64_t(blockIdx.x) * kThreads + threadIdx.x - lane) * kCountUnroll; first < n;
+       first += stride) {
     int bucket[kCountUnroll];
 #pragma unroll
     for (int u = 0; u < kCountUnroll; ++u) {
@@ -151,14 +154,14 @@ void launch_bucketing(const at::Tensor& points, int64_t r0, int slices, bool alw
   bucket_count_kernel<scalar_t><<<8 * sms, kThreads, 0, stream>>>(p, n, r0, slices, work);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t tiles = (n + kTilePoints - 1) / kTilePoints;  // n < 2^31 (bucket_slices), so this fits
-  bucket_scatter_kernel<scalar_t><<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(p, n, r0, slices, work, sorted);
+  bucket_scatter_kernel<scalar_t>
+      <<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(p, n, r0, slices, work, sorted);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-int64_t bucket_slices(int64_t n, int64_t r0, int64_t slice_bytes, trilinear::ReorderMode mode) {
-  using trilinear::ReorderMode;
+int64_t bucket_slices(int64_t n, int64_t r0, int64_t slice_bytes, ReorderMode mode) {
   // the index travels as an int; past that, or with nothing to reorder, the points' own order
   if (mode == ReorderMode::kOff || n <= 0 || n > std::numeric_limits<int>::max()) return 0;
   const int64_t cells = std::max<int64_t>(r0 - 1, 1);  // values a point's lower axis-0 index takes
@@ -182,7 +185,8 @@ BucketedPoints bucket_points(const at::Tensor& points, int64_t r0, int64_t slice
     case at::kFloat: launch_bucketing<float>(points, r0, s, always, work, sorted); break;
     case at::kHalf: launch_bucketing<at::Half>(points, r0, s, always, work, sorted); break;
     case at::kBFloat16: launch_bucketing<at::BFloat16>(points, r0, s, always, work, sorted); break;
-    default: TORCH_CHECK(false, "grid_interpolate: point reordering takes float32/16/bf16 points, got ", points.scalar_type());
+    default:
+      TORCH_CHECK(false, "grid_interpolate: point reordering takes float32/16/bf16 points, got ", points.scalar_type());
   }
   out.order.sorted = sorted;
   out.order.coherent = work + kCoherent;

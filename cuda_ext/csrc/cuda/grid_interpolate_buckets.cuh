@@ -1,4 +1,4 @@
-// Visiting a grid lookup's points slab by slab, so a lookup over a grid larger than L2 gathers from an
+// Visiting grid_interpolate's points slab by slab, so a lookup over a grid larger than L2 gathers from an
 // L2-sized part of it at a time.
 //
 // Why: random points over a 160^3 x 12 float32 grid (197 MB, four times an H100's L2) miss L2 on most
@@ -18,7 +18,7 @@
 
 #include <cstdint>
 
-#include "trilinear.h"
+#include "grid_reorder.h"
 
 namespace cuda_ext {
 
@@ -39,8 +39,8 @@ struct BucketedPoints {
 // Slices per bucket for a lookup of n points into a grid of r0 axis-0 slices of slice_bytes each, or 0
 // for no reordering. kAuto: 0 for too few points to pay for the extra passes, a grid that fits in L2
 // (fewer than 4 buckets of a quarter of L2 each) or a single slice larger than a bucket. kAlways:
-// buckets of about 1/16 of axis 0, and the probe's verdict is ignored (ReorderMode: ../trilinear.h).
-int64_t bucket_slices(int64_t n, int64_t r0, int64_t slice_bytes, trilinear::ReorderMode mode);
+// buckets of about 1/16 of axis 0, and the probe's verdict is ignored (ReorderMode: ../grid_reorder.h).
+int64_t bucket_slices(int64_t n, int64_t r0, int64_t slice_bytes, ReorderMode mode);
 
 // Queues the probe, count and scatter kernels for points (N, 3) (float32, float16 or bfloat16,
 // contiguous, on the current device) on the current stream; `always` skips the probe's verdict. An

@@ -16,7 +16,7 @@ namespace cuda_ext {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kCachedWindow = 8;     // longest window whose weights are kept in registers
+constexpr int kCachedWindow = 8;         // longest window whose weights are kept in registers
 constexpr int64_t kPlanesPerThread = 8;  // planes (B*C) each thread walks through
 
 // Threads per block along x: whole warps, up to kThreads, not much wider than the row.
@@ -38,9 +38,10 @@ dim3 grid_for(dim3 block, int64_t width, int64_t height, int64_t planes) {
 }
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) upsample_forward_kernel(
-    const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t planes,
-    UpsampleAxis<at::opmath_type<scalar_t>> rows, UpsampleAxis<at::opmath_type<scalar_t>> cols) {
+__global__ void __launch_bounds__(kThreads)
+    upsample_forward_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t planes,
+                            UpsampleAxis<at::opmath_type<scalar_t>> rows,
+                            UpsampleAxis<at::opmath_type<scalar_t>> cols) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t ow = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (ow >= cols.out_size) return;
@@ -86,9 +87,10 @@ struct OutputWindow {
 };
 
 template <typename scalar_t, int kCache>
-__global__ void __launch_bounds__(kThreads) upsample_backward_kernel(
-    const scalar_t* __restrict__ grad_out, scalar_t* __restrict__ grad_x, int64_t planes,
-    UpsampleAxis<at::opmath_type<scalar_t>> rows, UpsampleAxis<at::opmath_type<scalar_t>> cols) {
+__global__ void __launch_bounds__(kThreads)
+    upsample_backward_kernel(const scalar_t* __restrict__ grad_out, scalar_t* __restrict__ grad_x, int64_t planes,
+                             UpsampleAxis<at::opmath_type<scalar_t>> rows,
+                             UpsampleAxis<at::opmath_type<scalar_t>> cols) {
   using acc_t = at::opmath_type<scalar_t>;
   // With a cache the loops have a fixed bound (unrolled, registers); without one, the window length.
   constexpr int kBound = kCache > 0 ? kCache : std::numeric_limits<int>::max();
@@ -137,36 +139,36 @@ at::Tensor upsample_bilinear2d_cuda(const at::Tensor& x_in, int64_t scale_factor
     const auto kernel = upsample_forward_kernel<scalar_t>;
     const dim3 block = block_for(cols.out_size);
     const dim3 grid = grid_for(block, cols.out_size, rows.out_size, planes);
-    kernel<<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), planes, rows, cols);
+    kernel<<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(x.const_data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+                                                                  planes, rows, cols);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return y;
 }
 
-at::Tensor upsample_bilinear2d_backward_cuda(
-    const at::Tensor& grad_out_in, int64_t input_height, int64_t input_width, int64_t scale_factor,
-    bool align_corners) {
+at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_out_in, int64_t input_height, int64_t input_width,
+                                             int64_t scale_factor, bool align_corners) {
   check_upsample_backward_input(grad_out_in, input_height, input_width, scale_factor);
   const at::Tensor grad_out = contiguous_on(grad_out_in, "grad_out", at::kCUDA, "upsample_bilinear2d_backward");
   const c10::cuda::CUDAGuard device_guard(grad_out.device());
   if (scale_factor == 1) return grad_out.clone();
   at::Tensor grad_x = at::empty({grad_out.size(0), grad_out.size(1), input_height, input_width}, grad_out.options());
   if (grad_x.numel() == 0) return grad_x;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_out.scalar_type(), "upsample_bilinear2d_backward_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const auto rows = UpsampleAxis<acc_t>::make(input_height, scale_factor, align_corners);
-    const auto cols = UpsampleAxis<acc_t>::make(input_width, scale_factor, align_corners);
-    const int64_t planes = grad_out.size(0) * grad_out.size(1);
-    const bool windows_fit = std::max(rows.max_window(), cols.max_window()) <= kCachedWindow;
-    const auto kernel = windows_fit ? upsample_backward_kernel<scalar_t, kCachedWindow>
-                                    : upsample_backward_kernel<scalar_t, 0>;
-    const dim3 block = block_for(input_width);
-    const dim3 grid = grid_for(block, input_width, input_height, planes);
-    kernel<<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        grad_out.const_data_ptr<scalar_t>(), grad_x.data_ptr<scalar_t>(), planes, rows, cols);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, grad_out.scalar_type(), "upsample_bilinear2d_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        const auto rows = UpsampleAxis<acc_t>::make(input_height, scale_factor, align_corners);
+        const auto cols = UpsampleAxis<acc_t>::make(input_width, scale_factor, align_corners);
+        const int64_t planes = grad_out.size(0) * grad_out.size(1);
+        const bool windows_fit = std::max(rows.max_window(), cols.max_window()) <= kCachedWindow;
+        const auto kernel =
+            windows_fit ? upsample_backward_kernel<scalar_t, kCachedWindow> : upsample_backward_kernel<scalar_t, 0>;
+        const dim3 block = block_for(input_width);
+        const dim3 grid = grid_for(block, input_width, input_height, planes);
+        kernel<<<grid, block, 0, c10::cuda::getCurrentCUDAStream()>>>(grad_out.const_data_ptr<scalar_t>(),
+                                                                      grad_x.data_ptr<scalar_t>(), planes, rows, cols);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
   return grad_x;
 }
 
