@@ -4,6 +4,7 @@ CUDA is decided at build time from ``torch.version.cuda`` (or ``FORCE_CUDA=1``),
 visible GPU, so a GPU-less build machine can still produce CUDA kernels.
 ``FORCE_CUDA=0`` builds the CPU kernels only, even with a CUDA torch.
 """
+
 import glob
 import os
 import sys
@@ -77,7 +78,9 @@ setup(
     name="voxel-field",
     version="0.1.0",
     description="A voxel-grid neural-field trainer with hand-written CPU and CUDA ops",
-    packages=find_packages(include=["cuda_ext", "cuda_ext.*", "models", "models.*", "data", "data.*", "training", "training.*"]),
+    packages=find_packages(
+        include=["cuda_ext", "cuda_ext.*", "models", "models.*", "data", "data.*", "training", "training.*"]
+    ),
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.9",

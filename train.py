@@ -9,6 +9,7 @@
 Everything happens in training/app.py; this file registers the config schema and hands Hydra's config and run
 directory over.
 """
+
 import os
 import sys
 
@@ -22,8 +23,9 @@ from training.config import register_configs
 register_configs()  # the typed schema (training/config.py) that configs/config.yaml starts from
 
 # render_only keeps its own copy of the config next to the training run's (.hydra_render), not over it
-OmegaConf.register_new_resolver("config_subdir", lambda render_only: ".hydra_render" if render_only else ".hydra",
-                                replace=True)
+OmegaConf.register_new_resolver(
+    "config_subdir", lambda render_only: ".hydra_render" if render_only else ".hydra", replace=True
+)
 
 FAILED_JOBS: list[tuple[int, str, int]] = []  # (job number, run directory, exit code) of a sweep's failures
 
@@ -53,8 +55,10 @@ def read_only_run_dir(argv: list[str]) -> str | None:
         if arg.startswith("hydra.run.dir="):
             folder = arg.split("=", 1)[1].strip("'\"")
             if os.path.isdir(folder) and not os.access(folder, os.W_OK):
-                return (f"error: hydra.run.dir: {folder} is read-only; a run writes its log, config and outputs there "
-                        "(render_only too: copy the run to a writable folder first)")
+                return (
+                    f"error: hydra.run.dir: {folder} is read-only; a run writes its log, config and outputs there "
+                    "(render_only too: copy the run to a writable folder first)"
+                )
     return None
 
 

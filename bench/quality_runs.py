@@ -9,6 +9,7 @@ so their PSNR is what the config gives but their times are not: time a variant a
 before quoting its speed. The JSON has, per variant, mean PSNR / SSIM, the mean of the worst 10% of views,
 the worst views, training seconds, rays/s and the final grid shape and box.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
     run_dir = Path(args.runs) / name
-    command = [sys.executable, "train.py", "+experiment=blender", f"data.root={args.data}", f"hydra.run.dir={run_dir}",
-               "train.turntable_frames=0", *shlex.split(args.common), *overrides]
+    command = [
+        sys.executable,
+        "train.py",
+        "+experiment=blender",
+        f"data.root={args.data}",
+        f"hydra.run.dir={run_dir}",
+        "train.turntable_frames=0",
+        *shlex.split(args.common),
+        *overrides,
+    ]
     start = time.perf_counter()
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -37,8 +46,20 @@ def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> di
         result["error"] = (completed.stdout[-1500:] + completed.stderr[-1500:]).strip()
         return result
     metrics = json.loads(metrics_path.read_text())
-    for key in ("psnr", "ssim", "psnr_worst10", "worst_views", "train_seconds", "rays_per_second", "grid_shape",
-                "grid_box", "iters", "eval_split", "eval_views", "device"):
+    for key in (
+        "psnr",
+        "ssim",
+        "psnr_worst10",
+        "worst_views",
+        "train_seconds",
+        "rays_per_second",
+        "grid_shape",
+        "grid_box",
+        "iters",
+        "eval_split",
+        "eval_views",
+        "device",
+    ):
         result[key] = metrics.get(key)
     result["eval_history"] = metrics.get("eval_history")
     return result
@@ -65,13 +86,24 @@ def main() -> int:
     def record(result: dict) -> None:
         results.append(result)
         if "psnr" in result:
-            print(f"{result['variant']:28s} PSNR {result['psnr']:.3f}  worst10% {result['psnr_worst10']:.3f}  "
-                  f"SSIM {result['ssim']:.4f}  train {result['train_seconds']:.1f} s  "
-                  f"{result['rays_per_second'] / 1e6:.2f} M rays/s  grid {result['grid_shape']}", flush=True)
+            print(
+                f"{result['variant']:28s} PSNR {result['psnr']:.3f}  worst10% {result['psnr_worst10']:.3f}  "
+                f"SSIM {result['ssim']:.4f}  train {result['train_seconds']:.1f} s  "
+                f"{result['rays_per_second'] / 1e6:.2f} M rays/s  grid {result['grid_shape']}",
+                flush=True,
+            )
         else:
-            print(f"{result['variant']:28s} FAILED rc={result['returncode']}: {result.get('error', '')[-600:]}", flush=True)
-        report = {"date": datetime.date.today().isoformat(), "common": args.common, "parallel": args.parallel,
-                  "data": args.data, "results": results}
+            print(
+                f"{result['variant']:28s} FAILED rc={result['returncode']}: {result.get('error', '')[-600:]}",
+                flush=True,
+            )
+        report = {
+            "date": datetime.date.today().isoformat(),
+            "common": args.common,
+            "parallel": args.parallel,
+            "data": args.data,
+            "results": results,
+        }
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:

@@ -9,7 +9,7 @@ One set of checks, so the three reject the same calls with the same exception an
 Every message starts with the op's name and names the argument, e.g.
 ``grid_interpolate: points must have shape (N, 3), got (5, 4)``. The checks read metadata only (Python
 types, dims, sizes, dtypes, devices): no data access, no device sync. The C++ entry points
-(``csrc/trilinear.h``, ``upsample.h``, ``gelu.h``) check the same things with ``TORCH_CHECK``, as the
+(``csrc/trilinear.h``, ``grid_interpolate.h``, ``upsample.h``, ``gelu.h``) check the same things with ``TORCH_CHECK``, as the
 backstop for direct ``torch.ops.cuda_ext`` calls; they raise ``RuntimeError``.
 
 Under ``torch.compile`` sizes can be symbolic: a condition that is a ``SymBool`` goes through

@@ -1,7 +1,7 @@
 """Typed wrappers, fake (meta) kernels and autograd for the trilinear op family.
 
-The kernels live in ``csrc/cpu/trilinear.cpp`` and ``csrc/cuda/trilinear.cu``; the schemas in
-``csrc/registration.cpp``. The wrappers and the fake kernels check their arguments with
+The kernels live in ``csrc/{cpu,cuda}/trilinear.*`` (the pairwise op) and ``csrc/cpu/grid_interpolate.cpp``,
+``csrc/cuda/grid_interpolate{,_backward,_buckets}.cu`` (the grid lookup); the schemas in ``csrc/registration.cpp``. The wrappers and the fake kernels check their arguments with
 ``cuda_ext._checks`` (metadata only; ``ValueError``/``TypeError`` naming the argument), the same checks as
 the C++ entry points, which stay as the backstop for direct ``torch.ops`` calls (``RuntimeError``) and make
 the inputs contiguous.

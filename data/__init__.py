@@ -1,4 +1,5 @@
 """Scenes for the trainer: the blender-format loader, the built-in procedural scene, rays and batch samplers."""
+
 from data.blender import eval_split, list_splits, load_blender, write_blender_split
 from data.errors import SceneError
 from data.rays import camera_rays, pixel_rays, project_to_pixels

@@ -4,15 +4,16 @@ Layout: ``<root>/transforms_<split>.json`` holds ``camera_angle_x`` (horizontal 
 ``frames``, each with ``file_path`` (relative to root, usually without extension, maybe starting with "./") and
 ``transform_matrix`` (4x4 camera-to-world, OpenGL convention). Images are RGBA PNGs composited on a background.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -52,8 +53,10 @@ def eval_split(root: str | os.PathLike) -> str:
     for name in ("test", "val"):
         if name in splits:
             return name
-    raise SceneError(f"scene folder {root} has neither transforms_test.json nor transforms_val.json "
-                     f"(splits present: {', '.join(splits) or 'none'})")
+    raise SceneError(
+        f"scene folder {root} has neither transforms_test.json nor transforms_val.json "
+        f"(splits present: {', '.join(splits) or 'none'})"
+    )
 
 
 def _read_json(path: Path) -> dict:
@@ -102,8 +105,10 @@ def _check_rotation(where: str, rotation: np.ndarray) -> None:
     if not scale > 1e-12:
         raise SceneError(f"{where}: transform_matrix has a zero rotation block (degenerate camera)")
     if not np.allclose(gram / scale, np.eye(3), atol=1e-3):
-        raise SceneError(f"{where}: transform_matrix's rotation block is not orthonormal (up to scale): columns must "
-                         "be perpendicular unit vectors (degenerate or sheared camera)")
+        raise SceneError(
+            f"{where}: transform_matrix's rotation block is not orthonormal (up to scale): columns must "
+            "be perpendicular unit vectors (degenerate or sheared camera)"
+        )
 
 
 def _frame_image(root: Path, path: Path, index: int, frame: dict) -> Path:
@@ -163,7 +168,9 @@ def load_blender(
     background = _check_options(downscale, background, near, far, scene_box)
     root = _scene_folder(root)
     if not isinstance(split, str) or not _SPLIT_NAME.match(split):
-        raise SceneError(f"invalid split name {split!r} for scene {root} (splits present: {', '.join(list_splits(root))})")
+        raise SceneError(
+            f"invalid split name {split!r} for scene {root} (splits present: {', '.join(list_splits(root))})"
+        )
     path = split_file(root, split)
     if not path.is_file():
         present = ", ".join(list_splits(root)) or "none"
@@ -195,7 +202,9 @@ def load_blender(
     alphas = [alpha for _, alpha in decoded]
     alpha = None
     if any(a is not None for a in alphas):  # images without alpha are opaque
-        alpha = torch.from_numpy(np.stack([np.full((height, width), 255, np.uint8) if a is None else a for a in alphas]))
+        alpha = torch.from_numpy(
+            np.stack([np.full((height, width), 255, np.uint8) if a is None else a for a in alphas])
+        )
     return Scene(
         images=torch.from_numpy(np.stack([rgb for rgb, _ in decoded])),
         c2w=torch.from_numpy(matrices.astype(np.float32)),

@@ -5,6 +5,7 @@ the scene box with every view's mask and keeping the bounding box of what is lef
 on the object from the first step, instead of waiting for a coarse density that floaters blur (DirectVoxGO
 shrinks to its coarse geometry; here the masks the scene ships with say it directly).
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Camera placement: look-at poses and positions on a sphere around the origin (numpy float64)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,9 @@ def spherical_positions(radius: float, elevations: np.ndarray, azimuths: np.ndar
     )
 
 
-def random_zone_positions(count: int, radius: float, min_elevation: float, max_elevation: float,
-                          rng: np.random.Generator) -> np.ndarray:
+def random_zone_positions(
+    count: int, radius: float, min_elevation: float, max_elevation: float, rng: np.random.Generator
+) -> np.ndarray:
     """``count`` positions uniform (by area) on the sphere zone between two elevations (radians) -> (V, 3)."""
     heights = rng.uniform(np.sin(min_elevation), np.sin(max_elevation), count)
     azimuths = rng.uniform(0.0, 2.0 * np.pi, count)

@@ -3,6 +3,7 @@
 All functions are elementwise torch code over (N, 3) points/rays (no reductions across rays, so results do not
 depend on the thread count). Ray directions are unit length; a miss is t = +inf.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Image decoding, alpha compositing and area downscaling (numpy, per image; callers parallelise)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,8 +37,10 @@ def read_rgba(path: Path) -> np.ndarray:
             depth = _png_bit_depth(path) if image.format == "PNG" else None
             if image.mode in _WIDE_MODES or (depth is not None and depth > 8):
                 bits = depth if depth and depth > 8 else (32 if image.mode in ("I", "F") else 16)
-                raise SceneError(f"{path}: {bits}-bit images are not supported (8 bits per channel expected); "
-                                 "convert it first, e.g. `magick IN -depth 8 OUT`")
+                raise SceneError(
+                    f"{path}: {bits}-bit images are not supported (8 bits per channel expected); "
+                    "convert it first, e.g. `magick IN -depth 8 OUT`"
+                )
             if image.mode not in _MODES:
                 raise SceneError(f"{path}: unsupported image mode {image.mode!r} (expected RGB, RGBA, L, LA or P)")
             target = _MODES[image.mode] or ("RGBA" if "transparency" in image.info else "RGB")
@@ -72,7 +75,7 @@ def area_downscale(image: np.ndarray, factor: int) -> np.ndarray:
 
 
 def round_to_uint8(image: np.ndarray) -> np.ndarray:
-    """Float image in [0, 255] (pixel values) -> uint8, rounding to nearest (for [0, 1] images: training.visualize.to_uint8)."""
+    """Float image in [0, 255] (pixel values) -> uint8, rounded to nearest ([0, 1] images: visualize.to_uint8)."""
     return np.clip(np.rint(image), 0, 255).astype(np.uint8)
 
 
@@ -92,7 +95,9 @@ def composite_uint8(pixels: np.ndarray, background: tuple[float, float, float]) 
     return mixed.astype(np.uint8)
 
 
-def load_composited(path: Path, background: tuple[float, float, float], downscale: int) -> tuple[np.ndarray, np.ndarray | None]:
+def load_composited(
+    path: Path, background: tuple[float, float, float], downscale: int
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Read one image, composite it on ``background`` and area-downscale it.
 
     Returns (H/d, W/d, 3) uint8 colour and the (H/d, W/d) uint8 alpha it was composited with (area-averaged the

@@ -24,6 +24,7 @@ are the linear interpolation of the two low-res samples whose positions bracket 
 quantity linear in the pixel position. Within s/2 pixels of a patch's border the target pixel lies outside the
 outermost low-res positions and ``F.interpolate`` clamps (repeats the edge sample) instead of extrapolating.
 """
+
 from __future__ import annotations
 
 import torch
@@ -74,7 +75,9 @@ def camera_rays(
     return pixel_rays(c2w.to(dtype)[..., None, None, :, :], u, v, focal, width, height)
 
 
-def project_to_pixels(c2w: torch.Tensor, directions: torch.Tensor, focal: float, width: int, height: int) -> torch.Tensor:
+def project_to_pixels(
+    c2w: torch.Tensor, directions: torch.Tensor, focal: float, width: int, height: int
+) -> torch.Tensor:
     """Inverse of :func:`pixel_rays` for directions: (*S, 3) world directions -> (*S, 2) positions (u, v).
 
     c2w: (*S, 4, 4) or broadcastable. Used to check where rays pass (tests, debugging).

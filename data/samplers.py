@@ -4,6 +4,7 @@ The hot path has no host synchronisation: indices come from ``torch.randint`` on
 gathered from the uint8 images and converted to float on the fly, and rays are computed from the gathered
 cameras (nothing per-pixel is precomputed, so memory stays at the images' size).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -103,8 +104,14 @@ class RaySampler(_SceneSampler):
         rows = torch.div(within, width, rounding_mode="floor")
         cols = within - rows * width
         origins, directions = pixel_rays(self.c2w[views], cols + 0.5, rows + 0.5, *self.intrinsics)
-        return RayBatch(origins, directions, self._pixels(views, rows, cols), views, torch.stack([rows, cols], -1),
-                        self._alpha(views, rows, cols))
+        return RayBatch(
+            origins,
+            directions,
+            self._pixels(views, rows, cols),
+            views,
+            torch.stack([rows, cols], -1),
+            self._alpha(views, rows, cols),
+        )
 
 
 class PatchSampler(_SceneSampler):
@@ -128,9 +135,7 @@ class PatchSampler(_SceneSampler):
         self.patches_per_batch = _positive_int("PatchSampler patches_per_batch", patches_per_batch)
         side = patch_size * scale
         if side > scene.height or side > scene.width:
-            raise ValueError(
-                f"PatchSampler: patch_size*scale = {side} exceeds the {scene.height}x{scene.width} images"
-            )
+            raise ValueError(f"PatchSampler: patch_size*scale = {side} exceeds the {scene.height}x{scene.width} images")
         self.corner_range = (scene.height - side + 1, scene.width - side + 1)
         self.lr_offsets = block_centres(patch_size, scale, device=self.device)  # (P,)
         self.hr_offsets = torch.arange(side, device=self.device)  # (sP,)
@@ -152,5 +157,12 @@ class PatchSampler(_SceneSampler):
         cols = x0[:, None, None] + self.hr_offsets[None, None, :]  # (n, 1, sP)
         _, hr_directions = pixel_rays(c2w, cols + 0.5, rows + 0.5, *self.intrinsics)
         rgb = self._pixels(views[:, None, None], rows, cols)
-        return PatchBatch(origins, directions, hr_directions, rgb, views, torch.stack([y0, x0], -1),
-                          self._alpha(views[:, None, None], rows, cols))
+        return PatchBatch(
+            origins,
+            directions,
+            hr_directions,
+            rgb,
+            views,
+            torch.stack([y0, x0], -1),
+            self._alpha(views[:, None, None], rows, cols),
+        )

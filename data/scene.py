@@ -1,4 +1,5 @@
 """The in-memory form of one split of a scene: images, cameras and the intrinsics they share."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,11 +46,16 @@ class Scene:
                 f"got {self.images.dtype} {tuple(self.images.shape)}"
             )
         if self.c2w.dtype != torch.float32 or tuple(self.c2w.shape) != (views, 4, 4):
-            raise ValueError(f"Scene.c2w must be float32 of shape ({views}, 4, 4), got {self.c2w.dtype} {tuple(self.c2w.shape)}")
-        if self.alpha is not None and (self.alpha.dtype != torch.uint8 or
-                                       tuple(self.alpha.shape) != (views, self.height, self.width)):
-            raise ValueError(f"Scene.alpha must be None or uint8 of shape ({views}, {self.height}, {self.width}), "
-                             f"got {self.alpha.dtype} {tuple(self.alpha.shape)}")
+            raise ValueError(
+                f"Scene.c2w must be float32 of shape ({views}, 4, 4), got {self.c2w.dtype} {tuple(self.c2w.shape)}"
+            )
+        if self.alpha is not None and (
+            self.alpha.dtype != torch.uint8 or tuple(self.alpha.shape) != (views, self.height, self.width)
+        ):
+            raise ValueError(
+                f"Scene.alpha must be None or uint8 of shape ({views}, {self.height}, {self.width}), "
+                f"got {self.alpha.dtype} {tuple(self.alpha.shape)}"
+            )
         if tuple(self.bbox.shape) != (2, 3):
             raise ValueError(f"Scene.bbox must have shape (2, 3), got {tuple(self.bbox.shape)}")
         if len(self.names) != views:
@@ -65,9 +71,12 @@ class Scene:
     def device(self) -> torch.device:
         return self.images.device
 
-    def to(self, device: torch.device | str) -> "Scene":
+    def to(self, device: torch.device | str) -> Scene:
         """A copy with images, alpha, cameras and box on ``device`` (the images stay uint8)."""
         return dataclasses.replace(
-            self, images=self.images.to(device), c2w=self.c2w.to(device), bbox=self.bbox.to(device),
+            self,
+            images=self.images.to(device),
+            c2w=self.c2w.to(device),
+            bbox=self.bbox.to(device),
             alpha=None if self.alpha is None else self.alpha.to(device),
         )

@@ -11,6 +11,7 @@ Everything is a deterministic function of the parameters and the seed (which pla
 noise texture): the same call writes the same bytes, whatever the thread count. :func:`intersect` and
 :func:`scene_sdf` expose the exact geometry.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -177,7 +178,9 @@ def _materials(noise: ValueNoise) -> list[Material]:
 # ---- rendering -------------------------------------------------------------------------------------------------
 
 
-def _shade(origins: torch.Tensor, directions: torch.Tensor, materials: list[Material]) -> tuple[torch.Tensor, torch.Tensor]:
+def _shade(
+    origins: torch.Tensor, directions: torch.Tensor, materials: list[Material]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, 3) rays -> colour (N, 3) in [0, 1] (0 where missed) and coverage (N,) in {0, 1}."""
     hit = intersect(origins, directions)
     colour = torch.zeros_like(origins)
@@ -228,7 +231,9 @@ def split_cameras(seed: int, n_train: int, n_val: int, n_test: int) -> dict[str,
     cameras = {
         "train": random_zone_positions(n_train, CAMERA_RADIUS, *zone, np.random.default_rng([seed, 1])),
         "val": random_zone_positions(n_val, CAMERA_RADIUS, *zone, np.random.default_rng([seed, 2])),
-        "test": orbit_positions(n_test, CAMERA_RADIUS, math.radians(30.0), np.random.default_rng([seed, 3]).uniform(0, 2 * math.pi)),
+        "test": orbit_positions(
+            n_test, CAMERA_RADIUS, math.radians(30.0), np.random.default_rng([seed, 3]).uniform(0, 2 * math.pi)
+        ),
     }
     return {split: look_at(positions) for split, positions in cameras.items() if len(positions)}
 

@@ -5,11 +5,12 @@ Types are enforced by OmegaConf (a wrong type or an unknown key fails naming the
 adds the value rules and raises ValueError naming ``model.<key>``. No ``from __future__ import annotations``
 here: OmegaConf reads the field types at runtime.
 """
+
 import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -35,7 +36,7 @@ class ModelConfig:
 
     resolution_start: int = 32
     resolution_end: int = 80
-    grow_at: List[Any] = field(default_factory=lambda: [0.1, 0.2, 0.3])  # steps (int) or fractions (float)
+    grow_at: list[Any] = field(default_factory=lambda: [0.1, 0.2, 0.3])  # steps (int) or fractions (float)
     feature_dim: int = 12
     feature_init_std: float = 0.1
     density_shift: float = -7.0
@@ -46,7 +47,7 @@ class ModelConfig:
     upsample: int = 2
     step_ratio: float = 1.0
     max_samples: int = 512
-    background: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    background: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     occupancy: OccupancyConfig = field(default_factory=OccupancyConfig)
     early_termination: float = 1.0e-3
     weight_threshold: float = 1.0e-4
@@ -79,12 +80,22 @@ def _is_step_or_fraction(value: Any) -> bool:
 
 def check_model_config(c: ModelConfig) -> None:
     """The value rules the types cannot state; ValueError naming ``model.<key>``."""
-    for key, minimum in (("resolution_start", 2), ("resolution_end", 2), ("feature_dim", 3), ("decoder_hidden", 1),
-                         ("decoder_layers", 0), ("upsample", 1), ("max_samples", 1), ("tv_samples", 0)):
+    for key, minimum in (
+        ("resolution_start", 2),
+        ("resolution_end", 2),
+        ("feature_dim", 3),
+        ("decoder_hidden", 1),
+        ("decoder_layers", 0),
+        ("upsample", 1),
+        ("max_samples", 1),
+        ("tv_samples", 0),
+    ):
         _int_at_least(c, key, minimum)
     for key, minimum in (("refresh_every", 1), ("warmup", 0), ("dilate", 0)):
         if getattr(c.occupancy, key) < minimum:
-            raise ValueError(f"model.occupancy.{key}: must be an integer >= {minimum}, got {getattr(c.occupancy, key)!r}")
+            raise ValueError(
+                f"model.occupancy.{key}: must be an integer >= {minimum}, got {getattr(c.occupancy, key)!r}"
+            )
     _number_in("feature_init_std", c.feature_init_std, 0.0)
     _number_in("density_shift", c.density_shift)
     _number_in("step_ratio", c.step_ratio, 1e-3, 10.0)
@@ -96,7 +107,9 @@ def check_model_config(c: ModelConfig) -> None:
     if len(c.background) != 3 or not all(0.0 <= v <= 1.0 for v in c.background):
         raise ValueError(f"model.background: must be 3 numbers in [0, 1], got {list(c.background)!r}")
     if not DIR_ENCODING.match(c.dir_encoding):
-        raise ValueError(f"model.dir_encoding: expected 'none', 'sh0'..'sh3' or 'pe<frequencies>', got {c.dir_encoding!r}")
+        raise ValueError(
+            f"model.dir_encoding: expected 'none', 'sh0'..'sh3' or 'pe<frequencies>', got {c.dir_encoding!r}"
+        )
     if c.gelu_approximate not in GELU_MODES:
         raise ValueError(f"model.gelu_approximate: expected 'none' or 'tanh', got {c.gelu_approximate!r}")
     if c.shading not in SHADING_MODES:
@@ -105,12 +118,17 @@ def check_model_config(c: ModelConfig) -> None:
         if not _is_step_or_fraction(item):
             raise ValueError(f"model.grow_at: entries must be steps >= 1 (ints) or fractions in (0, 1), got {item!r}")
     if c.shrink_at is not None and not _is_step_or_fraction(c.shrink_at):
-        raise ValueError(f"model.shrink_at: must be null, a step >= 1 (int) or a fraction in (0, 1), got {c.shrink_at!r}")
+        raise ValueError(
+            f"model.shrink_at: must be null, a step >= 1 (int) or a fraction in (0, 1), got {c.shrink_at!r}"
+        )
     if c.shading == "per_sample" and c.upsample != 1:
-        raise ValueError(f"model.upsample: per-sample shading decodes every sample, so it needs upsample=1, got {c.upsample}")
+        raise ValueError(
+            f"model.upsample: per-sample shading decodes every sample, so it needs upsample=1, got {c.upsample}"
+        )
     if c.resolution_start > c.resolution_end:
         raise ValueError(
-            f"model.resolution_start: must be <= model.resolution_end ({c.resolution_end}), got {c.resolution_start}")
+            f"model.resolution_start: must be <= model.resolution_end ({c.resolution_end}), got {c.resolution_start}"
+        )
 
 
 def parse_model_config(cfg: Any) -> ModelConfig:

@@ -10,6 +10,7 @@ rather than once per sample makes it cheap, and allows decoding at a higher reso
 marched at (features are upsampled bilinearly in between). The residual's last layer starts at zero, so the
 decoder starts as the identity on the diffuse colour.
 """
+
 from __future__ import annotations
 
 import math
@@ -139,7 +140,9 @@ class Decoder(_ShadingMLP):
     ``diffuse + opacity * residual``: premultiplied by opacity, so empty pixels get exactly the background.
     """
 
-    def __init__(self, feature_dim: int, hidden: int, layers: int, dir_encoding: str, gelu_approximate: str, ops: OpSet):
+    def __init__(
+        self, feature_dim: int, hidden: int, layers: int, dir_encoding: str, gelu_approximate: str, ops: OpSet
+    ):
         super().__init__(DIFFUSE_CHANNELS + feature_dim, hidden, layers, dir_encoding, gelu_approximate, ops)
 
     def forward(

@@ -5,6 +5,7 @@ corner (align_corners=True), so voxel i along axis a sits at ``bbox_min[a] + i *
 handed to the grids already mapped from the box to [-1, 1] (:func:`to_unit`), which is what
 ``grid_interpolate`` expects; outside the box the lookup clamps to the border.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,17 +40,25 @@ def resample(grid: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     return resized[0].permute(1, 2, 3, 0).contiguous()
 
 
-def resample_box(grid: torch.Tensor, old_bbox: torch.Tensor, new_bbox: torch.Tensor,
-                 shape: tuple[int, int, int]) -> torch.Tensor:
+def resample_box(
+    grid: torch.Tensor, old_bbox: torch.Tensor, new_bbox: torch.Tensor, shape: tuple[int, int, int]
+) -> torch.Tensor:
     """The field of a channels-last (R0, R1, R2, C) grid spanning ``old_bbox``, sampled (trilinear, border
     clamp) at the vertices of a grid of ``shape`` spanning ``new_bbox`` -> ``shape`` + (C,). Boxes: (2, 3)."""
-    axes = [torch.linspace(float(new_bbox[0, a]), float(new_bbox[1, a]), shape[a], device=grid.device,
-                           dtype=grid.dtype) for a in range(3)]
+    axes = [
+        torch.linspace(float(new_bbox[0, a]), float(new_bbox[1, a]), shape[a], device=grid.device, dtype=grid.dtype)
+        for a in range(3)
+    ]
     points = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)
     unit = to_unit(points, old_bbox.to(grid.device)).clamp(-1.0, 1.0)
     # grid_sample wants (x, y, z) = (axis 2, axis 1, axis 0) and channels first
-    sampled = F.grid_sample(grid.permute(3, 0, 1, 2).unsqueeze(0), unit.flip(-1).unsqueeze(0).to(grid.dtype),
-                            mode="bilinear", padding_mode="border", align_corners=True)
+    sampled = F.grid_sample(
+        grid.permute(3, 0, 1, 2).unsqueeze(0),
+        unit.flip(-1).unsqueeze(0).to(grid.dtype),
+        mode="bilinear",
+        padding_mode="border",
+        align_corners=True,
+    )
     return sampled[0].permute(1, 2, 3, 0).contiguous()
 
 
@@ -96,13 +105,17 @@ class VoxelGrid(nn.Module):
         values = grid.reshape(-1, grid.shape[3])[index.reshape(-1)].reshape(4, num_samples, -1)
         return ((values[1:] - values[:1]) ** 2).mean(dim=(1, 2)).sum()
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # a checkpoint saved at another resolution: take its shape first, then load as usual
         incoming = state_dict.get(prefix + "grid")
         if isinstance(incoming, torch.Tensor) and incoming.dim() == 4 and incoming.shape[3] == self.grid.shape[3]:
             if incoming.shape != self.grid.shape:
                 self.grid = nn.Parameter(torch.empty(incoming.shape, dtype=self.grid.dtype, device=self.grid.device))
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
 
 class OccupancyGrid(nn.Module):
@@ -142,11 +155,15 @@ class OccupancyGrid(nn.Module):
         """Share of occupied cells (a host sync: for logs, not the hot path)."""
         return float(self.mask.float().mean())
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         incoming = state_dict.get(prefix + "mask")
         if isinstance(incoming, torch.Tensor) and incoming.dim() == 3 and incoming.shape != self.mask.shape:
             self.mask = torch.empty(incoming.shape, dtype=torch.bool, device=self.mask.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
 
 def optical_depth(raw_density: torch.Tensor, shift: float, step_scale: float) -> torch.Tensor:

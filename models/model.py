@@ -16,6 +16,7 @@ One training step renders rays as follows (shapes for B rays, S samples per ray,
 Grids grow coarse to fine on the config's schedule (``on_step``); the occupancy grid is rebuilt from the
 density grid every ``occupancy.refresh_every`` steps after ``occupancy.warmup``.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,9 @@ class VoxelNeRF(nn.Module):
         ops: the op backends (models.ops.build_ops).
     """
 
-    def __init__(self, bbox: torch.Tensor, near: float, far: float, cfg: Any, ops: OpSet,
-                 grid_box: torch.Tensor | None = None):
+    def __init__(
+        self, bbox: torch.Tensor, near: float, far: float, cfg: Any, ops: OpSet, grid_box: torch.Tensor | None = None
+    ):
         super().__init__()
         bbox = torch.as_tensor(bbox, dtype=torch.float32)
         if bbox.shape != (2, 3) or not bool((bbox[1] > bbox[0]).all()):
@@ -70,7 +72,9 @@ class VoxelNeRF(nn.Module):
         if grid_box is not None:
             grid_box = torch.as_tensor(grid_box, dtype=torch.float32)
             if grid_box.shape != (2, 3) or not bool((grid_box[1] > grid_box[0]).all()):
-                raise ValueError(f"grid_box: expected (2, 3) min and max corners with max > min, got {grid_box.tolist()}")
+                raise ValueError(
+                    f"grid_box: expected (2, 3) min and max corners with max > min, got {grid_box.tolist()}"
+                )
         if not 0.0 <= near < far:
             raise ValueError(f"near, far: need 0 <= near < far, got near={near}, far={far}")
         self.config: ModelConfig = parse_model_config(cfg)
@@ -95,11 +99,18 @@ class VoxelNeRF(nn.Module):
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)
         if c.shading == "per_sample":
-            self.decoder = SampleDecoder(c.feature_dim, c.decoder_hidden, c.decoder_layers, c.dir_encoding,
-                                         c.gelu_approximate, ops)
+            self.decoder = SampleDecoder(
+                c.feature_dim, c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops
+            )
         else:
-            self.decoder = Decoder(c.feature_dim - DIFFUSE_CHANNELS, c.decoder_hidden, c.decoder_layers, c.dir_encoding,
-                                   c.gelu_approximate, ops)
+            self.decoder = Decoder(
+                c.feature_dim - DIFFUSE_CHANNELS,
+                c.decoder_hidden,
+                c.decoder_layers,
+                c.dir_encoding,
+                c.gelu_approximate,
+                ops,
+            )
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
 
     # the schedule's state travels with the weights: state_dict "_extra_state" = (resolution, shrunk) int64
@@ -207,7 +218,9 @@ class VoxelNeRF(nn.Module):
     @torch.no_grad()
     def refresh_occupancy(self) -> None:
         """Rebuild the occupancy grid from the density grid at the current sampling step."""
-        sigma_delta = optical_depth(self.density.grid[..., 0], self.config.density_shift, self.step_size / self.base_voxel)
+        sigma_delta = optical_depth(
+            self.density.grid[..., 0], self.config.density_shift, self.step_size / self.base_voxel
+        )
         alpha = -torch.expm1(-sigma_delta)
         self.occupancy.update(alpha, self.config.occupancy.threshold, self.config.occupancy.dilate)
 
@@ -279,7 +292,9 @@ class VoxelNeRF(nn.Module):
 
         sigma_delta = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
         weights = compositing_weights(sigma_delta, samples.ray, num_rays)
-        geometry = accumulate(torch.stack([samples.t, torch.ones_like(samples.t)], dim=1), weights, samples.ray, num_rays)
+        geometry = accumulate(
+            torch.stack([samples.t, torch.ones_like(samples.t)], dim=1), weights, samples.ray, num_rays
+        )
         shaded, shaded_weights = samples, weights
         if c.weight_threshold > 0 and len(samples) > 0:
             # samples that barely show need no colour (DVGO's fast_color_thres): skip their feature lookups
@@ -305,8 +320,14 @@ class VoxelNeRF(nn.Module):
         """True when colour is decoded per sample before compositing (``model.shading=per_sample``)."""
         return self.config.shading == "per_sample"
 
-    def shade(self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor,
-              background: torch.Tensor | None = None) -> torch.Tensor:
+    def shade(
+        self,
+        diffuse: torch.Tensor,
+        features: torch.Tensor,
+        opacity: torch.Tensor,
+        directions: torch.Tensor,
+        background: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """(M,3), (M,F-3), (M,), (M,3) unit directions -> (M,3) pixel colour over the background.
 
         ``background``: (M, 3) colours per pixel (training on random backgrounds), or None for the model's own.
@@ -314,8 +335,9 @@ class VoxelNeRF(nn.Module):
         foreground = diffuse if self.per_sample else self.decoder(diffuse, features, opacity, directions)
         return foreground + (1.0 - opacity)[:, None] * (self.background if background is None else background)
 
-    def render_rays(self, origins: torch.Tensor, directions: torch.Tensor,
-                    background: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def render_rays(
+        self, origins: torch.Tensor, directions: torch.Tensor, background: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """Per-pixel path: (B,3) origins and unit directions -> dict(rgb (B,3), depth (B,), opacity (B,)).
 
         Samples are jittered in training mode (``model.train()``). ``background``: optional (B, 3) colours.
@@ -340,18 +362,26 @@ class VoxelNeRF(nn.Module):
         """
         n, p = batch.origins.shape[:2]
         if batch.origins.shape != (n, p, p, 3) or batch.directions.shape != batch.origins.shape:
-            raise ValueError(f"render_patches: origins/directions must be (n, P, P, 3), got {tuple(batch.origins.shape)}")
+            raise ValueError(
+                f"render_patches: origins/directions must be (n, P, P, 3), got {tuple(batch.origins.shape)}"
+            )
         side = p * self.upsample
         if batch.hr_directions.shape != (n, side, side, 3):
             raise ValueError(
-                f"render_patches: hr_directions must be (n, sP, sP, 3) = {(n, side, side, 3)} for upsample={self.upsample}, "
+                f"render_patches: hr_directions must be (n, sP, sP, 3) = {(n, side, side, 3)} "
+                f"for upsample={self.upsample}, "
                 f"got {tuple(batch.hr_directions.shape)}"
             )
         out = self.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=self.training)
         low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
         high = self._upsample(low).reshape(n * side * side, -1)
-        rgb = self.shade(high[:, :DIFFUSE_CHANNELS], high[:, DIFFUSE_CHANNELS:-1], high[:, -1], batch.hr_directions.reshape(-1, 3),
-                         None if background is None else background.reshape(-1, 3))
+        rgb = self.shade(
+            high[:, :DIFFUSE_CHANNELS],
+            high[:, DIFFUSE_CHANNELS:-1],
+            high[:, -1],
+            batch.hr_directions.reshape(-1, 3),
+            None if background is None else background.reshape(-1, 3),
+        )
         return {
             "rgb": rgb.reshape(n, side, side, 3),
             "depth": out["depth"].reshape(n, p, p),
@@ -360,7 +390,9 @@ class VoxelNeRF(nn.Module):
         }
 
     @torch.no_grad()
-    def render_image(self, c2w: torch.Tensor, height: int, width: int, focal: float, chunk: int = 8192) -> dict[str, torch.Tensor]:
+    def render_image(
+        self, c2w: torch.Tensor, height: int, width: int, focal: float, chunk: int = 8192
+    ) -> dict[str, torch.Tensor]:
         """Render a full view (no jitter): dict(rgb (H,W,3) in [0,1], depth (H,W), opacity (H,W)).
 
         With upsample s > 1, rays are marched at (H/s, W/s) (H and W must be divisible by s), the composited
@@ -376,7 +408,9 @@ class VoxelNeRF(nn.Module):
         parts = []
         for start in range(0, origins.shape[0], chunk):
             out = self.march(origins[start : start + chunk], directions[start : start + chunk], jitter=False)
-            parts.append(torch.cat([out["diffuse"], out["features"], out["depth"][:, None], out["opacity"][:, None]], 1))
+            parts.append(
+                torch.cat([out["diffuse"], out["features"], out["depth"][:, None], out["opacity"][:, None]], 1)
+            )
         low = torch.cat(parts).reshape(1, low_h, low_w, -1)
         channels = self._upsample(low).reshape(height * width, -1)
         if self.upsample > 1:

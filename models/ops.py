@@ -4,6 +4,7 @@ The model never imports :mod:`cuda_ext` itself: it receives an :class:`OpSet`, s
 (and ``ops.grid_interpolate=torch`` etc. swap one) without touching model code. Each config key is the op's
 name in :mod:`cuda_ext`; ``trilinear`` and ``upsample``, the keys' earlier names, are still accepted.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -10,6 +10,7 @@ Compositing (optical depth s_i = sigma_i * delta_i of sample i):
     T_i = exp(-sum_{j<i} s_j),  alpha_i = 1 - exp(-s_i),  w_i = T_i * alpha_i,
     value = sum_i w_i v_i,  opacity = sum_i w_i = 1 - T_end.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,7 +61,7 @@ class PackedSamples:
     t: torch.Tensor
     points: torch.Tensor
 
-    def select(self, keep: torch.Tensor) -> "PackedSamples":
+    def select(self, keep: torch.Tensor) -> PackedSamples:
         """The samples where the (N,) bool ``keep`` is True (order kept; one host sync for the count)."""
         index = keep.nonzero().squeeze(1)
         return PackedSamples(self.ray[index], self.t[index], self.points[index])
@@ -73,7 +74,9 @@ def pack(mask: torch.Tensor, t: torch.Tensor, points: torch.Tensor) -> PackedSam
     """Packed samples from a (B, S) keep-mask, (B, S) distances and (B, S, 3) points (one host sync)."""
     num_samples = mask.shape[1]
     flat = mask.reshape(-1).nonzero().squeeze(1)
-    return PackedSamples(torch.div(flat, num_samples, rounding_mode="floor"), t.reshape(-1)[flat], points.reshape(-1, 3)[flat])
+    return PackedSamples(
+        torch.div(flat, num_samples, rounding_mode="floor"), t.reshape(-1)[flat], points.reshape(-1, 3)[flat]
+    )
 
 
 def exclusive_segment_cumsum(values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
@@ -96,7 +99,9 @@ def compositing_weights(optical_depth: torch.Tensor, ray: torch.Tensor, num_rays
     return transmittance * alpha
 
 
-def transmittance_above(optical_depth: torch.Tensor, ray: torch.Tensor, num_rays: int, threshold: float) -> torch.Tensor:
+def transmittance_above(
+    optical_depth: torch.Tensor, ray: torch.Tensor, num_rays: int, threshold: float
+) -> torch.Tensor:
     """(N,) bool: samples whose transmittance T_i (light reaching them) is still above ``threshold``.
 
     Transmittance only decreases along a ray, so the survivors of each ray are a prefix of its samples and

@@ -3,6 +3,7 @@
 ``@pytest.mark.requires_cuda`` marks a test that needs a CUDA device and the extension's CUDA kernels;
 without them the test is reported as skipped (never as passed).
 """
+
 from __future__ import annotations
 
 import pytest

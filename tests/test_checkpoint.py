@@ -1,4 +1,5 @@
 """Checkpoint round trips, crash safety (handled errors and SIGKILL mid-write), RNG state, InterruptGuard."""
+
 import io
 import os
 import random
@@ -269,6 +270,7 @@ def _send_and_wait(signum: int, guard: InterruptGuard) -> None:
 @pytest.fixture
 def sentinel_handlers():
     """Install known handlers for SIGINT/SIGTERM so the test can see they are restored; undo afterwards."""
+
     def sentinel(signum, frame):
         raise AssertionError(f"sentinel handler called for signal {signum}")
 

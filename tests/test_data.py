@@ -1,4 +1,5 @@
 """Tests of the data package on tiny generated scenes (no dependence on ../shared/data)."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.fixture(scope="session")
 def tiny_scene(tmp_path_factory) -> Path:
-    return ensure_synthetic_scene(tmp_path_factory.mktemp("cache"), resolution=SIZE, n_train=4, n_val=2, n_test=2, seed=3)
+    return ensure_synthetic_scene(
+        tmp_path_factory.mktemp("cache"), resolution=SIZE, n_train=4, n_val=2, n_test=2, seed=3
+    )
 
 
 @pytest.fixture
@@ -118,7 +121,9 @@ def test_rays_through_opaque_pixels_hit_the_known_geometry(tiny_scene):
 
 def test_intersections_agree_with_the_signed_distance():
     generator = torch.Generator().manual_seed(0)
-    origins = torch.nn.functional.normalize(torch.randn(4000, 3, generator=generator, dtype=torch.float64), dim=-1) * 3.5
+    origins = (
+        torch.nn.functional.normalize(torch.randn(4000, 3, generator=generator, dtype=torch.float64), dim=-1) * 3.5
+    )
     targets = (torch.rand(4000, 3, generator=generator, dtype=torch.float64) - 0.5) * 2.0
     directions = torch.nn.functional.normalize(targets - origins, dim=-1)
     hit = intersect(origins, directions)
@@ -130,7 +135,13 @@ def test_intersections_agree_with_the_signed_distance():
     points = origins + directions * hit.t.nan_to_num(posinf=0.0)[:, None]
     assert scene_sdf(points[hit.hit]).abs().max() < 1e-9
     eps = 1e-5  # the normal is the sdf's gradient
-    grad = torch.stack([(scene_sdf(points + eps * e) - scene_sdf(points - eps * e)) / (2 * eps) for e in torch.eye(3, dtype=torch.float64)], -1)
+    grad = torch.stack(
+        [
+            (scene_sdf(points + eps * e) - scene_sdf(points - eps * e)) / (2 * eps)
+            for e in torch.eye(3, dtype=torch.float64)
+        ],
+        -1,
+    )
     away_from_edges = hit.hit & (grad.norm(dim=-1) - 1).abs().lt(1e-3)
     assert away_from_edges.sum() > 1000
     cosine = (torch.nn.functional.normalize(grad, dim=-1) * hit.normal).sum(-1)
@@ -144,7 +155,12 @@ def test_intersections_agree_with_the_signed_distance():
 def test_known_camera_ray_directions():
     origins, directions = camera_rays(torch.eye(4, dtype=torch.float64), 5, 7, 10.0)
     assert origins.shape == directions.shape == (5, 7, 3) and (origins == 0).all()
-    expected = {(2, 3): (0.0, 0.0, -1.0), (0, 0): (-0.3, 0.2, -1.0), (4, 6): (0.3, -0.2, -1.0), (0, 6): (0.3, 0.2, -1.0)}
+    expected = {
+        (2, 3): (0.0, 0.0, -1.0),
+        (0, 0): (-0.3, 0.2, -1.0),
+        (4, 6): (0.3, -0.2, -1.0),
+        (0, 6): (0.3, 0.2, -1.0),
+    }
     for (row, col), d in expected.items():
         d = torch.tensor(d, dtype=torch.float64)
         assert torch.allclose(directions[row, col], d / d.norm(), atol=1e-12)
@@ -183,13 +199,17 @@ def test_bilinear_upsampling_aligns_low_resolution_rays_with_pixels(scale):
     _, full = camera_rays(c2w, height, width, focal)
 
     def upsample(x):  # (h, w, C) -> (s h, s w, C)
-        return F.interpolate(x.permute(2, 0, 1)[None], scale_factor=scale, mode="bilinear", align_corners=False)[0].permute(1, 2, 0)
+        return F.interpolate(x.permute(2, 0, 1)[None], scale_factor=scale, mode="bilinear", align_corners=False)[
+            0
+        ].permute(1, 2, 0)
 
     # a linear function of where each low-res ray passes is reproduced exactly at the pixel centres inside the border
     uv = project_to_pixels(c2w, low, focal, width, height)
     field = lambda u, v: torch.stack([0.7 * u - 1.3 * v + 2.0, 0.25 * v + 0.1], -1)  # noqa: E731
     upsampled = upsample(field(uv[..., 0], uv[..., 1]))
-    rows, cols = torch.meshgrid(torch.arange(height, dtype=torch.float64), torch.arange(width, dtype=torch.float64), indexing="ij")
+    rows, cols = torch.meshgrid(
+        torch.arange(height, dtype=torch.float64), torch.arange(width, dtype=torch.float64), indexing="ij"
+    )
     target = field(cols + 0.5, rows + 0.5)
     border = math.ceil((scale - 1) / 2)  # pixels whose centre lies outside the outermost samples: clamped
     inner = (slice(border, height - border), slice(border, width - border))
@@ -237,7 +257,9 @@ def test_patch_sampler_aligns_patches_rays_and_pixels(tiny_scene, device):
     assert (batch.top_left % scale != 0).any()  # corners are not tied to the block grid
     _, full = camera_rays(scene.c2w, scene.height, scene.width, scene.focal)
     offsets = (torch.arange(patch, device=device) + 0.5) * scale
-    for view, (y0, x0), rgb, lr, hr, o in zip(batch.views, batch.top_left, batch.rgb, batch.directions, batch.hr_directions, batch.origins):
+    for view, (y0, x0), rgb, lr, hr, o in zip(
+        batch.views, batch.top_left, batch.rgb, batch.directions, batch.hr_directions, batch.origins
+    ):
         window = (slice(y0, y0 + side), slice(x0, x0 + side))
         assert torch.equal(rgb, scene.images[view][window].float() / 255)
         assert torch.allclose(hr, full[view][window], atol=1e-6)
@@ -254,7 +276,9 @@ def test_scene_moves_between_devices(tiny_scene):
     moved = scene.to("cpu")
     assert moved.num_views == 2 and moved.images.dtype == torch.uint8 and moved.device.type == "cpu"
     with pytest.raises(ValueError, match="images"):
-        Scene(scene.images.float(), scene.c2w, SIZE, SIZE, 1.0, 2.0, 6.0, scene.bbox, (1.0, 1.0, 1.0), "val", scene.names)
+        Scene(
+            scene.images.float(), scene.c2w, SIZE, SIZE, 1.0, 2.0, 6.0, scene.bbox, (1.0, 1.0, 1.0), "val", scene.names
+        )
 
 
 # ---- file variants and errors ----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """cuda_ext.gelu against F.gelu: both approximations, forward and backward, edge cases, bad input."""
+
 import pytest
 import torch
 
@@ -50,8 +51,12 @@ def test_large_magnitudes(mode, dtype, tol):
     x = torch.tensor(LARGE, dtype=dtype)
     torch.testing.assert_close(cuda_ext.gelu(x, mode), reference.gelu(x, mode), rtol=tol, atol=tol)
     grad = torch.linspace(-2, 2, len(LARGE), dtype=dtype)
-    torch.testing.assert_close(grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
-                               grad_of(lambda t: reference.gelu(t, mode), x, grad), rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
+        grad_of(lambda t: reference.gelu(t, mode), x, grad),
+        rtol=tol,
+        atol=tol,
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -95,8 +100,11 @@ _NON_FINITE_GRAD = {"none": [_NAN, _NAN, _NAN, 1.0, 0.0, 1.0, 0.0], "tanh": [_NA
 def test_float32_cpu_non_finite_inputs(mode):
     x = torch.tensor(_NON_FINITE_X)
     torch.testing.assert_close(cuda_ext.gelu(x, mode), torch.tensor(_NON_FINITE_Y), equal_nan=True)
-    torch.testing.assert_close(grad_of(lambda t: cuda_ext.gelu(t, mode), x, torch.ones_like(x)),
-                               torch.tensor(_NON_FINITE_GRAD[mode]), equal_nan=True)
+    torch.testing.assert_close(
+        grad_of(lambda t: cuda_ext.gelu(t, mode), x, torch.ones_like(x)),
+        torch.tensor(_NON_FINITE_GRAD[mode]),
+        equal_nan=True,
+    )
 
 
 def test_default_is_exact():
@@ -105,17 +113,28 @@ def test_default_is_exact():
     assert not torch.equal(cuda_ext.gelu(x, "none"), cuda_ext.gelu(x, "tanh"))
 
 
-@pytest.mark.parametrize("make_view", [
-    lambda t: t.t(), lambda t: t[:, ::3], lambda t: t[1:, 2:], lambda t: t[:1].expand(40, -1),
-], ids=["transposed", "strided", "offset", "expanded"])
+@pytest.mark.parametrize(
+    "make_view",
+    [
+        lambda t: t.t(),
+        lambda t: t[:, ::3],
+        lambda t: t[1:, 2:],
+        lambda t: t[:1].expand(40, -1),
+    ],
+    ids=["transposed", "strided", "offset", "expanded"],
+)
 @pytest.mark.parametrize("mode", MODES)
 def test_non_contiguous_input(make_view, mode):
     x = make_view(random_input((40, 30)))
     assert not x.is_contiguous()
     torch.testing.assert_close(cuda_ext.gelu(x, mode), reference.gelu(x, mode), rtol=1e-14, atol=1e-15)
     grad = random_input(x.shape, seed=4).t().contiguous().t()  # a non-contiguous gradient too
-    torch.testing.assert_close(grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
-                               grad_of(lambda t: reference.gelu(t, mode), x, grad), rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(
+        grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
+        grad_of(lambda t: reference.gelu(t, mode), x, grad),
+        rtol=1e-13,
+        atol=1e-14,
+    )
 
 
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 2, 5)])
@@ -136,8 +155,12 @@ def test_backward_matches_f_gelu(shape, mode):
     x = random_input(shape)
     grad = random_input(shape, seed=1)
     poison_allocator(x.numel(), x.dtype, x.device)
-    torch.testing.assert_close(grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
-                               grad_of(lambda t: reference.gelu(t, mode), x, grad), rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(
+        grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
+        grad_of(lambda t: reference.gelu(t, mode), x, grad),
+        rtol=1e-13,
+        atol=1e-14,
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -161,8 +184,9 @@ def test_double_backward_matches_f_gelu(mode):
         (g,) = torch.autograd.grad(fn(x), x, grad, create_graph=True)
         return torch.autograd.grad(g, x, grad_grad)[0]
 
-    torch.testing.assert_close(second(lambda t: cuda_ext.gelu(t, mode)), second(lambda t: reference.gelu(t, mode)),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        second(lambda t: cuda_ext.gelu(t, mode)), second(lambda t: reference.gelu(t, mode)), rtol=1e-12, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -205,10 +229,13 @@ def test_not_a_tensor():
         cuda_ext.gelu([1.0, 2.0])
 
 
-@pytest.mark.parametrize("grad_out,match", [
-    (torch.randn(4, dtype=torch.float64), "grad_out must have the shape of x"),
-    (torch.randn(3, 4, dtype=torch.float32), "grad_out and x must have the same dtype"),
-])
+@pytest.mark.parametrize(
+    "grad_out,match",
+    [
+        (torch.randn(4, dtype=torch.float64), "grad_out must have the shape of x"),
+        (torch.randn(3, 4, dtype=torch.float32), "grad_out and x must have the same dtype"),
+    ],
+)
 def test_backward_bad_grad_out(grad_out, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.cuda_ext.gelu_backward(grad_out, torch.randn(3, 4, dtype=torch.float64), "none")
@@ -231,8 +258,12 @@ def test_cuda_vs_reference(n, mode, dtype, tol):
     poison_allocator(n, dtype, "cuda")
     torch.testing.assert_close(cuda_ext.gelu(x, mode), reference.gelu(x, mode), rtol=tol, atol=tol)
     poison_allocator(n, dtype, "cuda")
-    torch.testing.assert_close(grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
-                               grad_of(lambda t: reference.gelu(t, mode), x, grad), rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
+        grad_of(lambda t: reference.gelu(t, mode), x, grad),
+        rtol=tol,
+        atol=tol,
+    )
 
 
 @requires_cuda
@@ -243,8 +274,12 @@ def test_cuda_misaligned_input(mode):
     assert x.data_ptr() % 16 != 0
     grad = random_input((4101,), dtype=torch.float32, device="cuda", seed=8)[3:]  # same length as x, also misaligned
     torch.testing.assert_close(cuda_ext.gelu(x, mode), reference.gelu(x, mode), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
-                               grad_of(lambda t: reference.gelu(t, mode), x, grad), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(
+        grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
+        grad_of(lambda t: reference.gelu(t, mode), x, grad),
+        rtol=2e-6,
+        atol=2e-6,
+    )
 
 
 @requires_cuda
@@ -253,8 +288,12 @@ def test_cuda_matches_cpu_float64(mode):
     x = random_input((3, 1001))
     grad = random_input((3, 1001), seed=6)
     torch.testing.assert_close(cuda_ext.gelu(x.cuda(), mode).cpu(), cuda_ext.gelu(x, mode), rtol=1e-14, atol=1e-15)
-    torch.testing.assert_close(grad_of(lambda t: cuda_ext.gelu(t, mode), x.cuda(), grad.cuda()).cpu(),
-                               grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad), rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(
+        grad_of(lambda t: cuda_ext.gelu(t, mode), x.cuda(), grad.cuda()).cpu(),
+        grad_of(lambda t: cuda_ext.gelu(t, mode), x, grad),
+        rtol=1e-13,
+        atol=1e-14,
+    )
 
 
 @requires_cuda

@@ -4,6 +4,7 @@ CPU tests always run; tests marked ``requires_cuda`` run the CUDA kernels (skipp
 Gradients with respect to points are compared only where the lookup is smooth: away from voxel
 boundaries and from the clamp edges (p = 0 or R-1), where the derivative has a jump.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -83,8 +84,9 @@ def test_forward_matches_reference(gen, sizes, dtype, tol):
     points = random_points(200, gen, dtype=dtype)
     out = cuda_ext.grid_interpolate(grid, points)
     assert out.dtype == dtype and out.shape == (200, sizes[3])
-    torch.testing.assert_close(out.double(), reference.grid_interpolate(grid.double(), points.double()),
-                               rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        out.double(), reference.grid_interpolate(grid.double(), points.double()), rtol=tol, atol=tol
+    )
 
 
 def test_grid_corners_are_reproduced_exactly(gen):
@@ -92,8 +94,9 @@ def test_grid_corners_are_reproduced_exactly(gen):
     grid = torch.randn(3, 4, 5, 2, generator=gen, dtype=torch.float64)
     idx = torch.cartesian_prod(torch.arange(3), torch.arange(4), torch.arange(5))
     points = idx.double() / torch.tensor([2.0, 3.0, 4.0]) * 2 - 1
-    torch.testing.assert_close(cuda_ext.grid_interpolate(grid, points), grid[idx[:, 0], idx[:, 1], idx[:, 2]],
-                               rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        cuda_ext.grid_interpolate(grid, points), grid[idx[:, 0], idx[:, 1], idx[:, 2]], rtol=0, atol=1e-15
+    )
 
 
 @pytest.mark.parametrize("sizes", GRIDS, ids=str)
@@ -203,8 +206,9 @@ def test_non_contiguous_inputs_give_identical_results(gen):
 def test_empty_inputs(gen, n, channels):
     grid = torch.randn(2, 3, 4, channels, generator=gen, dtype=torch.float64)
     points = random_points(n, gen)
-    out, grad_grid, grad_points = grads_of(cuda_ext.grid_interpolate, grid, points,
-                                           torch.ones(n, channels, dtype=torch.float64))
+    out, grad_grid, grad_points = grads_of(
+        cuda_ext.grid_interpolate, grid, points, torch.ones(n, channels, dtype=torch.float64)
+    )
     assert out.shape == (n, channels)
     assert torch.equal(grad_grid, torch.zeros_like(grid))
     assert torch.equal(grad_points, torch.zeros(n, 3, dtype=torch.float64))
@@ -238,8 +242,12 @@ def _bad_grid_inputs():
         ("empty axis 2", torch.randn(3, 3, 0, 2, dtype=f64), good_points, "grid has an empty axis 2"),
         ("points columns", good_grid, torch.rand(4, 4, dtype=f64), "points must have shape"),
         ("points ndim", good_grid, torch.rand(4, 3, 1, dtype=f64), "points must have shape"),
-        ("integer grid", torch.ones(3, 3, 3, 2, dtype=torch.int32), torch.ones(4, 3, dtype=torch.int32),
-         "grid must be float32 or float64"),
+        (
+            "integer grid",
+            torch.ones(3, 3, 3, 2, dtype=torch.int32),
+            torch.ones(4, 3, dtype=torch.int32),
+            "grid must be float32 or float64",
+        ),
         ("mixed dtypes", good_grid.float(), good_points, "points and grid must have the same dtype"),
         ("bfloat16 on CPU", good_grid.bfloat16(), good_points.bfloat16(), "grid must be float32 or float64 on the CPU"),
     ]
@@ -265,11 +273,14 @@ def test_bad_reorder_setting_raises_naming_the_variable(monkeypatch):
         cuda_ext.grid_interpolate(grid, points)
 
 
-@pytest.mark.parametrize("grad_out,message", [
-    (torch.ones(4, 3, dtype=torch.float64), r"grad_out must have shape \(4, 2\)"),
-    (torch.ones(5, 2, dtype=torch.float64), r"grad_out must have shape \(4, 2\)"),
-    (torch.ones(4, 2, dtype=torch.float32), "grad_out and grid must have the same dtype"),
-])
+@pytest.mark.parametrize(
+    "grad_out,message",
+    [
+        (torch.ones(4, 3, dtype=torch.float64), r"grad_out must have shape \(4, 2\)"),
+        (torch.ones(5, 2, dtype=torch.float64), r"grad_out must have shape \(4, 2\)"),
+        (torch.ones(4, 2, dtype=torch.float32), "grad_out and grid must have the same dtype"),
+    ],
+)
 def test_bad_grad_out_raises(grad_out, message):
     grid, points = torch.randn(3, 3, 3, 2, dtype=torch.float64), torch.rand(4, 3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=message):
@@ -296,8 +307,10 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 def test_cuda_matches_reference(gen, poison_cuda_cache, sizes, dtype, tol):
     grid = torch.randn(*sizes, generator=gen, dtype=torch.float64).to("cuda", dtype)
     n = 2003  # not a multiple of any lane group's points per warp (32, 16, 10, 8): a partial last warp
-    for points in [random_points(n, gen, device="cuda", dtype=dtype),
-                   smooth_points(n, sizes[:3], gen).to("cuda", dtype)]:
+    for points in [
+        random_points(n, gen, device="cuda", dtype=dtype),
+        smooth_points(n, sizes[:3], gen).to("cuda", dtype),
+    ]:
         grad_out = torch.randn(n, sizes[3], generator=gen, dtype=torch.float64).to("cuda", dtype)
         want = grads_of(reference.grid_interpolate, grid.double(), points.double(), grad_out.double())
         poison_cuda_cache()
@@ -319,8 +332,7 @@ def test_cuda_backward_merges_runs_of_points_in_one_cell(gen, poison_cuda_cache,
     grid = torch.randn(*sizes, generator=gen, dtype=torch.float64).to("cuda", dtype)
     points = cell_run_points(n, sizes[:3], gen).to("cuda", dtype)
     grad_out = torch.randn(n, sizes[3], generator=gen, dtype=torch.float64).to("cuda", dtype)
-    _, want_grid, want_points = grads_of(reference.grid_interpolate, grid.double(), points.double(),
-                                         grad_out.double())
+    _, want_grid, want_points = grads_of(reference.grid_interpolate, grid.double(), points.double(), grad_out.double())
     assert want_grid.abs().amax() > 1  # runs pile many points onto the same voxels
     for flags in [(True, True), (True, False)]:
         poison_cuda_cache()
@@ -365,7 +377,7 @@ def test_cuda_reduced_precision_vs_float32(gen, poison_cuda_cache, dtype, tol, c
     # grad_grid sums many contributions; accumulated in float32, rounded once at the end.
     torch.testing.assert_close(got[1].float(), want[1], rtol=tol, atol=tol * 4)
     # points-gradient error scales with (R-1)/2 and the channel count.
-    torch.testing.assert_close(got[2].float(), want[2], rtol=tol, atol=tol * 10 * channels ** 0.5)
+    torch.testing.assert_close(got[2].float(), want[2], rtol=tol, atol=tol * 10 * channels**0.5)
 
 
 @pytest.mark.requires_cuda
@@ -374,8 +386,10 @@ def test_cuda_misaligned_and_non_contiguous_inputs(gen):
     points = random_points(700, gen, dtype=torch.float32, device="cuda")
     grad_out = torch.randn(700, 8, generator=gen).cuda()
     want = grads_of(cuda_ext.grid_interpolate, grid, points, grad_out)
-    for variant in [(_misaligned(grid), _misaligned(points), _misaligned(grad_out)),
-                    (*_non_contiguous(grid, points), grad_out.t().contiguous().t())]:
+    for variant in [
+        (_misaligned(grid), _misaligned(points), _misaligned(grad_out)),
+        (*_non_contiguous(grid, points), grad_out.t().contiguous().t()),
+    ]:
         got = grads_of(cuda_ext.grid_interpolate, *variant)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -407,8 +421,9 @@ def test_cuda_gradcheck_and_opcheck(gen):
 @pytest.mark.requires_cuda
 def test_cuda_empty_inputs_and_nan_point(gen):
     grid = torch.randn(3, 4, 5, 4, generator=gen).cuda()
-    out, grad_grid, grad_points = grads_of(cuda_ext.grid_interpolate, grid, torch.empty(0, 3, device="cuda"),
-                                           torch.empty(0, 4, device="cuda"))
+    out, grad_grid, grad_points = grads_of(
+        cuda_ext.grid_interpolate, grid, torch.empty(0, 3, device="cuda"), torch.empty(0, 4, device="cuda")
+    )
     assert out.shape == (0, 4) and torch.equal(grad_grid, torch.zeros_like(grid)) and grad_points.shape == (0, 3)
     points = random_points(10, gen, spread=0.9, dtype=torch.float32, device="cuda")
     points[2, 0] = float("nan")
@@ -488,15 +503,19 @@ def test_cuda_reorder_decision(gen, monkeypatch):
     for points in (random, sorted_by_axis0):
         want = _forward_in_mode(monkeypatch, "off", grid, points)
         monkeypatch.setenv("CUDA_EXT_GRID_REORDER", "auto")
-        launched = _launched_kernels(lambda: cuda_ext.grid_interpolate(grid, points))
-        assert all(k in launched for k in ("order_probe_kernel", "bucket_count_kernel", "bucket_scatter_kernel",
-                                           "grid_forward_kernel"))
+        launched = _launched_kernels(lambda points=points: cuda_ext.grid_interpolate(grid, points))
+        assert all(
+            k in launched
+            for k in ("order_probe_kernel", "bucket_count_kernel", "bucket_scatter_kernel", "grid_forward_kernel")
+        )
         torch.testing.assert_close(_forward_in_mode(monkeypatch, "auto", grid, points), want, rtol=0, atol=0)
     monkeypatch.setenv("CUDA_EXT_GRID_REORDER", "auto")
-    for g, p in [(grid, random[: n - 1]),  # too few points
-                 (grid[:, :40, :40].contiguous(), random),  # fits in L2
-                 (grid.double(), random.double())]:  # float64: no reordering
-        launched = _launched_kernels(lambda: cuda_ext.grid_interpolate(g, p))
+    for g, p in [
+        (grid, random[: n - 1]),  # too few points
+        (grid[:, :40, :40].contiguous(), random),  # fits in L2
+        (grid.double(), random.double()),
+    ]:  # float64: no reordering
+        launched = _launched_kernels(lambda g=g, p=p: cuda_ext.grid_interpolate(g, p))
         assert "grid_forward_kernel" in launched and "order_probe" not in launched and "bucket" not in launched
     monkeypatch.setenv("CUDA_EXT_GRID_REORDER", "off")
     launched = _launched_kernels(lambda: cuda_ext.grid_interpolate(grid, random))

@@ -1,5 +1,6 @@
 """The project's shape, as a newcomer reads it: imports run top-down (train.py -> training -> models ->
 cuda_ext, with data below models), and no source file outside tests grows past ~400 lines."""
+
 from __future__ import annotations
 
 import ast
@@ -59,8 +60,11 @@ def test_no_source_file_outside_tests_is_long():
     long_files = []
     for path in REPO.rglob("*"):
         relative = path.relative_to(REPO)
-        if path.suffix not in suffixes or relative.parts[0] in {"tests", "build", ".git", ".whl"} \
-                or any(part.startswith(".") or part.endswith(".egg-info") for part in relative.parts):
+        if (
+            path.suffix not in suffixes
+            or relative.parts[0] in {"tests", "build", ".git", ".whl"}
+            or any(part.startswith(".") or part.endswith(".egg-info") for part in relative.parts)
+        ):
             continue
         lines = len(path.read_text(encoding="utf-8", errors="replace").splitlines())
         if lines > MAX_LINES:

@@ -1,4 +1,5 @@
 """PSNR and SSIM against independent float64 references (numpy always, scipy.ndimage when installed)."""
+
 import math
 
 import numpy as np

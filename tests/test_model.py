@@ -1,6 +1,7 @@
 """Tests of the model package (CPU, small grids): API shapes, compositing against brute force, the packed /
 occupancy / early-termination paths against the dense path, growth, checkpoints across resolutions, a tiny
 overfit, and the custom ops against the torch references."""
+
 from __future__ import annotations
 
 import copy
@@ -168,7 +169,10 @@ def test_render_patches_and_image_shapes():
     from data import PatchBatch
 
     batch = PatchBatch(
-        origins.reshape(n, p, p, 3), directions.reshape(n, p, p, 3), hr_directions.reshape(n, 8, 8, 3), torch.rand(n, 8, 8, 3)
+        origins.reshape(n, p, p, 3),
+        directions.reshape(n, p, p, 3),
+        hr_directions.reshape(n, 8, 8, 3),
+        torch.rand(n, 8, 8, 3),
     )
     out = model.render_patches(batch)
     assert out["rgb"].shape == (n, 8, 8, 3) and out["depth"].shape == (n, p, p) and out["opacity"].shape == (n, p, p)
@@ -238,7 +242,9 @@ def test_total_variation_sampled_estimate_matches_whole_grid():
 
 def test_spherical_harmonics_are_orthonormal():
     generator = torch.Generator().manual_seed(0)
-    directions = torch.nn.functional.normalize(torch.randn(400_000, 3, generator=generator, dtype=torch.float64), dim=-1)
+    directions = torch.nn.functional.normalize(
+        torch.randn(400_000, 3, generator=generator, dtype=torch.float64), dim=-1
+    )
     basis = spherical_harmonics(directions, 3)
     gram = basis.T @ basis * (4 * math.pi / directions.shape[0])
     torch.testing.assert_close(gram, torch.eye(16, dtype=torch.float64), atol=0.03, rtol=0)
@@ -269,7 +275,11 @@ def test_compositing_matches_per_ray_loop():
             transmittance *= 1.0 - alpha
         got = weights[start : start + count]
         torch.testing.assert_close(got, torch.tensor(expected_w, dtype=torch.float64), rtol=1e-12, atol=1e-12)
-        expected_sum = sum(w * values[start + k] for k, w in enumerate(expected_w)) if count else torch.zeros(5, dtype=torch.float64)
+        expected_sum = (
+            sum(w * values[start + k] for k, w in enumerate(expected_w))
+            if count
+            else torch.zeros(5, dtype=torch.float64)
+        )
         torch.testing.assert_close(sums[r], expected_sum, rtol=1e-12, atol=1e-12)
         if count:  # opacity = 1 - final transmittance
             assert math.isclose(got.sum().item(), 1.0 - transmittance, rel_tol=1e-12, abs_tol=1e-12)
@@ -280,9 +290,7 @@ def test_compositing_gradcheck():
     depth, ray, _ = random_packed(6, seed=4)
     values = torch.randn(depth.shape[0], 2, dtype=torch.float64, requires_grad=True)
     depth.requires_grad_(True)
-    assert torch.autograd.gradcheck(
-        lambda d, v: accumulate(v, compositing_weights(d, ray, 6), ray, 6), (depth, values)
-    )
+    assert torch.autograd.gradcheck(lambda d, v: accumulate(v, compositing_weights(d, ray, 6), ray, 6), (depth, values))
 
 
 def test_exclusive_segment_cumsum_large_batch_float32():
@@ -361,7 +369,9 @@ def test_packed_path_matches_dense_path_when_all_occupied():
 
 
 def test_occupancy_skipping_changes_little_and_skips_samples():
-    model = make_model(early_termination=0.0, weight_threshold=0.0, **{"occupancy.threshold": 1e-3, "occupancy.dilate": 0})
+    model = make_model(
+        early_termination=0.0, weight_threshold=0.0, **{"occupancy.threshold": 1e-3, "occupancy.dilate": 0}
+    )
     with torch.no_grad():  # a blob of density in a mostly empty box (raw -20: alpha ~ 1e-9)
         coords = torch.stack(torch.meshgrid(*[torch.linspace(-1, 1, r) for r in model.grid_shape], indexing="ij"), -1)
         blob = 12.0 - 40.0 * (coords - torch.tensor([0.2, -0.1, 0.0])).norm(dim=-1)
@@ -423,7 +433,9 @@ def smooth_field(model: VoxelNeRF) -> None:
         for grid in (model.density.grid, model.features.grid):
             axes = [torch.linspace(-1, 1, r) for r in grid.shape[:3]]
             x, y, z = torch.meshgrid(*axes, indexing="ij")
-            channels = [torch.sin(1.3 * x + 0.4 * c) * torch.cos(0.9 * y - 0.2 * c) + 0.5 * z * c for c in range(grid.shape[3])]
+            channels = [
+                torch.sin(1.3 * x + 0.4 * c) * torch.cos(0.9 * y - 0.2 * c) + 0.5 * z * c for c in range(grid.shape[3])
+            ]
             grid.copy_(torch.stack(channels, -1) * 3.0)
 
 
@@ -471,7 +483,9 @@ def test_load_state_dict_across_resolutions():
     origins, directions = rays_towards_centre(30)
     fresh.eval(), grown.eval()
     with torch.no_grad():
-        torch.testing.assert_close(fresh.render_rays(origins, directions)["rgb"], grown.render_rays(origins, directions)["rgb"])
+        torch.testing.assert_close(
+            fresh.render_rays(origins, directions)["rgb"], grown.render_rays(origins, directions)["rgb"]
+        )
     # and back down to a smaller grid
     small = make_model(seed=2)
     grown.load_state_dict(small.state_dict())
@@ -498,7 +512,11 @@ def test_tiny_overfit(tiny_scene, upsample, one_thread):
     scene = load_blender(tiny_scene, "train")
     torch.manual_seed(0)
     cfg = make_cfg(
-        resolution_start=12, resolution_end=20, grow_at=[30], upsample=upsample, tv_samples=1024,
+        resolution_start=12,
+        resolution_end=20,
+        grow_at=[30],
+        upsample=upsample,
+        tv_samples=1024,
         **{"occupancy.warmup": 40, "occupancy.refresh_every": 20},
     )
     model = VoxelNeRF(scene.bbox, scene.near, scene.far, cfg, build_ops(TORCH_OPS))

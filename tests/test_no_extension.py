@@ -1,4 +1,5 @@
 """Without the compiled extension the references and ops=torch still work; a custom op says how to build it."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,20 +16,35 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 def run_without_extension(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", WITHOUT_EXTENSION, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTENSION, *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_references_and_ops_torch_need_no_build(tmp_path):
-    probe = subprocess.run([sys.executable, "-c", "import sys; sys.modules['cuda_ext._C'] = None\n"
-                            "import torch, cuda_ext, cuda_ext.reference as r\n"
-                            "print(cuda_ext.has_extension(), float(r.gelu(torch.ones(1))))"],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['cuda_ext._C'] = None\n"
+            "import torch, cuda_ext, cuda_ext.reference as r\n"
+            "print(cuda_ext.has_extension(), float(r.gelu(torch.ones(1))))",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert probe.returncode == 0 and probe.stdout.split() == ["False", "0.8413447141647339"], probe.stderr
-    result = run_without_extension(tiny_overrides(tmp_path / "cache", 4) + [f"hydra.run.dir={tmp_path / 'run'}",
-                                                                            "train.turntable_frames=0"])
+    result = run_without_extension(
+        tiny_overrides(tmp_path / "cache", 4) + [f"hydra.run.dir={tmp_path / 'run'}", "train.turntable_frames=0"]
+    )
     assert result.returncode == 0, result.stderr
-    assert read_metrics(tmp_path / "run")["ops"] == {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}
+    assert read_metrics(tmp_path / "run")["ops"] == {
+        "grid_interpolate": "torch",
+        "upsample_bilinear2d": "torch",
+        "gelu": "torch",
+    }
 
 
 def test_a_custom_op_without_the_extension_says_how_to_build_it(tmp_path):

@@ -1,5 +1,6 @@
-"""The quality options of issue 16 (CPU, small grids): per-sample shading, shrinking the box to the visible
+"""The held-out quality options (CPU, small grids): per-sample shading, shrinking the box to the visible
 density, the scene's alpha and training on random backgrounds, and the worst-views figure of the evaluation."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,14 @@ CUSTOM_OPS = {"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "ge
 
 
 def test_per_sample_shading_starts_as_composited_sigmoid_colour():
-    model = make_model(shading="per_sample", upsample=1, grow_at=[], occupancy={"threshold": 1e-3, "refresh_every": 50,
-                                                                               "warmup": 10**6, "dilate": 1},
-                       early_termination=0.0, weight_threshold=0.0)
+    model = make_model(
+        shading="per_sample",
+        upsample=1,
+        grow_at=[],
+        occupancy={"threshold": 1e-3, "refresh_every": 50, "warmup": 10**6, "dilate": 1},
+        early_termination=0.0,
+        weight_threshold=0.0,
+    )
     randomize_density(model)
     with torch.no_grad():
         model.features.grid.normal_(0.0, 1.0)
@@ -53,12 +59,15 @@ def test_per_sample_shading_starts_as_composited_sigmoid_colour():
     t_start, t_end = ray_box_intersect(origins, directions, model.bbox, NEAR, model.far)
     t, valid = uniform_samples(t_start, t_end, step, count, 0.5)
     samples = pack(valid, t, to_unit(origins[:, None] + t[..., None] * directions[:, None], model.bbox))
-    sigma = optical_depth(model.density(samples.points, model.ops)[:, 0], model.config.density_shift,
-                          step / model.base_voxel)
+    sigma = optical_depth(
+        model.density(samples.points, model.ops)[:, 0], model.config.density_shift, step / model.base_voxel
+    )
     weights = compositing_weights(sigma, samples.ray, 64)
     colour = torch.sigmoid(model.features(samples.points, model.ops)[:, :3])
-    expected = accumulate(colour, weights, samples.ray, 64) + (1 - weights.new_zeros(64).index_add(
-        0, samples.ray, weights))[:, None] * model.background
+    expected = (
+        accumulate(colour, weights, samples.ray, 64)
+        + (1 - weights.new_zeros(64).index_add(0, samples.ray, weights))[:, None] * model.background
+    )
     torch.testing.assert_close(out["rgb"], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -82,8 +91,12 @@ def test_per_sample_shading_custom_ops_match_references():
             model.decoder.out.weight.normal_(0, 0.5)
     torch_model.eval(), custom_model.eval()
     origins, directions = rays_towards_centre(96)
-    torch.testing.assert_close(custom_model.render_rays(origins, directions)["rgb"],
-                               torch_model.render_rays(origins, directions)["rgb"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        custom_model.render_rays(origins, directions)["rgb"],
+        torch_model.render_rays(origins, directions)["rgb"],
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_per_sample_shading_needs_upsample_one():
@@ -116,7 +129,9 @@ def test_shrink_moves_the_box_to_the_visible_density_and_keeps_the_field():
     assert model.on_step(5, 100)  # parameters replaced: the trainer rebuilds its optimiser
     assert model.shrunk
     low, high = model.bbox
-    assert bool((low > -1.0).all()) and bool((high < 1.2).all())  # blob + 2-voxel margin: much smaller than [-1.5, 1.5]^3
+    assert bool((low > -1.0).all()) and bool(
+        (high < 1.2).all()
+    )  # blob + 2-voxel margin: much smaller than [-1.5, 1.5]^3
     assert bool((low <= probe.min(0).values).all()) and bool((high >= probe.max(0).values).all())
     # about the same voxel budget over the smaller box: finer voxels
     assert np.prod(model.grid_shape) == pytest.approx(24**3, rel=0.25)
@@ -136,7 +151,9 @@ def test_shrink_survives_a_checkpoint_round_trip():
     torch.testing.assert_close(restored.bbox, model.bbox)
     model.eval(), restored.eval()
     origins, directions = rays_towards_centre(32)
-    torch.testing.assert_close(restored.render_rays(origins, directions)["rgb"], model.render_rays(origins, directions)["rgb"])
+    torch.testing.assert_close(
+        restored.render_rays(origins, directions)["rgb"], model.render_rays(origins, directions)["rgb"]
+    )
     assert not restored.on_step(6, 100)
 
 
@@ -196,10 +213,22 @@ def small_scene(with_alpha: bool) -> Scene:
     views, size = 3, 8
     c2w = torch.eye(4).repeat(views, 1, 1)
     c2w[:, 2, 3] = 4.0
-    return Scene(images=torch.randint(0, 256, (views, size, size, 3), generator=generator, dtype=torch.uint8),
-                 c2w=c2w, height=size, width=size, focal=10.0, near=NEAR, far=6.0, bbox=BBOX, background=(1.0, 1.0, 1.0),
-                 split="train", names=[f"v{i}" for i in range(views)],
-                 alpha=torch.randint(0, 256, (views, size, size), generator=generator, dtype=torch.uint8) if with_alpha else None)
+    return Scene(
+        images=torch.randint(0, 256, (views, size, size, 3), generator=generator, dtype=torch.uint8),
+        c2w=c2w,
+        height=size,
+        width=size,
+        focal=10.0,
+        near=NEAR,
+        far=6.0,
+        bbox=BBOX,
+        background=(1.0, 1.0, 1.0),
+        split="train",
+        names=[f"v{i}" for i in range(views)],
+        alpha=torch.randint(0, 256, (views, size, size), generator=generator, dtype=torch.uint8)
+        if with_alpha
+        else None,
+    )
 
 
 def test_scene_checks_alpha_and_samplers_return_it():
@@ -219,7 +248,9 @@ def test_model_background_per_ray_replaces_its_own():
     origins, directions = rays_towards_centre(16)
     background = torch.rand(16, 3)
     out = model.render_rays(origins, directions, background)
-    expected = model.render_rays(origins, directions)["rgb"] + (1 - out["opacity"])[:, None] * (background - model.background)
+    expected = model.render_rays(origins, directions)["rgb"] + (1 - out["opacity"])[:, None] * (
+        background - model.background
+    )
     torch.testing.assert_close(out["rgb"], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -247,9 +278,16 @@ def test_app_trains_with_the_quality_options_and_reports_worst_views(tmp_path):
     from test_train import read_metrics, run_train, tiny_overrides
 
     overrides = tiny_overrides(tmp_path / "cache", 8) + [
-        f"hydra.run.dir={tmp_path / 'run'}", "model.shading=per_sample", "model.upsample=1", "train.batch_rays=128",
-        "model.shrink_at=4", "train.random_background=true", "train.adam_eps=1e-15", "data.tight_box=true",
-        "train.opacity_loss=0.01"]
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "model.shading=per_sample",
+        "model.upsample=1",
+        "train.batch_rays=128",
+        "model.shrink_at=4",
+        "train.random_background=true",
+        "train.adam_eps=1e-15",
+        "data.tight_box=true",
+        "train.opacity_loss=0.01",
+    ]
     result = run_train(overrides)
     assert result.returncode == 0, result.stdout + result.stderr
     metrics = read_metrics(tmp_path / "run")
@@ -268,8 +306,13 @@ def sphere_scene(centre=(0.4, -0.2, 0.1), radius=0.3, size=48) -> Scene:
     from data.cameras import look_at, orbit_positions
     from data.rays import camera_rays
 
-    positions = np.concatenate([orbit_positions(8, 4.0, 0.3), orbit_positions(8, 4.0, 1.0, phase=0.4),
-                                orbit_positions(4, 4.0, -0.4, phase=0.2)])
+    positions = np.concatenate(
+        [
+            orbit_positions(8, 4.0, 0.3),
+            orbit_positions(8, 4.0, 1.0, phase=0.4),
+            orbit_positions(4, 4.0, -0.4, phase=0.2),
+        ]
+    )
     c2w = torch.from_numpy(look_at(positions).astype(np.float32))
     focal = 0.5 * size / math.tan(0.5 * 0.7)
     origins, directions = camera_rays(c2w, size, size, focal)
@@ -278,9 +321,20 @@ def sphere_scene(centre=(0.4, -0.2, 0.1), radius=0.3, size=48) -> Scene:
     along = (to_centre * directions).sum(-1, keepdim=True)
     miss = (to_centre - along * directions).norm(dim=-1)
     alpha = ((miss < radius) & (along[..., 0] > 0)).to(torch.uint8) * 255
-    return Scene(images=torch.full((len(positions), size, size, 3), 255, dtype=torch.uint8), c2w=c2w, height=size,
-                 width=size, focal=focal, near=NEAR, far=6.0, bbox=BBOX, background=(1.0, 1.0, 1.0), split="train",
-                 names=[str(i) for i in range(len(positions))], alpha=alpha)
+    return Scene(
+        images=torch.full((len(positions), size, size, 3), 255, dtype=torch.uint8),
+        c2w=c2w,
+        height=size,
+        width=size,
+        focal=focal,
+        near=NEAR,
+        far=6.0,
+        bbox=BBOX,
+        background=(1.0, 1.0, 1.0),
+        split="train",
+        names=[str(i) for i in range(len(positions))],
+        alpha=alpha,
+    )
 
 
 def test_mask_hull_box_holds_the_object_and_little_else():

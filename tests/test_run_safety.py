@@ -1,6 +1,7 @@
-"""Runs that never lose work or mislead (issue 15): sweeps, finished run folders, write errors, stale
+"""Runs that never lose work or mislead: sweeps, finished run folders, write errors, stale
 temporary files, degenerate cameras, config gaps, exploding losses, memory and disk pre-flight checks,
 cross-device resume, train.log and render_only's own config copy. CPU, tiny scenes."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,14 +35,21 @@ def run_in_process(overrides: list[str], run_dir: Path) -> int:
 
 def test_a_sweep_runs_every_job_and_reports_the_failed_one(tmp_path, cache):
     sweep = tmp_path / "sweep"
-    args = ["-m"] + tiny_overrides(cache, 4)[:2] + [o for o in tiny_overrides(cache, 4)[3:]] + [
-        "train.iters=4,6", "model.grow_at=[0.3]", "train.turntable_frames=0", f"hydra.sweep.dir={sweep}"]
+    args = (
+        ["-m"]
+        + tiny_overrides(cache, 4)[:2]
+        + [o for o in tiny_overrides(cache, 4)[3:]]
+        + ["train.iters=4,6", "model.grow_at=[0.3]", "train.turntable_frames=0", f"hydra.sweep.dir={sweep}"]
+    )
     result = run_train(args, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert read_metrics(sweep / "0")["iters"] == 4 and read_metrics(sweep / "1")["iters"] == 6
     # a failing job (train.lr=-1 is refused) does not stop the next one; the exit code says something failed
-    failing = run_train(args[:-3] + ["train.lr=-1,0.1", "train.iters=4", "train.turntable_frames=0",
-                                     f"hydra.sweep.dir={tmp_path / 'sweep2'}"], timeout=300)
+    failing = run_train(
+        args[:-3]
+        + ["train.lr=-1,0.1", "train.iters=4", "train.turntable_frames=0", f"hydra.sweep.dir={tmp_path / 'sweep2'}"],
+        timeout=300,
+    )
     assert failing.returncode == 2
     assert "job #0 failed" in failing.stderr and "1 job(s) of the sweep failed" in failing.stderr
     assert (tmp_path / "sweep2" / "1" / "metrics.json").is_file()
@@ -112,16 +120,20 @@ def test_a_grid_too_big_for_memory_stops_before_any_work(tmp_path, cache):
 
 
 def test_config_gaps_are_named_in_their_own_group():
-    for override, message in [({"model": {"grow_at": [0.5, 0.2]}, "train": {"iters": 100}}, "model.grow_at: must be increasing"),
-                              ({"model": {"grow_at": [50, 200]}, "train": {"iters": 100}}, "model.grow_at: step 200"),
-                              ({"data": {"background": [1, 1]}}, "data.background"),
-                              ({"train": {"overwrite": "yes"}}, "train.overwrite")]:
+    for override, message in [
+        ({"model": {"grow_at": [0.5, 0.2]}, "train": {"iters": 100}}, "model.grow_at: must be increasing"),
+        ({"model": {"grow_at": [50, 200]}, "train": {"iters": 100}}, "model.grow_at: step 200"),
+        ({"data": {"background": [1, 1]}}, "data.background"),
+        ({"train": {"overwrite": "yes"}}, "train.overwrite"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             validate_config(OmegaConf.create(override))
 
 
-@pytest.mark.parametrize("rotation,message", [(np.zeros((3, 3)), "zero rotation block"),
-                                               (np.array([[1.0, 1.0, 0], [0, 1, 0], [0, 0, 1]]), "not orthonormal")])
+@pytest.mark.parametrize(
+    "rotation,message",
+    [(np.zeros((3, 3)), "zero rotation block"), (np.array([[1.0, 1.0, 0], [0, 1, 0], [0, 0, 1]]), "not orthonormal")],
+)
 def test_degenerate_cameras_are_refused_naming_the_frame(tmp_path, rotation, message):
     c2w = np.tile(np.eye(4), (2, 1, 1))
     c2w[:, 2, 3] = 4.0
@@ -164,7 +176,9 @@ def _png_16bit(path: Path, channels: int) -> None:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.parametrize("channels", [1, 3, 4])
@@ -185,6 +199,8 @@ def test_a_read_only_run_folder_is_refused_in_one_line_before_hydra_writes(tmp_p
     spec.loader.exec_module(entry)
     assert entry.read_only_run_dir([f"hydra.run.dir={tmp_path}", "render_only=true"]) is None
     real_access = entry.os.access
-    monkeypatch.setattr(entry.os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode))
+    monkeypatch.setattr(
+        entry.os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real_access(path, mode)
+    )
     message = entry.read_only_run_dir([f"hydra.run.dir={tmp_path}", "render_only=true"])
     assert message.startswith(f"error: hydra.run.dir: {tmp_path} is read-only")

@@ -1,5 +1,6 @@
 """End-to-end tests of train.py on a tiny synthetic scene: outputs, interruption and resume, render-only,
 config errors, NaN handling and the profile. Runs use ops=torch so they need no compiled kernels."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,22 @@ from training.checkpoint import load_checkpoint
 from training.config import ConfigError, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
-METRIC_KEYS = {"psnr", "ssim", "per_view", "iters", "train_seconds", "eval_seconds", "rays_per_second", "ops",
-               "device", "seed", "resolution", "torch", "date", "render_only"}
+METRIC_KEYS = {
+    "psnr",
+    "ssim",
+    "per_view",
+    "iters",
+    "train_seconds",
+    "eval_seconds",
+    "rays_per_second",
+    "ops",
+    "device",
+    "seed",
+    "resolution",
+    "torch",
+    "date",
+    "render_only",
+}
 N_TEST = 3
 
 
@@ -31,18 +46,35 @@ def scene_cache(tmp_path_factory) -> Path:
 def tiny_overrides(cache: Path, iters: int) -> list[str]:
     """A 16 px scene and a model small enough that a step takes milliseconds on a CPU."""
     return [
-        "ops=torch", "device=cpu", f"train.iters={iters}",
-        "data.resolution=16", "data.n_train=6", "data.n_val=2", f"data.n_test={N_TEST}", f"data.cache_dir={cache}",
-        "model.resolution_start=8", "model.resolution_end=12", "model.grow_at=[0.3]", "model.feature_dim=6",
-        "model.decoder_hidden=8", "model.decoder_layers=1", "model.max_samples=64", "model.tv_samples=256",
-        "model.occupancy.warmup=4", "model.occupancy.refresh_every=4",
-        "train.patch_size=4", "train.patches_per_batch=2", "train.log_every=2", "train.turntable_frames=3",
+        "ops=torch",
+        "device=cpu",
+        f"train.iters={iters}",
+        "data.resolution=16",
+        "data.n_train=6",
+        "data.n_val=2",
+        f"data.n_test={N_TEST}",
+        f"data.cache_dir={cache}",
+        "model.resolution_start=8",
+        "model.resolution_end=12",
+        "model.grow_at=[0.3]",
+        "model.feature_dim=6",
+        "model.decoder_hidden=8",
+        "model.decoder_layers=1",
+        "model.max_samples=64",
+        "model.tv_samples=256",
+        "model.occupancy.warmup=4",
+        "model.occupancy.refresh_every=4",
+        "train.patch_size=4",
+        "train.patches_per_batch=2",
+        "train.log_every=2",
+        "train.turntable_frames=3",
     ]
 
 
 def run_train(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def read_metrics(run_dir: Path) -> dict:
@@ -109,15 +141,23 @@ def wait_for(path: Path, process: subprocess.Popen, timeout: float) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGINT])
 def test_interrupted_run_resumes_to_the_same_result(tmp_path, scene_cache, signum):
     iters = 150
-    common = tiny_overrides(scene_cache, iters) + ["train.checkpoint_every=10", "train.log_every=10",
-                                                    "train.turntable_frames=0"]
+    common = tiny_overrides(scene_cache, iters) + [
+        "train.checkpoint_every=10",
+        "train.log_every=10",
+        "train.turntable_frames=0",
+    ]
     straight = tmp_path / "straight"
     result = run_train(common + [f"hydra.run.dir={straight}"])
     assert result.returncode == 0, result.stdout + result.stderr
 
     interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen([sys.executable, "train.py", *common, f"hydra.run.dir={interrupted}"], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "train.py", *common, f"hydra.run.dir={interrupted}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(interrupted / "checkpoints" / "last.pt", process, timeout=60)
         process.send_signal(signum)
@@ -174,9 +214,14 @@ def test_bad_config_fails_fast_in_one_line(tmp_path, overrides, key):
 
 @pytest.mark.parametrize(
     "override, key",
-    [("train.batch_rays=0", "train.batch_rays"), ("train.checkpoint_every=-1", "train.checkpoint_every"),
-     ("train.resume=maybe", "train.resume"), ("data.n_train=0", "data.n_train"), ("seed=-3", "seed"),
-     ("train.opacity_loss=-0.1", "train.opacity_loss")],
+    [
+        ("train.batch_rays=0", "train.batch_rays"),
+        ("train.checkpoint_every=-1", "train.checkpoint_every"),
+        ("train.resume=maybe", "train.resume"),
+        ("data.n_train=0", "data.n_train"),
+        ("seed=-3", "seed"),
+        ("train.opacity_loss=-0.1", "train.opacity_loss"),
+    ],
 )
 def test_validate_config_names_the_key(override, key):
     cfg = OmegaConf.merge(
@@ -213,8 +258,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, scene_cache
 
 
 def test_profile_writes_a_breakdown(tmp_path, scene_cache):
-    result = run_train(tiny_overrides(scene_cache, 6) + [f"hydra.run.dir={tmp_path}", "train.profile=true",
-                                                         "train.turntable_frames=0"])
+    result = run_train(
+        tiny_overrides(scene_cache, 6) + [f"hydra.run.dir={tmp_path}", "train.profile=true", "train.turntable_frames=0"]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["steps"] == 6 and report["step_ms"] > 0 and report["rays_per_second"] > 0
@@ -253,11 +299,20 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
     [
         ([], {"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"}),
         (["ops=torch"], {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}),
-        (["ops.upsample_bilinear2d=torch"], {"grid_interpolate": "custom", "upsample_bilinear2d": "torch", "gelu": "custom"}),
-        (["ops=torch", "ops.gelu=custom"], {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "custom"}),
+        (
+            ["ops.upsample_bilinear2d=torch"],
+            {"grid_interpolate": "custom", "upsample_bilinear2d": "torch", "gelu": "custom"},
+        ),
+        (
+            ["ops=torch", "ops.gelu=custom"],
+            {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "custom"},
+        ),
         # the keys' earlier names still work
         (["ops.trilinear=torch"], {"grid_interpolate": "torch", "upsample_bilinear2d": "custom", "gelu": "custom"}),
-        (["ops=torch", "ops.upsample=custom"], {"grid_interpolate": "torch", "upsample_bilinear2d": "custom", "gelu": "torch"}),
+        (
+            ["ops=torch", "ops.upsample=custom"],
+            {"grid_interpolate": "torch", "upsample_bilinear2d": "custom", "gelu": "torch"},
+        ),
     ],
 )
 def test_op_overrides_choose_each_backend(overrides, expected):
@@ -271,9 +326,15 @@ def test_op_overrides_choose_each_backend(overrides, expected):
     assert build_ops(cfg.ops).backends == expected
 
 
-@pytest.mark.parametrize("override, key", [("train.itres=5", "train.itres"), ("train.iters=abc", "train.iters"),
-                                           ("model.occupancy.warmpu=3", "model.occupancy.warmpu"),
-                                           ("data.n_train=many", "data.n_train")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.itres=5", "train.itres"),
+        ("train.iters=abc", "train.iters"),
+        ("model.occupancy.warmpu=3", "model.occupancy.warmpu"),
+        ("data.n_train=many", "data.n_train"),
+    ],
+)
 def test_typo_or_wrong_type_stops_in_hydra_naming_the_key(override, key):
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException

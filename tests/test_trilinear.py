@@ -2,9 +2,8 @@
 
 CPU tests always run; tests marked ``requires_cuda`` run the CUDA kernels (skipped without a GPU).
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import pytest
 import torch
@@ -49,8 +48,9 @@ def tutorial_trilinear_interpolation_py(feats: torch.Tensor, points: torch.Tenso
     b = v * (1 - w)
     c = (1 - v) * w
     d = v * w
-    return (1 - u) * (a * feats[:, 0] + b * feats[:, 1] + c * feats[:, 2] + d * feats[:, 3]) + \
-        u * (a * feats[:, 4] + b * feats[:, 5] + c * feats[:, 6] + d * feats[:, 7])
+    return (1 - u) * (a * feats[:, 0] + b * feats[:, 1] + c * feats[:, 2] + d * feats[:, 3]) + u * (
+        a * feats[:, 4] + b * feats[:, 5] + c * feats[:, 6] + d * feats[:, 7]
+    )
 
 
 def _swap_corners_1_2_and_5_6(feats: torch.Tensor) -> torch.Tensor:
@@ -76,12 +76,16 @@ def check_corner_order_is_the_tutorials(gen: torch.Generator, dtype: torch.dtype
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     for name, a, b in zip(["value", "grad_feats", "grad_points"], got, want):
         assert a.dtype == dtype and a.device == feats.device, name
-        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
 
     # These inputs tell the two orders apart: with corners 1<->2 and 5<->6 swapped (k = 4*iu + 2*iv + iw), the
     # value and the point gradient are far outside the tolerance (the feats gradient is the same swap of weights).
-    swapped = value_and_grads(tutorial_trilinear_interpolation_py, _swap_corners_1_2_and_5_6(feats.double()),
-                              points.double(), weights.double())
+    swapped = value_and_grads(
+        tutorial_trilinear_interpolation_py,
+        _swap_corners_1_2_and_5_6(feats.double()),
+        points.double(),
+        weights.double(),
+    )
     for a, b in [(swapped[0], want[0]), (swapped[2], want[2])]:
         assert (a - b).abs().max() > 1e3 * tol
 
@@ -206,8 +210,12 @@ def _bad_pair_inputs():
         ("points columns", good_feats, torch.rand(4, 2, dtype=f64), "points must have shape"),
         ("points ndim", good_feats, torch.rand(12, dtype=f64), "points must have shape"),
         ("N mismatch", good_feats, torch.rand(5, 3, dtype=f64), "points has N=5 rows but feats has N=4"),
-        ("integer feats", torch.ones(4, 8, 3, dtype=torch.int64), torch.ones(4, 3, dtype=torch.int64),
-         "feats must be float32 or float64"),
+        (
+            "integer feats",
+            torch.ones(4, 8, 3, dtype=torch.int64),
+            torch.ones(4, 3, dtype=torch.int64),
+            "feats must be float32 or float64",
+        ),
         ("mixed dtypes", good_feats, good_points.float(), "points and feats must have the same dtype"),
         ("half on CPU", good_feats.half(), good_points.half(), "feats must be float32 or float64 on the CPU"),
     ]
@@ -223,11 +231,14 @@ def test_bad_inputs_raise_naming_the_argument(case):
         OPS.trilinear_interpolate_backward(grad_out, feats, points, True, True)
 
 
-@pytest.mark.parametrize("grad_out,message", [
-    (torch.ones(4, 4, dtype=torch.float64), r"grad_out must have shape \(4, 3\)"),
-    (torch.ones(12, dtype=torch.float64), r"grad_out must have shape \(4, 3\)"),
-    (torch.ones(4, 3, dtype=torch.float32), "grad_out and feats must have the same dtype"),
-])
+@pytest.mark.parametrize(
+    "grad_out,message",
+    [
+        (torch.ones(4, 4, dtype=torch.float64), r"grad_out must have shape \(4, 3\)"),
+        (torch.ones(12, dtype=torch.float64), r"grad_out must have shape \(4, 3\)"),
+        (torch.ones(4, 3, dtype=torch.float32), "grad_out and feats must have the same dtype"),
+    ],
+)
 def test_bad_grad_out_raises(grad_out, message):
     feats, points = torch.randn(4, 8, 3, dtype=torch.float64), torch.rand(4, 3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=message):
@@ -273,8 +284,9 @@ def test_cuda_forward_and_backward_match_reference(gen, poison_cuda_cache, n, f,
 def test_cuda_backward_op_each_gradient_alone(gen, poison_cuda_cache, flags, f):
     feats, points = make_inputs(45, f, gen, torch.float32, "cuda")
     grad_out = torch.randn(45, f, generator=gen).cuda()
-    _, want_feats, want_points = grads_of(reference.trilinear_interpolate, feats.double(), points.double(),
-                                          grad_out.double())
+    _, want_feats, want_points = grads_of(
+        reference.trilinear_interpolate, feats.double(), points.double(), grad_out.double()
+    )
     poison_cuda_cache()
     grad_feats, grad_points = OPS.trilinear_interpolate_backward(grad_out, feats, points, *flags)
     for requested, got, want in [(flags[0], grad_feats, want_feats), (flags[1], grad_points, want_points)]:
@@ -290,8 +302,10 @@ def test_cuda_misaligned_and_non_contiguous_inputs(gen):
     feats, points = make_inputs(31, 16, gen, torch.float32, "cuda")
     grad_out = torch.randn(31, 16, generator=gen).cuda()
     want = grads_of(cuda_ext.trilinear_interpolate, feats, points, grad_out)
-    for variant in [(_misaligned(feats), _misaligned(points), _misaligned(grad_out)),
-                    (*_non_contiguous(feats, points), grad_out.t().contiguous().t())]:
+    for variant in [
+        (_misaligned(feats), _misaligned(points), _misaligned(grad_out)),
+        (*_non_contiguous(feats, points), grad_out.t().contiguous().t()),
+    ]:
         got = grads_of(cuda_ext.trilinear_interpolate, *variant)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -337,8 +351,9 @@ def test_cuda_gradcheck_and_opcheck(gen):
 def test_cuda_empty_inputs(gen):
     for n, f in [(0, 8), (5, 0)]:
         feats, points = make_inputs(n, f, gen, torch.float32, "cuda")
-        out, grad_feats, grad_points = grads_of(cuda_ext.trilinear_interpolate, feats, points,
-                                                torch.ones(n, f, device="cuda"))
+        out, grad_feats, grad_points = grads_of(
+            cuda_ext.trilinear_interpolate, feats, points, torch.ones(n, f, device="cuda")
+        )
         assert out.shape == (n, f) and grad_feats.shape == (n, 8, f)
         assert torch.equal(grad_points, torch.zeros(n, 3, device="cuda"))
 

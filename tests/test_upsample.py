@@ -1,9 +1,9 @@
 """cuda_ext.upsample_bilinear2d against F.interpolate: forward, gather backward, edge cases, bad input."""
+
 import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import cuda_ext
 from cuda_ext import reference
@@ -53,8 +53,16 @@ def test_forward_matches_interpolate_float64(shape, s, align):
 # Cases where every weight is a dyadic rational (s a power of two without align_corners; (in-1)/(out-1)
 # a power of two with it) and inputs are multiples of 1/8: every product and sum is exact in float64,
 # whatever the order or fusing of the arithmetic, so the result must equal F.interpolate bit for bit.
-EXACT_CASES = [((2, 3, 5, 7), 2, False), ((1, 2, 6, 1), 4, False), ((2, 2, 3, 11), 3, True),
-               ((1, 1, 3, 3), 3, True), ((1, 2, 1, 3), 3, True), ((2, 1, 1, 1), 4, True), ((2, 3, 4, 5), 1, False), ((2, 3, 4, 5), 1, True)]
+EXACT_CASES = [
+    ((2, 3, 5, 7), 2, False),
+    ((1, 2, 6, 1), 4, False),
+    ((2, 2, 3, 11), 3, True),
+    ((1, 1, 3, 3), 3, True),
+    ((1, 2, 1, 3), 3, True),
+    ((2, 1, 1, 1), 4, True),
+    ((2, 3, 4, 5), 1, False),
+    ((2, 3, 4, 5), 1, True),
+]
 
 
 @pytest.mark.parametrize("shape,s,align", EXACT_CASES)
@@ -77,12 +85,16 @@ def test_forward_float32(align):
     torch.testing.assert_close(ours(x, 3, align), ref(x, 3, align), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("make_view", [
-    lambda t: t.permute(0, 1, 3, 2),
-    lambda t: t[:, :, ::2, 1:],
-    lambda t: t.contiguous(memory_format=torch.channels_last),
-    lambda t: t.transpose(0, 1),
-], ids=["permuted", "sliced", "channels_last", "batch_channel_swapped"])
+@pytest.mark.parametrize(
+    "make_view",
+    [
+        lambda t: t.permute(0, 1, 3, 2),
+        lambda t: t[:, :, ::2, 1:],
+        lambda t: t.contiguous(memory_format=torch.channels_last),
+        lambda t: t.transpose(0, 1),
+    ],
+    ids=["permuted", "sliced", "channels_last", "batch_channel_swapped"],
+)
 @pytest.mark.parametrize("align", ALIGN)
 def test_non_contiguous_input(make_view, align):
     x = make_view(random_input((2, 3, 7, 6)))
@@ -108,7 +120,9 @@ def test_empty_input(shape, s):
 # ------------------------------------------------------------------------------------------ backward
 
 
-@pytest.mark.parametrize("shape,s,align", [(shape, s, align) for shape in SHAPES[:4] for s in SCALES for align in ALIGN])
+@pytest.mark.parametrize(
+    "shape,s,align", [(shape, s, align) for shape in SHAPES[:4] for s in SCALES for align in ALIGN]
+)
 def test_backward_matches_interpolate(shape, s, align):
     x = random_input(shape).requires_grad_(True)
     grad = random_input((shape[0], shape[1], shape[2] * s, shape[3] * s), seed=7)
@@ -201,10 +215,13 @@ def test_huge_size_raises():
         torch.ops.cuda_ext.upsample_bilinear2d(x, 4, False)  # the C++ check, for direct calls
 
 
-@pytest.mark.parametrize("grad_shape,match", [
-    ((1, 2, 8, 9), "grad_out must be \\(B, C, 8, 10\\)"),
-    ((2, 8, 10), "grad_out must be 4-D"),
-])
+@pytest.mark.parametrize(
+    "grad_shape,match",
+    [
+        ((1, 2, 8, 9), "grad_out must be \\(B, C, 8, 10\\)"),
+        ((2, 8, 10), "grad_out must be 4-D"),
+    ],
+)
 def test_backward_bad_grad_out(grad_shape, match):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.cuda_ext.upsample_bilinear2d_backward(torch.randn(grad_shape), 4, 5, 2, False)

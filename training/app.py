@@ -11,6 +11,7 @@ Run directory layout::
                           turntable.gif (or .mp4), training_curve.png
     train.log             the run's messages; profile.json with train.profile=true
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,9 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
     refuse_to_overwrite(cfg, paths)
     removed = remove_stale_temporaries(paths.checkpoint)
     if removed:
-        print(f"removed {removed} unfinished checkpoint file(s) left by an interrupted save in {paths.checkpoint.parent}")
+        print(
+            f"removed {removed} unfinished checkpoint file(s) left by an interrupted save in {paths.checkpoint.parent}"
+        )
     state = load_run_checkpoint(cfg, paths)
     if state is not None:  # the checkpoint's data and model config, typed again (it may predate a key)
         cfg = typed(config_from_checkpoint(cfg, state["config"]))
@@ -69,14 +72,25 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
     except ValueError as error:  # option checks of the loader / generator (SceneError is about the files)
         raise ConfigError(f"data: {error}") from None
     data_seconds = time.perf_counter() - data_start
-    print(f"data: {cfg.data.name} {train_scene.width}x{train_scene.height}, {train_scene.num_views} train / "
-          f"{eval_scene.num_views} {eval_scene.split} views ({data_seconds:.1f} s); device {describe_device(device)}; "
-          f"ops {ops.backends}")
+    print(
+        f"data: {cfg.data.name} {train_scene.width}x{train_scene.height}, {train_scene.num_views} train / "
+        f"{eval_scene.num_views} {eval_scene.split} views ({data_seconds:.1f} s); device {describe_device(device)}; "
+        f"ops {ops.backends}"
+    )
 
     extent = tuple(float(e) for e in (train_scene.bbox[1] - train_scene.bbox[0]).tolist())
     try:
-        run_preflight(paths.root, device, extent, int(cfg.model.resolution_end), int(cfg.model.feature_dim),
-                      eval_scene.num_views, eval_scene.height, eval_scene.width, training=not cfg.render_only)
+        run_preflight(
+            paths.root,
+            device,
+            extent,
+            int(cfg.model.resolution_end),
+            int(cfg.model.feature_dim),
+            eval_scene.num_views,
+            eval_scene.height,
+            eval_scene.width,
+            training=not cfg.render_only,
+        )
     except PreflightError as error:
         raise RunError(str(error)) from None
     trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, grid_box(cfg.data, train_scene))
@@ -88,9 +102,12 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
         if code != EXIT_OK:
             return code
     metrics = write_outputs(trainer, bool(cfg.render_only), data_seconds)
-    print(f"eval on {metrics['eval_views']} {metrics['eval_split']} views: PSNR {metrics['psnr']:.2f} dB "
-          f"(worst 10% of views {metrics['psnr_worst10']:.2f} dB), SSIM {metrics['ssim']:.4f}; {metrics['iters']} steps in {metrics['train_seconds']:.1f} s of training; "
-          f"wrote {paths.metrics}")
+    print(
+        f"eval on {metrics['eval_views']} {metrics['eval_split']} views: PSNR {metrics['psnr']:.2f} dB "
+        f"(worst 10% of views {metrics['psnr_worst10']:.2f} dB), SSIM {metrics['ssim']:.4f}; "
+        f"{metrics['iters']} steps in {metrics['train_seconds']:.1f} s of training; "
+        f"wrote {paths.metrics}"
+    )
     return EXIT_OK
 
 
@@ -150,4 +167,3 @@ def _run(cfg: DictConfig, run_dir: str | os.PathLike) -> int:
     except KeyboardInterrupt:
         print("error: interrupted (outside training: nothing to save)", file=sys.stderr)
         return 128 + 2
-

@@ -4,6 +4,7 @@ A checkpoint is a dict saved with ``torch.save``. Writes are atomic: the bytes g
 the destination folder, are flushed to disk, and only then renamed over the destination, so ``path``
 always holds either the previous checkpoint or the new one, whole, even if the process is killed.
 """
+
 from __future__ import annotations
 
 import os
@@ -147,12 +148,14 @@ def restore_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # a loader may have turned the tuple into a list
     numpy_state = state["numpy"]
-    np.random.set_state({
-        "bit_generator": numpy_state["bit_generator"],
-        "state": {"key": numpy_state["key"].cpu().numpy().astype(np.uint32), "pos": numpy_state["pos"]},
-        "has_gauss": numpy_state["has_gauss"],
-        "gauss": numpy_state["gauss"],
-    })
+    np.random.set_state(
+        {
+            "bit_generator": numpy_state["bit_generator"],
+            "state": {"key": numpy_state["key"].cpu().numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        }
+    )
     torch.set_rng_state(state["torch"].cpu())
     cuda_states = list(state.get("cuda") or [])
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -187,7 +190,7 @@ class InterruptGuard:
         self._interrupts = 0
         self._previous: dict[int, Any] | None = None
 
-    def __enter__(self) -> "InterruptGuard":
+    def __enter__(self) -> InterruptGuard:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("InterruptGuard must be entered from the main thread (signal handlers live there)")
         if self._previous is not None:

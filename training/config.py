@@ -6,12 +6,13 @@ Hydra enforces the schema while composing: an unknown key (``train.itres=5``) or
 :func:`validate_config` then checks values (ranges, choices, files) and raises :class:`ConfigError` whose one-line
 message starts with the key. No ``from __future__ import annotations``: OmegaConf reads field types at runtime.
 """
+
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -44,7 +45,7 @@ class DataConfig:
     name: str = MISSING
     root: Optional[str] = None
     downscale: int = 1
-    background: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    background: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     near: float = 2.0
     far: float = 6.0
     scene_box: float = 1.5
@@ -243,8 +244,14 @@ def _check_train(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.lr_decoder")
     _check_nonnegative_number(cfg, "train.lr_final_factor")
     _check_nonnegative_number(cfg, "train.opacity_loss")
-    for key in ("train.batch_rays", "train.patch_size", "train.patches_per_batch", "train.log_every", "train.render_chunk",
-                "train.turntable_max_side"):
+    for key in (
+        "train.batch_rays",
+        "train.patch_size",
+        "train.patches_per_batch",
+        "train.log_every",
+        "train.render_chunk",
+        "train.turntable_max_side",
+    ):
         _check_int(cfg, key, minimum=1, rule="> 0")
     for key in ("train.checkpoint_every", "train.eval_every", "train.eval_views", "train.turntable_frames"):
         _check_int(cfg, key, minimum=0)
@@ -269,7 +276,9 @@ def _check_schedule(cfg: DictConfig) -> None:
         raise ConfigError(f"model.grow_at: must be increasing (steps or fractions of train.iters), got {list(entries)}")
     late = [g for g, step in zip(entries, steps) if _is_int(g) and step >= iters]
     if late:
-        raise ConfigError(f"model.grow_at: step {late[0]} is not before train.iters={iters} (the growth would never happen)")
+        raise ConfigError(
+            f"model.grow_at: step {late[0]} is not before train.iters={iters} (the growth would never happen)"
+        )
 
 
 def _check_background(cfg: DictConfig) -> None:
@@ -283,8 +292,9 @@ def _check_background(cfg: DictConfig) -> None:
         values = list(value)
     except TypeError:
         values = []
-    if len(values) != 3 or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c <= 1
-                                   for c in values):
+    if len(values) != 3 or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c <= 1 for c in values
+    ):
         raise ConfigError(f"data.background: must be 3 numbers in [0, 1] (RGB), got {value!r}")
 
 
@@ -319,7 +329,8 @@ def validate_config(cfg: DictConfig | Mapping) -> None:
     """Raise :class:`ConfigError` (one line, naming the key) for the first unusable setting in ``cfg``.
 
     Checked when present (a missing key is left to the caller's defaults): ``device`` in auto|cpu|cuda
-    (cuda needs a visible GPU), ``seed`` an integer in [0, 2**32) or null, ``ops.{grid_interpolate,upsample_bilinear2d,gelu}``
+    (cuda needs a visible GPU), ``seed`` an integer in [0, 2**32) or null,
+    ``ops.{grid_interpolate,upsample_bilinear2d,gelu}``
     in custom|torch, ``train.iters`` > 0, ``train.lr`` and ``train.lr_decoder`` >= 0, ``data.name`` in
     synthetic|blender, ``data.root`` an existing folder with transforms_*.json when data.name=blender,
     ``data.downscale`` an integer >= 1 (and the synthetic scene's sizes), ``render_only`` a bool, and the

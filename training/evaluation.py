@@ -1,5 +1,6 @@
 """Evaluation and the run's outputs: held-out PSNR / SSIM (mean and worst 10% of views), the renders, the
 turntable, the training curve and metrics.json."""
+
 from __future__ import annotations
 
 import datetime
@@ -44,11 +45,11 @@ def orbit_cameras(c2w: torch.Tensor, count: int) -> torch.Tensor:
     return torch.from_numpy(look_at(orbit_positions(count, radius, elevation)).astype(np.float32))
 
 
-
 @torch.no_grad()
 def render(trainer: Trainer, c2w: torch.Tensor) -> dict[str, torch.Tensor]:
     scene = trainer.eval_scene
     return trainer.model.render_image(c2w, scene.height, scene.width, scene.focal, chunk=trainer.train_cfg.render_chunk)
+
 
 @torch.no_grad()
 def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: ThreadPoolExecutor | None = None) -> dict:
@@ -61,17 +62,33 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
     for view in views:
         out = render(trainer, scene.c2w[view])
         target = scene.images[view].float() / 255.0
-        per_view.append({"view": view, "name": scene.names[view],
-                         "psnr": psnr(out["rgb"], target), "ssim": ssim(out["rgb"], target)})
+        per_view.append(
+            {
+                "view": view,
+                "name": scene.names[view],
+                "psnr": psnr(out["rgb"], target),
+                "ssim": ssim(out["rgb"], target),
+            }
+        )
         if write_images:
             if writer is None:
                 raise ValueError("evaluate: write_images=True needs a writer (a ThreadPoolExecutor)")
             pred, gt = out["rgb"].cpu().numpy(), target.cpu().numpy()
-            depth = torch.where(out["opacity"] > 0.5, out["depth"] / out["opacity"].clamp_min(1e-6),
-                                torch.full_like(out["depth"], float("nan"))).cpu().numpy()
+            depth = (
+                torch.where(
+                    out["opacity"] > 0.5,
+                    out["depth"] / out["opacity"].clamp_min(1e-6),
+                    torch.full_like(out["depth"], float("nan")),
+                )
+                .cpu()
+                .numpy()
+            )
             stem = trainer.paths.renders / f"{view:03d}"
-            for name, image in (("pred", to_uint8(pred)), ("compare", comparison_image(gt, pred)),
-                                ("depth", colorize_depth(depth, scene.near, scene.far))):
+            for name, image in (
+                ("pred", to_uint8(pred)),
+                ("compare", comparison_image(gt, pred)),
+                ("depth", colorize_depth(depth, scene.near, scene.far)),
+            ):
                 path = f"{stem}_{name}.png"
                 trainer.pending_writes.append((path, writer.submit(iio.imwrite, path, image)))
     sync(trainer.device)
@@ -87,6 +104,7 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
         "seconds": time.perf_counter() - start,
     }
 
+
 def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> dict:
     """Final evaluation on every eval view, renders, turntable, curve and metrics.json; returns the metrics.
 
@@ -100,8 +118,14 @@ def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> d
             files_start = time.perf_counter()
             render_turntable(trainer)
             if len(trainer.history["step"]) >= 1:
-                plot_curve(trainer.history["step"], trainer.history["psnr"], trainer.paths.renders / "training_curve.png",
-                           title="training PSNR (batch)", ylabel="PSNR (dB)", xlabel="step")
+                plot_curve(
+                    trainer.history["step"],
+                    trainer.history["psnr"],
+                    trainer.paths.renders / "training_curve.png",
+                    title="training PSNR (batch)",
+                    ylabel="PSNR (dB)",
+                    xlabel="step",
+                )
         for path, future in trainer.pending_writes:
             if future.exception() is not None:
                 raise RunError(f"cannot write the render {path}: {write_error(future.exception())}")
@@ -111,6 +135,7 @@ def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> d
     except OSError as error:
         raise RunError(f"cannot write the run's outputs in {trainer.paths.root}: {write_error(error)}") from None
     return metrics
+
 
 @torch.no_grad()
 def render_turntable(trainer: Trainer) -> Path | None:
@@ -124,10 +149,15 @@ def render_turntable(trainer: Trainer) -> Path | None:
     height, width = (max(scale, side // shrink // scale * scale) for side in (scene.height, scene.width))
     focal = scene.focal * width / scene.width
     frames = [
-        to_uint8(trainer.model.render_image(c2w, height, width, focal, chunk=trainer.train_cfg.render_chunk)["rgb"].cpu().numpy())
+        to_uint8(
+            trainer.model.render_image(c2w, height, width, focal, chunk=trainer.train_cfg.render_chunk)["rgb"]
+            .cpu()
+            .numpy()
+        )
         for c2w in orbit_cameras(scene.c2w, count)
     ]
     return write_turntable(frames, trainer.paths.renders / "turntable.mp4", fps=20.0)
+
 
 def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds: float, files_seconds: float) -> dict:
     seconds = max(trainer.train_seconds, 1e-9)
@@ -160,4 +190,3 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-

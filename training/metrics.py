@@ -3,6 +3,7 @@
 Both take float images in [0, 1] (tensors or arrays, any device) and compute in float64, so the numbers
 do not depend on the precision the model rendered in.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,14 +54,18 @@ def psnr(pred: torch.Tensor | np.ndarray, target: torch.Tensor | np.ndarray) -> 
     return math.inf if mse == 0.0 else -10.0 * math.log10(mse)
 
 
-def gaussian_window(size: int = SSIM_WINDOW, sigma: float = SSIM_SIGMA, dtype=torch.float64, device=None) -> torch.Tensor:
+def gaussian_window(
+    size: int = SSIM_WINDOW, sigma: float = SSIM_SIGMA, dtype=torch.float64, device=None
+) -> torch.Tensor:
     """(size,) normalised 1-D Gaussian, centred on the middle tap (``size`` odd)."""
     offsets = torch.arange(size, dtype=dtype, device=device) - (size - 1) / 2
     weights = torch.exp(-0.5 * (offsets / sigma) ** 2)
     return weights / weights.sum()
 
 
-def ssim_map(pred: torch.Tensor | np.ndarray, target: torch.Tensor | np.ndarray, data_range: float = 1.0) -> torch.Tensor:
+def ssim_map(
+    pred: torch.Tensor | np.ndarray, target: torch.Tensor | np.ndarray, data_range: float = 1.0
+) -> torch.Tensor:
     """Per-pixel SSIM, (H-10, W-10, C) float64: 11x11 Gaussian window (sigma 1.5), 'valid' filtering, no padding.
 
     pred, target: (H, W, C) float images, H and W at least 11. Local variances are clipped at 0 and the

@@ -1,5 +1,6 @@
 """Checks made before a run does any work: the run folder is writable, its disk can hold two checkpoints and
 the renders, and the final grids fit the device's memory. Each failure is one line naming the setting or path."""
+
 from __future__ import annotations
 
 import math
@@ -56,9 +57,11 @@ def check_memory(device: torch.device, voxels: int, feature_dim: int, resolution
     have = device_memory_bytes(device)
     if need > 0.9 * have:
         raise ConfigError(
-            f"model.resolution_end: {resolution} means grids of {voxels / 1e6:.0f}M voxels x {1 + feature_dim} channels, "
+            f"model.resolution_end: {resolution} means grids of {voxels / 1e6:.0f}M voxels "
+            f"x {1 + feature_dim} channels, "
             f"about {need / GIB:.1f} GiB while training (values, gradients, Adam state), but {device} has "
-            f"{have / GIB:.1f} GiB available; lower model.resolution_end or model.feature_dim")
+            f"{have / GIB:.1f} GiB available; lower model.resolution_end or model.feature_dim"
+        )
 
 
 def check_writable(folder: Path) -> None:
@@ -68,8 +71,9 @@ def check_writable(folder: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
             pass
     except OSError as error:
-        raise PreflightError(f"hydra.run.dir: {folder} is not writable ({error.strerror or error}); "
-                             "choose another hydra.run.dir") from None
+        raise PreflightError(
+            f"hydra.run.dir: {folder} is not writable ({error.strerror or error}); choose another hydra.run.dir"
+        ) from None
 
 
 def check_disk(folder: Path, need: int) -> None:
@@ -77,7 +81,8 @@ def check_disk(folder: Path, need: int) -> None:
     if need > free:
         raise PreflightError(
             f"hydra.run.dir: {folder} has {free / GIB:.2f} GiB free but the run needs about {need / GIB:.2f} GiB "
-            "(two checkpoints during an atomic save, and the renders); free some space or choose another hydra.run.dir")
+            "(two checkpoints during an atomic save, and the renders); free some space or choose another hydra.run.dir"
+        )
 
 
 def render_bytes(views: int, height: int, width: int) -> int:
@@ -85,8 +90,17 @@ def render_bytes(views: int, height: int, width: int) -> int:
     return views * height * width * 3 * 5
 
 
-def run_preflight(folder: Path, device: torch.device, extent: tuple[float, float, float], resolution: int,
-                  feature_dim: int, eval_views: int, height: int, width: int, training: bool) -> None:
+def run_preflight(
+    folder: Path,
+    device: torch.device,
+    extent: tuple[float, float, float],
+    resolution: int,
+    feature_dim: int,
+    eval_views: int,
+    height: int,
+    width: int,
+    training: bool,
+) -> None:
     """Every check, cheapest first. ``training``: False for render_only (no checkpoint is written)."""
     check_writable(folder)
     voxels = grid_voxels(extent, resolution)
@@ -97,5 +111,13 @@ def run_preflight(folder: Path, device: torch.device, extent: tuple[float, float
     check_disk(folder, need)
 
 
-__all__ = ["PreflightError", "run_preflight", "grid_voxels", "training_bytes", "checkpoint_bytes", "check_memory",
-           "check_writable", "check_disk"]
+__all__ = [
+    "PreflightError",
+    "run_preflight",
+    "grid_voxels",
+    "training_bytes",
+    "checkpoint_bytes",
+    "check_memory",
+    "check_writable",
+    "check_disk",
+]

@@ -5,13 +5,15 @@ the region that launched them. That slows training down, which is why the traine
 profiler when asked: a disabled one hands out a shared no-op context and leaves ops and modules untouched.
 Regions may nest; each records its inclusive time, and :meth:`StepProfiler.report` derives exclusive parts.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
 from collections import defaultdict
-from typing import Callable, Iterator
+from collections.abc import Iterator
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -75,7 +77,7 @@ class StepProfiler:
         return timed
 
     def instrument_ops(self, ops: OpSet) -> OpSet:
-        """An OpSet whose forward calls are timed (grid_interpolate, upsample_bilinear2d, gelu); unchanged when disabled."""
+        """An OpSet whose forward calls are timed (grid_interpolate, upsample_bilinear2d, gelu); as is when off."""
         if not self.enabled:
             return ops
         return dataclasses.replace(
@@ -140,8 +142,10 @@ class StepProfiler:
     @staticmethod
     def format(report: dict) -> str:
         """A small text table of :meth:`report`."""
-        lines = [f"profile over {report['steps']} steps: {report['step_ms']:.2f} ms/step, "
-                 f"{report['rays_per_second']:,.0f} rays/s"]
+        lines = [
+            f"profile over {report['steps']} steps: {report['step_ms']:.2f} ms/step, "
+            f"{report['rays_per_second']:,.0f} rays/s"
+        ]
         for name, ms in report["per_step_ms"].items():
             lines.append(f"  {name:<15} {ms:9.3f} ms  {100.0 * report['share'][name]:5.1f} %")
         return "\n".join(lines)

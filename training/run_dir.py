@@ -1,5 +1,6 @@
 """A run's folder: where its files live, atomic writes, and the rules that protect a finished run
 (no silent overwrite; resume and render_only need a checkpoint and take its data and model config)."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ from training.checkpoint import CheckpointError, load_checkpoint
 
 class RunError(RuntimeError):
     """An expected failure whose one-line message is shown to the user as is."""
-
 
 
 def write_error(error: BaseException) -> str:
@@ -67,11 +67,14 @@ def config_from_checkpoint(cfg: DictConfig, saved: dict) -> DictConfig:
     if current["data"].get("root") and merged["data"].get("name") == current["data"].get("name"):
         merged["data"]["root"] = current["data"]["root"]
     for group in ("data", "model"):
-        changed = sorted(k for k in set(current[group]) | set(merged[group])
-                         if current[group].get(k) != merged[group].get(k))
+        changed = sorted(
+            k for k in set(current[group]) | set(merged[group]) if current[group].get(k) != merged[group].get(k)
+        )
         if changed:
-            print(f"note: using the checkpoint's {group} config (differs from this command at "
-                  f"{', '.join(f'{group}.{k}' for k in changed)})")
+            print(
+                f"note: using the checkpoint's {group} config (differs from this command at "
+                f"{', '.join(f'{group}.{k}' for k in changed)})"
+            )
     return OmegaConf.create(merged)
 
 
@@ -98,7 +101,7 @@ def refuse_to_overwrite(cfg: DictConfig, paths: RunPaths) -> None:
     existing = [p for p in (paths.checkpoint, paths.metrics) if p.exists()]
     if existing:
         names = " and ".join(str(p.relative_to(paths.root)) for p in existing)
-        raise RunError(f"hydra.run.dir: {paths.root} already holds a run ({names}); pass train.resume=true to continue "
-                       "it, train.overwrite=true to replace it, or choose another hydra.run.dir")
-
-
+        raise RunError(
+            f"hydra.run.dir: {paths.root} already holds a run ({names}); pass train.resume=true to continue "
+            "it, train.overwrite=true to replace it, or choose another hydra.run.dir"
+        )

@@ -1,4 +1,5 @@
 """Run set-up that depends on the machine and the scene: the device, the seeds, and the scene splits."""
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,12 @@ def scene_root(data_cfg: DictConfig) -> Path:
         return Path(data_cfg.root).expanduser()
     cache = Path(data_cfg.cache_dir).expanduser() if data_cfg.get("cache_dir") else DEFAULT_CACHE
     return ensure_synthetic_scene(
-        cache, resolution=data_cfg.resolution, n_train=data_cfg.n_train, n_val=data_cfg.n_val,
-        n_test=data_cfg.n_test, seed=data_cfg.scene_seed,
+        cache,
+        resolution=data_cfg.resolution,
+        n_train=data_cfg.n_train,
+        n_val=data_cfg.n_val,
+        n_test=data_cfg.n_test,
+        seed=data_cfg.scene_seed,
     )
 
 
@@ -56,14 +61,15 @@ def load_scenes(data_cfg: DictConfig, device: torch.device) -> tuple[Scene, Scen
     """(train, eval) splits on ``device``; eval is the test split when present, else val."""
     root = scene_root(data_cfg)
     options = dict(
-        downscale=data_cfg.downscale, background=tuple(data_cfg.background), near=data_cfg.near,
-        far=data_cfg.far, scene_box=data_cfg.scene_box,
+        downscale=data_cfg.downscale,
+        background=tuple(data_cfg.background),
+        near=data_cfg.near,
+        far=data_cfg.far,
+        scene_box=data_cfg.scene_box,
     )
     train = load_blender(root, "train", **options)
     evaluation = load_blender(root, eval_split(root), **options)
     return train.to(device), evaluation.to(device)
-
-
 
 
 def grid_box(data_cfg: DictConfig, train_scene: Scene) -> torch.Tensor | None:
@@ -74,6 +80,8 @@ def grid_box(data_cfg: DictConfig, train_scene: Scene) -> torch.Tensor | None:
         print("note: data.tight_box: the training images have no alpha; the grids use the whole scene box")
         return None
     box = mask_hull_box(train_scene).cpu()
-    print(f"grid box from the training masks (data.tight_box): {[round(v, 3) for v in box[0].tolist()]} .. "
-          f"{[round(v, 3) for v in box[1].tolist()]}")
+    print(
+        f"grid box from the training masks (data.tight_box): {[round(v, 3) for v in box[0].tolist()]} .. "
+        f"{[round(v, 3) for v in box[1].tolist()]}"
+    )
     return box

@@ -1,5 +1,6 @@
 """The training loop of one run: :class:`Trainer` owns the model, the optimiser, the batch sampler and the
 run's counters; it steps, logs, evaluates periodically, and saves and restores checkpoints."""
+
 from __future__ import annotations
 
 import math
@@ -35,11 +36,9 @@ LOSS_LIMIT = 1e3  # colours live in [0, 1]: a loss this large (PSNR -30 dB) is a
 ADAM_BETAS = (0.9, 0.99)  # DirectVoxGO's: a shorter second-moment memory suits grids whose voxels see rays rarely
 
 
-
 def learning_rate_factor(step: int, total_steps: int, final_factor: float) -> float:
     """Exponential decay from 1 at step 0 to ``final_factor`` (>= 0) at ``total_steps``."""
     return final_factor ** (min(step, total_steps) / max(total_steps, 1))
-
 
 
 def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -56,7 +55,6 @@ def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(opacity, alpha)
 
 
-
 class Trainer:
     """Owns the model, optimiser, sampler and bookkeeping of one run.
 
@@ -70,8 +68,17 @@ class Trainer:
         grid_box: optional (2, 3) box the grids start on (``data.tight_box``: the masks' visual hull).
     """
 
-    def __init__(self, cfg: DictConfig, paths: RunPaths, device: torch.device, ops: OpSet,
-                 train_scene: Scene, eval_scene: Scene, seed: int, grid_box: torch.Tensor | None = None):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        paths: RunPaths,
+        device: torch.device,
+        ops: OpSet,
+        train_scene: Scene,
+        eval_scene: Scene,
+        seed: int,
+        grid_box: torch.Tensor | None = None,
+    ):
         self.cfg, self.train_cfg = cfg, cfg.train
         self.paths, self.device, self.seed = paths, device, seed
         self.train_scene, self.eval_scene = train_scene, eval_scene
@@ -79,8 +86,14 @@ class Trainer:
         self.profiler = StepProfiler(device, bool(cfg.train.profile))
         self.ops = ops
         model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-        self.model = VoxelNeRF(train_scene.bbox.cpu(), train_scene.near, train_scene.far, model_cfg,
-                               self.profiler.instrument_ops(ops), grid_box=grid_box).to(device)
+        self.model = VoxelNeRF(
+            train_scene.bbox.cpu(),
+            train_scene.near,
+            train_scene.far,
+            model_cfg,
+            self.profiler.instrument_ops(ops),
+            grid_box=grid_box,
+        ).to(device)
         self.profiler.instrument_module(self.model.decoder, "decoder")
         self._check_image_sizes()
         self.generator = torch.Generator(device=device)
@@ -112,8 +125,13 @@ class Trainer:
         if self.model.upsample == 1:
             return RaySampler(self.train_scene, self.train_cfg.batch_rays, self.generator)
         try:
-            return PatchSampler(self.train_scene, self.train_cfg.patch_size, self.model.upsample,
-                                self.train_cfg.patches_per_batch, self.generator)
+            return PatchSampler(
+                self.train_scene,
+                self.train_cfg.patch_size,
+                self.model.upsample,
+                self.train_cfg.patches_per_batch,
+                self.generator,
+            )
         except ValueError as error:
             raise ConfigError(f"train.patch_size: {error}") from None
 
@@ -121,8 +139,9 @@ class Trainer:
         groups = self.model.param_groups(float(self.train_cfg.lr), float(self.train_cfg.lr_decoder))
         for group in groups:
             group["initial_lr"] = group["lr"]
-        return torch.optim.Adam(groups, betas=ADAM_BETAS, eps=float(self.train_cfg.get("adam_eps", 1e-8)),
-                                fused=self.device.type == "cuda")
+        return torch.optim.Adam(
+            groups, betas=ADAM_BETAS, eps=float(self.train_cfg.get("adam_eps", 1e-8)), fused=self.device.type == "cuda"
+        )
 
     def _rebuild_optimizer(self) -> None:
         """New Adam over the model's current parameters, keeping the moments of parameters that survived."""
@@ -199,8 +218,15 @@ class Trainer:
             self.sampler = self._build_sampler()
         self.model.train()
         self.profiler.recording = True
-        bar = tqdm(total=self.iters, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=0.5, file=sys.stdout)
+        bar = tqdm(
+            total=self.iters,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.5,
+            file=sys.stdout,
+        )
         code = EXIT_OK
         with InterruptGuard() as guard:
             sync(self.device)
@@ -221,9 +247,14 @@ class Trainer:
                     window_start, window_rays, window_samples = now, self.rays_done, self.samples_done
                     batch_psnr = -10.0 * math.log10(max(mse_value, 1e-12))
                     self._record(step, loss_value, batch_psnr)
-                    bar.set_postfix(loss=f"{loss_value:.4f}", psnr=f"{batch_psnr:.2f}",
-                                    rays_s=f"{rays_per_second:,.0f}", grid=self.model.resolution,
-                                    spr=f"{samples_per_ray:.0f}", refresh=False)
+                    bar.set_postfix(
+                        loss=f"{loss_value:.4f}",
+                        psnr=f"{batch_psnr:.2f}",
+                        rays_s=f"{rays_per_second:,.0f}",
+                        grid=self.model.resolution,
+                        spr=f"{samples_per_ray:.0f}",
+                        refresh=False,
+                    )
                     bar.update(step - bar.n)
                 periodic_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.iters
                 periodic_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < self.iters
@@ -237,9 +268,11 @@ class Trainer:
                         break
                 if guard.requested:
                     bar.close()
-                    print(f"interrupted by {guard.signum.name} at step {step}/{self.iters}: checkpoint saved to "
-                          f"{self.paths.checkpoint}; continue with train.resume=true and the same hydra.run.dir",
-                          file=sys.stderr)
+                    print(
+                        f"interrupted by {guard.signum.name} at step {step}/{self.iters}: checkpoint saved to "
+                        f"{self.paths.checkpoint}; continue with train.resume=true and the same hydra.run.dir",
+                        file=sys.stderr,
+                    )
                     self.profiler.recording = False
                     return guard.exit_code
                 if periodic_eval:
@@ -268,12 +301,17 @@ class Trainer:
         self.history["psnr"].append(batch_psnr)
 
     def _diverged(self, step: int, loss: float) -> int:
-        kept = (f"the last good checkpoint (step {self.last_saved_step}) is kept at {self.paths.checkpoint}"
-                if self.last_saved_step is not None else "no checkpoint was written")
+        kept = (
+            f"the last good checkpoint (step {self.last_saved_step}) is kept at {self.paths.checkpoint}"
+            if self.last_saved_step is not None
+            else "no checkpoint was written"
+        )
         kind = "exploding" if math.isfinite(loss) else "not finite"
-        print(f"error: training diverged: loss is {loss} at step {step} ({kind}); stopped, {kept} "
-              "(likely cause: a learning rate too high for this scene: try a lower train.lr / train.lr_decoder)",
-              file=sys.stderr)
+        print(
+            f"error: training diverged: loss is {loss} at step {step} ({kind}); stopped, {kept} "
+            "(likely cause: a learning rate too high for this scene: try a lower train.lr / train.lr_decoder)",
+            file=sys.stderr,
+        )
         return EXIT_DIVERGED
 
     def _periodic_eval(self) -> None:
@@ -282,11 +320,19 @@ class Trainer:
             return
         views = np.linspace(0, self.eval_scene.num_views - 1, count).round().astype(int).tolist()
         result = evaluation.evaluate(self, sorted(set(views)), write_images=False)
-        entry = {"step": self.step, "train_seconds": self.train_seconds, "psnr": result["psnr"], "ssim": result["ssim"],
-                 "psnr_worst10": result["psnr_worst10"]}
+        entry = {
+            "step": self.step,
+            "train_seconds": self.train_seconds,
+            "psnr": result["psnr"],
+            "ssim": result["ssim"],
+            "psnr_worst10": result["psnr_worst10"],
+        }
         self.eval_history.append(entry)
-        tqdm.write(f"eval @ step {self.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
-                   f"({len(views)} views, {self.train_seconds:.1f} s of training)", file=sys.stdout)
+        tqdm.write(
+            f"eval @ step {self.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
+            f"({len(views)} views, {self.train_seconds:.1f} s of training)",
+            file=sys.stdout,
+        )
 
     # ---------------------------------------------------------------- checkpoints
     def _parameters_finite(self) -> bool:
@@ -306,31 +352,39 @@ class Trainer:
         try:
             self._write_checkpoint()
         except (OSError, RuntimeError) as error:
-            kept = (f"the previous checkpoint (step {self.last_saved_step}) is kept" if self.last_saved_step is not None
-                    else "no earlier checkpoint exists")
-            raise RunError(f"cannot write the checkpoint {self.paths.checkpoint}: {write_error(error)}; {kept}") from None
+            kept = (
+                f"the previous checkpoint (step {self.last_saved_step}) is kept"
+                if self.last_saved_step is not None
+                else "no earlier checkpoint exists"
+            )
+            raise RunError(
+                f"cannot write the checkpoint {self.paths.checkpoint}: {write_error(error)}; {kept}"
+            ) from None
         self.last_saved_step = self.step
         self.checkpoint_seconds += time.perf_counter() - start
 
     def _write_checkpoint(self) -> None:
-        save_checkpoint(self.paths.checkpoint, {
-            "format": CHECKPOINT_FORMAT,
-            "step": self.step,
-            "iters": self.iters,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rng": capture_rng_state(),
-            "sampler_generator": self.generator.get_state(),
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
-            "history": self.history,
-            "eval_history": self.eval_history,
-            "train_seconds": self.train_seconds,
-            "rays": self.rays_done,
-            "pixels": self.pixels_done,
-            "samples": self.samples_done,
-            "checkpoint_seconds": self.checkpoint_seconds,
-            "seed": self.seed,
-        })
+        save_checkpoint(
+            self.paths.checkpoint,
+            {
+                "format": CHECKPOINT_FORMAT,
+                "step": self.step,
+                "iters": self.iters,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "rng": capture_rng_state(),
+                "sampler_generator": self.generator.get_state(),
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
+                "history": self.history,
+                "eval_history": self.eval_history,
+                "train_seconds": self.train_seconds,
+                "rays": self.rays_done,
+                "pixels": self.pixels_done,
+                "samples": self.samples_done,
+                "checkpoint_seconds": self.checkpoint_seconds,
+                "seed": self.seed,
+            },
+        )
 
     def restore(self, state: dict, with_training_state: bool) -> None:
         """Load a checkpoint's model (any grid resolution); with ``with_training_state`` also the optimiser,
@@ -366,7 +420,9 @@ class Trainer:
             self.generator.set_state(generator_state)
         else:  # written on another device type (CPU and CUDA generators keep different states): reseed
             self.generator.manual_seed(self.seed + self.step)
-            print(f"note: the checkpoint's batch sampler state is from another device type; resampling from seed "
-                  f"{self.seed} + step {self.step}")
+            print(
+                f"note: the checkpoint's batch sampler state is from another device type; resampling from seed "
+                f"{self.seed} + step {self.step}"
+            )
 
     # ---------------------------------------------------------------- evaluation

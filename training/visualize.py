@@ -3,12 +3,13 @@
 Everything is rasterised with numpy (text glyphs come from Pillow's built-in font) and written with
 imageio, so no plotting library is needed.
 """
+
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import imageio.v3 as iio
 import numpy as np
@@ -17,14 +18,16 @@ from PIL import Image, ImageDraw, ImageFont
 
 # Turbo colormap as a degree-5 polynomial per channel (coefficients of t^0..t^5): the published
 # polynomial fit to Google's Turbo (a perceptual rainbow: dark blue -> cyan -> yellow -> dark red).
-_TURBO_COEFFS = np.array([
-    [0.13572138, 0.09140261, 0.10667330],
-    [4.61539260, 2.19418839, 12.64194608],
-    [-42.66032258, 4.84296658, -60.58204836],
-    [132.13108234, -14.18503333, 110.36276771],
-    [-152.94239396, 4.27729857, -89.90310912],
-    [59.28637943, 2.82956604, 27.34824973],
-])
+_TURBO_COEFFS = np.array(
+    [
+        [0.13572138, 0.09140261, 0.10667330],
+        [4.61539260, 2.19418839, 12.64194608],
+        [-42.66032258, 4.84296658, -60.58204836],
+        [132.13108234, -14.18503333, 110.36276771],
+        [-152.94239396, 4.27729857, -89.90310912],
+        [59.28637943, 2.82956604, 27.34824973],
+    ]
+)
 
 _INVALID_COLOR = np.zeros(3, np.uint8)  # depth pixels that are NaN or infinite are painted black
 
@@ -226,7 +229,9 @@ def _polyline_pixels(px: np.ndarray, py: np.ndarray) -> tuple[np.ndarray, np.nda
     pairs = good[:-1] & good[1:]
     start = np.stack([px[:-1][pairs], py[:-1][pairs]], axis=1)
     delta = np.stack([px[1:][pairs], py[1:][pairs]], axis=1) - start
-    samples = np.ceil(np.abs(delta).max(axis=1, initial=0.0)).astype(np.int64) + 1 if len(delta) else np.zeros(0, np.int64)
+    samples = (
+        np.ceil(np.abs(delta).max(axis=1, initial=0.0)).astype(np.int64) + 1 if len(delta) else np.zeros(0, np.int64)
+    )
     segment = np.repeat(np.arange(len(samples)), samples)
     index = np.arange(segment.size) - np.repeat(np.cumsum(samples) - samples, samples)
     t = index / np.maximum(samples[segment] - 1, 1)

@@ -11,6 +11,7 @@ raised from libtorch below an extension frame; a TORCH_CHECK caught inside the e
 
 Writes every (variant, probe, environment) outcome and the process's loaded unwinder libraries.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,9 +102,19 @@ TORCH_LIBRARY(LIBNAME, m) { m.def("check(Tensor x) -> Tensor"); }
 TORCH_LIBRARY_IMPL(LIBNAME, CPU, m) { m.impl("check", &dispatcher_check); }
 """
 
-FUNCTIONS = ["install_handler", "throw_runtime", "torch_check", "c10_backtrace", "glibc_backtrace",
-             "unwind_backtrace", "torch_error_below", "caught_inside", "check_sizes", "str_sizes",
-             "check_dtype_device"]
+FUNCTIONS = [
+    "install_handler",
+    "throw_runtime",
+    "torch_check",
+    "c10_backtrace",
+    "glibc_backtrace",
+    "unwind_backtrace",
+    "torch_error_below",
+    "caught_inside",
+    "check_sizes",
+    "str_sizes",
+    "check_dtype_device",
+]
 TENSOR_PROBES = {"check_sizes", "str_sizes", "check_dtype_device"}
 PROBES = FUNCTIONS[1:] + ["dispatcher_check"]
 
@@ -132,6 +143,7 @@ def loaded_libstdcxx() -> str:
                 return os.path.realpath(path)
     return ""
 
+
 ENVIRONMENTS = {
     "plain": {},
     "show_cpp_stacktraces": {"TORCH_SHOW_CPP_STACKTRACES": "1"},
@@ -151,9 +163,15 @@ def build(variant: tuple[str, list[str], list[str]], root: str) -> dict:
     os.makedirs(directory, exist_ok=True)
     module_name = f"probe_{name}"
     try:
-        module = load_inline(module_name, SOURCE.replace("LIBNAME", module_name), functions=FUNCTIONS,
-                             extra_cflags=["-O2", *cflags], extra_ldflags=ldflags, build_directory=directory,
-                             verbose=False)
+        module = load_inline(
+            module_name,
+            SOURCE.replace("LIBNAME", module_name),
+            functions=FUNCTIONS,
+            extra_cflags=["-O2", *cflags],
+            extra_ldflags=ldflags,
+            build_directory=directory,
+            verbose=False,
+        )
         return {"variant": name, "path": module.__file__, "ok": True}
     except Exception as error:  # noqa: BLE001 - a variant that does not build is a result too
         return {"variant": name, "ok": False, "error": str(error)[-2000:]}
@@ -182,11 +200,20 @@ CALL = CALL % (sorted(TENSOR_PROBES),)
 
 
 def call(path: str, module_name: str, probe: str, env: dict) -> dict:
-    completed = subprocess.run([sys.executable, "-c", CALL, path, module_name, probe], capture_output=True, text=True,
-                               env={**os.environ, **env}, timeout=120)
+    completed = subprocess.run(
+        [sys.executable, "-c", CALL, path, module_name, probe],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
     segv = [line for line in completed.stderr.splitlines() if line.startswith("PROBE-SEGV")]
-    return {"rc": completed.returncode, "stdout": completed.stdout.strip()[-300:],
-            "segv": segv[:45], "stderr_tail": completed.stderr.strip()[-600:] if not segv else ""}
+    return {
+        "rc": completed.returncode,
+        "stdout": completed.stdout.strip()[-300:],
+        "segv": segv[:45],
+        "stderr_tail": completed.stderr.strip()[-600:] if not segv else "",
+    }
 
 
 # direct torch.ops calls into the project's extension (no Python-side checks in between)
@@ -222,13 +249,26 @@ def project_calls(probe_path: str, devices: list[str]) -> list[dict]:
     results = []
     for device in devices:
         for name, expression in PROJECT_CALLS.items():
-            completed = subprocess.run([sys.executable, "-c", PROJECT_CALL, probe_path, "probe_default", expression,
-                                        device], capture_output=True, text=True, timeout=120)
+            completed = subprocess.run(
+                [sys.executable, "-c", PROJECT_CALL, probe_path, "probe_default", expression, device],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             segv = [line for line in completed.stderr.splitlines() if line.startswith("PROBE-SEGV")]
-            results.append({"device": device, "call": name, "rc": completed.returncode,
-                            "stdout": completed.stdout.strip()[-300:], "segv": segv[:45],
-                            "stderr_tail": completed.stderr.strip()[-600:] if not segv else ""})
-            outcome = completed.stdout.strip().split("\n")[-1] if completed.returncode == 0 else f"rc={completed.returncode}"
+            results.append(
+                {
+                    "device": device,
+                    "call": name,
+                    "rc": completed.returncode,
+                    "stdout": completed.stdout.strip()[-300:],
+                    "segv": segv[:45],
+                    "stderr_tail": completed.stderr.strip()[-600:] if not segv else "",
+                }
+            )
+            outcome = (
+                completed.stdout.strip().split("\n")[-1] if completed.returncode == 0 else f"rc={completed.returncode}"
+            )
             print(f"project {device:5s} {name:22s} {outcome}")
             for line in segv[:8]:
                 print("    " + line)
@@ -267,13 +307,26 @@ def facts() -> dict:
 
     return {
         "sysconfig_cxx": [sysconfig.get_config_var(k) for k in ("CXX", "LDCXXSHARED", "LDSHARED")],
-        "which_cxx": out(["sh", "-c", "command -v c++ g++; c++ --version | head -1; "
-                          "c++ -print-file-name=libstdc++.so; c++ -print-file-name=libstdc++.a"]),
+        "which_cxx": out(
+            [
+                "sh",
+                "-c",
+                "command -v c++ g++; c++ --version | head -1; "
+                "c++ -print-file-name=libstdc++.so; c++ -print-file-name=libstdc++.a",
+            ]
+        ),
         "libstdcxx_loaded": loaded_libstdcxx(),
-        "torch": torch.__version__, "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "python": sys.version,
-        "platform": platform.platform(), "glibc": platform.libc_ver(), "gcc": out(["gcc", "--version"]).splitlines()[:1],
-        "cpu_flags": flags, "compiled_with_cxx11_abi": torch.compiled_with_cxx11_abi(),
-        "torch_config_compiler": [l for l in torch.__config__.show().splitlines() if "GCC" in l or "CXX_COMPILER" in l][:4],
+        "torch": torch.__version__,
+        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "python": sys.version,
+        "platform": platform.platform(),
+        "glibc": platform.libc_ver(),
+        "gcc": out(["gcc", "--version"]).splitlines()[:1],
+        "cpu_flags": flags,
+        "compiled_with_cxx11_abi": torch.compiled_with_cxx11_abi(),
+        "torch_config_compiler": [
+            line for line in torch.__config__.show().splitlines() if "GCC" in line or "CXX_COMPILER" in line
+        ][:4],
         **loaded_unwinders(),
     }
 
@@ -282,7 +335,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
-    parser.add_argument("--project", action="store_true", help="also call the project's ops (import cuda_ext) with bad inputs")
+    parser.add_argument(
+        "--project", action="store_true", help="also call the project's ops (import cuda_ext) with bad inputs"
+    )
     args = parser.parse_args()
     chosen = [v for v in VARIANTS if v[0] in args.variants.split(",")]
     report = {"facts": facts(), "builds": [], "calls": []}

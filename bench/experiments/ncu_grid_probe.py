@@ -1,4 +1,5 @@
 """One forward and one backward of cuda_ext.grid_interpolate on the benchmark's random case, for ncu."""
+
 import torch
 
 import cuda_ext
