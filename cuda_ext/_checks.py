@@ -9,8 +9,8 @@ One set of checks, so the three reject the same calls with the same exception an
 Every message starts with the op's name and names the argument, e.g.
 ``grid_interpolate: points must have shape (N, 3), got (5, 4)``. The checks read metadata only (Python
 types, dims, sizes, dtypes, devices): no data access, no device sync. The C++ entry points
-(``csrc/trilinear.h``, ``grid_interpolate.h``, ``upsample.h``, ``gelu.h``) check the same things with ``TORCH_CHECK``, as the
-backstop for direct ``torch.ops.cuda_ext`` calls; they raise ``RuntimeError``.
+(``csrc/trilinear.h``, ``grid_interpolate.h``, ``upsample.h``, ``gelu.h``, ``render.h``, ``adam.h``) check the
+same things with ``TORCH_CHECK``, as the backstop for direct ``torch.ops.cuda_ext`` calls; they raise ``RuntimeError``.
 
 Under ``torch.compile`` sizes can be symbolic: a condition that is a ``SymBool`` goes through
 ``torch._check_with``, which guards on it (backed sizes) or defers it to a runtime assert (unbacked,
@@ -19,6 +19,7 @@ the whole call in one cheap expression and only on a failure walk the checks in 
 one that fails (the wrappers stay within about a microsecond or two of the bare op); the fake kernels call
 the ``checked_*`` walks directly.
 """
+
 from __future__ import annotations
 
 import operator
@@ -86,8 +87,11 @@ def check_tensor(op: str, name: str, value: Any) -> None:
 
 def check_device(op: str, name: str, t: torch.Tensor) -> None:
     """t lives where the op has a kernel (or on "meta")."""
-    require(t.device.type in _DEVICE_TYPES, ValueError,
-            lambda: f"{op}: {name} must be a CPU or CUDA tensor, got one on {t.device}")
+    require(
+        t.device.type in _DEVICE_TYPES,
+        ValueError,
+        lambda: f"{op}: {name} must be a CPU or CUDA tensor, got one on {t.device}",
+    )
 
 
 def check_floating(op: str, name: str, t: torch.Tensor) -> None:
@@ -96,18 +100,25 @@ def check_floating(op: str, name: str, t: torch.Tensor) -> None:
     if dtype in _FULL_DTYPES:
         return
     if t.device.type == "cpu":
-        raise TypeError(f"{op}: {name} must be float32 or float64 on the CPU (float16/bfloat16 are CUDA only), "
-                        f"got {dtype}")
+        raise TypeError(
+            f"{op}: {name} must be float32 or float64 on the CPU (float16/bfloat16 are CUDA only), got {dtype}"
+        )
     if dtype not in _HALF_DTYPES:
         raise TypeError(f"{op}: {name} must be float32 or float64 (or float16/bfloat16 on CUDA), got {dtype}")
 
 
 def check_same_device_and_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     """t (called name) has the device and dtype of ref (called ref_name)."""
-    require(t.device == ref.device, ValueError,
-            lambda: f"{op}: {name} and {ref_name} must be on the same device, got {t.device} and {ref.device}")
-    require(t.dtype == ref.dtype, TypeError,
-            lambda: f"{op}: {name} and {ref_name} must have the same dtype, got {t.dtype} and {ref.dtype}")
+    require(
+        t.device == ref.device,
+        ValueError,
+        lambda: f"{op}: {name} and {ref_name} must be on the same device, got {t.device} and {ref.device}",
+    )
+    require(
+        t.dtype == ref.dtype,
+        TypeError,
+        lambda: f"{op}: {name} and {ref_name} must have the same dtype, got {t.dtype} and {ref.dtype}",
+    )
 
 
 def check_int(op: str, name: str, value: Any) -> int:
@@ -129,8 +140,11 @@ def check_bool(op: str, name: str, value: Any) -> None:
 
 
 def check_points(op: str, points: torch.Tensor) -> None:
-    require(points.dim() == 2 and points.shape[1] == 3, ValueError,
-            lambda: f"{op}: points must have shape (N, 3), got {_shape(points)}")
+    require(
+        points.dim() == 2 and points.shape[1] == 3,
+        ValueError,
+        lambda: f"{op}: points must have shape (N, 3), got {_shape(points)}",
+    )
 
 
 def _check_grad_out(op: str, grad_out: torch.Tensor, n: Any, f: Any, ref: torch.Tensor, ref_name: str) -> None:
@@ -151,8 +165,14 @@ def check_trilinear_inputs(feats: Any, points: Any, op: str = "trilinear_interpo
     """feats (N, 8, F) and points (N, 3) of one floating dtype on one device."""
     if isinstance(feats, torch.Tensor) and isinstance(points, torch.Tensor) and feats.dim() == 3 and points.dim() == 2:
         fs, ps = feats.shape, points.shape
-        if (fs[1] == 8 and ps[1] == 3 and ps[0] == fs[0] and feats.dtype is points.dtype
-                and feats.device == points.device and _kernel_dtype_and_device(feats)):
+        if (
+            fs[1] == 8
+            and ps[1] == 3
+            and ps[0] == fs[0]
+            and feats.dtype is points.dtype
+            and feats.device == points.device
+            and _kernel_dtype_and_device(feats)
+        ):
             return
     checked_trilinear_inputs(feats, points, op)
 
@@ -162,11 +182,17 @@ def checked_trilinear_inputs(feats: Any, points: Any, op: str = "trilinear_inter
     check_tensor(op, "feats", feats)
     check_tensor(op, "points", points)
     require(feats.dim() == 3, ValueError, lambda: f"{op}: feats must have shape (N, 8, F), got {_shape(feats)}")
-    require(feats.shape[1] == 8, ValueError,
-            lambda: f"{op}: feats must hold 8 corners in dim 1 (shape (N, 8, F)), got {_shape(feats)}")
+    require(
+        feats.shape[1] == 8,
+        ValueError,
+        lambda: f"{op}: feats must hold 8 corners in dim 1 (shape (N, 8, F)), got {_shape(feats)}",
+    )
     check_points(op, points)
-    require(points.shape[0] == feats.shape[0], ValueError,
-            lambda: f"{op}: points has N={points.shape[0]} rows but feats has N={feats.shape[0]}")
+    require(
+        points.shape[0] == feats.shape[0],
+        ValueError,
+        lambda: f"{op}: points has N={points.shape[0]} rows but feats has N={feats.shape[0]}",
+    )
     check_device(op, "feats", feats)
     check_same_device_and_dtype(op, "points", points, "feats", feats)
     check_floating(op, "feats", feats)
@@ -182,8 +208,15 @@ def check_grid_inputs(grid: Any, points: Any, op: str = "grid_interpolate") -> N
     """grid (R0, R1, R2, C) with every R >= 1 (C may be 0) and points (N, 3), one floating dtype, one device."""
     if isinstance(grid, torch.Tensor) and isinstance(points, torch.Tensor) and grid.dim() == 4 and points.dim() == 2:
         gs = grid.shape
-        if (gs[0] > 0 and gs[1] > 0 and gs[2] > 0 and points.shape[1] == 3 and grid.dtype is points.dtype
-                and grid.device == points.device and _kernel_dtype_and_device(grid)):
+        if (
+            gs[0] > 0
+            and gs[1] > 0
+            and gs[2] > 0
+            and points.shape[1] == 3
+            and grid.dtype is points.dtype
+            and grid.device == points.device
+            and _kernel_dtype_and_device(grid)
+        ):
             return
     checked_grid_inputs(grid, points, op)
 
@@ -194,9 +227,13 @@ def checked_grid_inputs(grid: Any, points: Any, op: str = "grid_interpolate") ->
     check_tensor(op, "points", points)
     require(grid.dim() == 4, ValueError, lambda: f"{op}: grid must have shape (R0, R1, R2, C), got {_shape(grid)}")
     for axis in range(3):
-        require(grid.shape[axis] > 0, ValueError,
-                lambda axis=axis: f"{op}: grid has an empty axis {axis} (shape {_shape(grid)}); every grid axis "
-                                  "needs at least one voxel")
+        require(
+            grid.shape[axis] > 0,
+            ValueError,
+            lambda axis=axis: (
+                f"{op}: grid has an empty axis {axis} (shape {_shape(grid)}); every grid axis needs at least one voxel"
+            ),
+        )
     check_points(op, points)
     check_device(op, "grid", grid)
     check_same_device_and_dtype(op, "points", points, "grid", grid)
@@ -213,8 +250,9 @@ def check_grid_reorder_setting(op: str = "grid_interpolate") -> None:
     """The environment variable CUDA_EXT_GRID_REORDER, which the custom grid kernels read, is valid."""
     value = os.environ.get(GRID_REORDER_ENV)
     if value and value not in GRID_REORDER_MODES:
-        raise ValueError(f"{op}: the environment variable {GRID_REORDER_ENV} must be auto, off or always, "
-                         f"got '{value}'")
+        raise ValueError(
+            f"{op}: the environment variable {GRID_REORDER_ENV} must be auto, off or always, got '{value}'"
+        )
 
 
 # ------------------------------------------------------------------------------------------- upsample
@@ -225,8 +263,9 @@ def check_scale_factor(op: str, scale_factor: Any) -> int:
     try:
         value = check_int(op, "scale_factor", scale_factor)
     except TypeError:
-        raise TypeError(f"{op}: scale_factor must be an integer >= 1, got {scale_factor!r} of type "
-                        f"{type(scale_factor).__name__}") from None
+        raise TypeError(
+            f"{op}: scale_factor must be an integer >= 1, got {scale_factor!r} of type {type(scale_factor).__name__}"
+        ) from None
     if value < 1:
         raise ValueError(f"{op}: scale_factor must be an integer >= 1, got {value}")
     if value > _MAX_UPSAMPLED_SIZE:
@@ -235,18 +274,28 @@ def check_scale_factor(op: str, scale_factor: Any) -> int:
 
 
 def _check_upsampled_size(op: str, name: str, size: Any, scale_factor: int) -> None:
-    require(size * scale_factor <= _MAX_UPSAMPLED_SIZE, ValueError,
-            lambda: f"{op}: {name} times scale_factor must be at most {_MAX_UPSAMPLED_SIZE}, got {size} * "
-                    f"{scale_factor}")
+    require(
+        size * scale_factor <= _MAX_UPSAMPLED_SIZE,
+        ValueError,
+        lambda: f"{op}: {name} times scale_factor must be at most {_MAX_UPSAMPLED_SIZE}, got {size} * {scale_factor}",
+    )
 
 
 def check_upsample_inputs(x: Any, scale_factor: Any, align_corners: Any, op: str = "upsample_bilinear2d") -> int:
     """x (B, C, H, W) floating, scale_factor an int >= 1, align_corners a bool; returns scale_factor as an int."""
-    if (type(scale_factor) is int and isinstance(x, torch.Tensor) and x.dim() == 4
-            and (align_corners is True or align_corners is False) and 1 <= scale_factor):
+    if (
+        type(scale_factor) is int
+        and isinstance(x, torch.Tensor)
+        and x.dim() == 4
+        and (align_corners is True or align_corners is False)
+        and 1 <= scale_factor
+    ):
         shape = x.shape
-        if (shape[2] * scale_factor <= _MAX_UPSAMPLED_SIZE and shape[3] * scale_factor <= _MAX_UPSAMPLED_SIZE
-                and _kernel_dtype_and_device(x)):
+        if (
+            shape[2] * scale_factor <= _MAX_UPSAMPLED_SIZE
+            and shape[3] * scale_factor <= _MAX_UPSAMPLED_SIZE
+            and _kernel_dtype_and_device(x)
+        ):
             return scale_factor
     return checked_upsample_inputs(x, scale_factor, align_corners, op)
 
@@ -254,8 +303,9 @@ def check_upsample_inputs(x: Any, scale_factor: Any, align_corners: Any, op: str
 def checked_upsample_inputs(x: Any, scale_factor: Any, align_corners: Any, op: str = "upsample_bilinear2d") -> int:
     """check_upsample_inputs, one check after the other (symbolic sizes welcome)."""
     check_tensor(op, "x", x)
-    require(x.dim() == 4, ValueError, lambda: f"{op}: x must be 4-D (B, C, H, W), got {x.dim()}-D with shape "
-                                              f"{_shape(x)}")
+    require(
+        x.dim() == 4, ValueError, lambda: f"{op}: x must be 4-D (B, C, H, W), got {x.dim()}-D with shape {_shape(x)}"
+    )
     check_device(op, "x", x)
     check_floating(op, "x", x)
     scale = check_scale_factor(op, scale_factor)
@@ -265,21 +315,25 @@ def checked_upsample_inputs(x: Any, scale_factor: Any, align_corners: Any, op: s
     return scale
 
 
-def check_upsample_backward_inputs(grad_out: Any, input_height: Any, input_width: Any, scale_factor: Any,
-                                   align_corners: Any) -> int:
+def check_upsample_backward_inputs(
+    grad_out: Any, input_height: Any, input_width: Any, scale_factor: Any, align_corners: Any
+) -> int:
     """grad_out (B, C, H*s, W*s) for an (H, W) input; returns scale_factor as an int."""
     op = "upsample_bilinear2d_backward"
     scale = check_scale_factor(op, scale_factor)
     height = check_int(op, "input_height", input_height)
     width = check_int(op, "input_width", input_width)
     for size in (height, width):
-        require(size >= 0, ValueError,
-                lambda: f"{op}: input_height and input_width must be >= 0, got {height} and {width}")
+        require(
+            size >= 0, ValueError, lambda: f"{op}: input_height and input_width must be >= 0, got {height} and {width}"
+        )
     check_bool(op, "align_corners", align_corners)
     check_tensor(op, "grad_out", grad_out)
-    require(grad_out.dim() == 4, ValueError,
-            lambda: f"{op}: grad_out must be 4-D (B, C, H*s, W*s), got {grad_out.dim()}-D with shape "
-                    f"{_shape(grad_out)}")
+    require(
+        grad_out.dim() == 4,
+        ValueError,
+        lambda: f"{op}: grad_out must be 4-D (B, C, H*s, W*s), got {grad_out.dim()}-D with shape {_shape(grad_out)}",
+    )
     check_device(op, "grad_out", grad_out)
     check_floating(op, "grad_out", grad_out)
     _check_upsampled_size(op, "input_height", height, scale)
@@ -287,8 +341,10 @@ def check_upsample_backward_inputs(grad_out: Any, input_height: Any, input_width
     out_h, out_w = height * scale, width * scale
 
     def message() -> str:
-        return (f"{op}: grad_out must be (B, C, {out_h}, {out_w}) for input {height}x{width} and scale_factor "
-                f"{scale}, got {_shape(grad_out)}")
+        return (
+            f"{op}: grad_out must be (B, C, {out_h}, {out_w}) for input {height}x{width} and scale_factor "
+            f"{scale}, got {_shape(grad_out)}"
+        )
 
     require(grad_out.shape[2] == out_h, ValueError, message)
     require(grad_out.shape[3] == out_w, ValueError, message)
@@ -300,8 +356,9 @@ def check_upsample_backward_inputs(grad_out: Any, input_height: Any, input_width
 
 def check_approximate(op: str, approximate: Any) -> str:
     if not isinstance(approximate, str):
-        raise TypeError(f'{op}: approximate must be "none" or "tanh", got {approximate!r} of type '
-                        f"{type(approximate).__name__}")
+        raise TypeError(
+            f'{op}: approximate must be "none" or "tanh", got {approximate!r} of type {type(approximate).__name__}'
+        )
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f'{op}: approximate must be "none" or "tanh", got {approximate!r}')
     return approximate

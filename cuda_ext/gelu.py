@@ -2,6 +2,7 @@
 kernels for ``torch.compile``, and the autograd formulas of ``gelu`` and of ``gelu_backward`` (so the op
 has derivatives of every order: double backward, gradient penalties).
 """
+
 from __future__ import annotations
 
 import math
@@ -106,6 +107,4 @@ def _backward_of_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 
 torch.library.register_autograd("cuda_ext::gelu", _backward, setup_context=_setup_context)
-torch.library.register_autograd(
-    "cuda_ext::gelu_backward", _backward_of_backward, setup_context=_setup_backward_context
-)
+torch.library.register_autograd("cuda_ext::gelu_backward", _backward_of_backward, setup_context=_setup_backward_context)

@@ -4,14 +4,22 @@ They define what the custom kernels compute, serve as the ``ops=torch`` backend 
 and are what the tests compare against. Autograd differentiates them. They check their arguments with
 the wrappers' checks (``cuda_ext._checks``), so both backends reject a bad call with the same exception.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from cuda_ext import _checks
+from cuda_ext import _checks, _step_checks
 
-__all__ = ["trilinear_interpolate", "grid_interpolate", "upsample_bilinear2d", "gelu"]
+__all__ = [
+    "trilinear_interpolate",
+    "grid_interpolate",
+    "upsample_bilinear2d",
+    "gelu",
+    "volume_render",
+    "sparse_adam_step",
+]
 
 
 def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
@@ -84,3 +92,59 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """Elementwise GELU, exact (``"none"``, erf) or ``"tanh"`` (``F.gelu``)."""
     _checks.check_gelu_inputs(x, approximate)
     return F.gelu(x, approximate=approximate)
+
+
+def volume_render(
+    optical_depth: torch.Tensor,
+    values: torch.Tensor,
+    t: torch.Tensor,
+    ray_offsets: torch.Tensor,
+    early_stop: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Alpha compositing of packed samples (cuda_ext.volume_render's contract), with torch ops.
+
+    Ray b owns samples [ray_offsets[b], ray_offsets[b + 1]); T_i = exp(-sum of the ray's s_j before i) comes
+    from one global cumulative sum (float64, so per-ray differences stay accurate) minus its value at the ray's
+    first sample; w_i = T_i (1 - exp(-s_i)), zero where T_i < early_stop or the sample is in no ray.
+    """
+    early_stop = _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop)
+    n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
+    index = torch.arange(n, device=optical_depth.device)
+    ray = torch.searchsorted(ray_offsets, index, right=True) - 1
+    inside = (ray >= 0) & (ray < rays)
+    ray = ray.clamp(0, max(rays - 1, 0))
+    s = torch.where(inside, optical_depth, torch.zeros_like(optical_depth))
+    exclusive = torch.cumsum(s.double(), 0) - s.double()
+    first = ray_offsets[ray].clamp(0, max(n - 1, 0))
+    transmittance = torch.exp(-(exclusive - exclusive[first])).to(s.dtype)
+    keep = inside & (transmittance >= early_stop) if early_stop > 0 else inside
+    weights = torch.where(keep, transmittance * -torch.expm1(-s), torch.zeros_like(s))
+    out = values.new_zeros(rays, values.shape[1]).index_add(0, ray, values * weights[:, None])
+    geometry = values.new_zeros(rays, 2).index_add(0, ray, torch.stack([weights, weights * t], 1))
+    return out, geometry[:, 0], geometry[:, 1]
+
+
+def sparse_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    rows: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """torch.optim.Adam's update on ``rows`` of (M, C) ``param`` (and its moments), in place; the rest untouched."""
+    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
+    if rows.numel() and not bool(((rows >= 0) & (rows < param.shape[0])).all()):
+        raise ValueError(f"sparse_adam_step: rows must lie in [0, {param.shape[0]})")
+    g, m, v = grad[rows], exp_avg[rows], exp_avg_sq[rows]
+    m = m * beta1 + g * (1 - beta1)
+    v = v * beta2 + g * g * (1 - beta2)
+    denom = v.sqrt() / (1 - beta2**step) ** 0.5 + eps
+    with torch.no_grad():
+        param[rows] -= (lr / (1 - beta1**step)) * m / denom
+    exp_avg[rows] = m
+    exp_avg_sq[rows] = v

@@ -1,11 +1,13 @@
 """Typed wrappers, fake (meta) kernels and autograd for the trilinear op family.
 
 The kernels live in ``csrc/{cpu,cuda}/trilinear.*`` (the pairwise op) and ``csrc/cpu/grid_interpolate.cpp``,
-``csrc/cuda/grid_interpolate{,_backward,_buckets}.cu`` (the grid lookup); the schemas in ``csrc/registration.cpp``. The wrappers and the fake kernels check their arguments with
+``csrc/cuda/grid_interpolate{,_backward,_buckets}.cu`` (the grid lookup); the schemas in
+``csrc/registration.cpp``. The wrappers and the fake kernels check their arguments with
 ``cuda_ext._checks`` (metadata only; ``ValueError``/``TypeError`` naming the argument), the same checks as
 the C++ entry points, which stay as the backstop for direct ``torch.ops`` calls (``RuntimeError``) and make
 the inputs contiguous.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -67,8 +69,9 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------- fake kernels
 
 
-def _backward_outputs(values: torch.Tensor, points: torch.Tensor, values_requires_grad: bool,
-                      points_requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward_outputs(
+    values: torch.Tensor, points: torch.Tensor, values_requires_grad: bool, points_requires_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Both backward ops return a gradient shaped like each requested input, and (0,) for the other."""
     grad_values = values.new_empty(values.shape if values_requires_grad else (0,))
     grad_points = points.new_empty(points.shape if points_requires_grad else (0,))
@@ -82,8 +85,13 @@ def _trilinear_fake(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.register_fake("cuda_ext::trilinear_interpolate_backward")
-def _trilinear_backward_fake(grad_out: torch.Tensor, feats: torch.Tensor, points: torch.Tensor,
-                             feats_requires_grad: bool, points_requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _trilinear_backward_fake(
+    grad_out: torch.Tensor,
+    feats: torch.Tensor,
+    points: torch.Tensor,
+    feats_requires_grad: bool,
+    points_requires_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _checks.check_trilinear_backward_inputs(grad_out, feats, points)
     return _backward_outputs(feats, points, feats_requires_grad, points_requires_grad)
 
@@ -96,8 +104,13 @@ def _grid_fake(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.register_fake("cuda_ext::grid_interpolate_backward")
-def _grid_backward_fake(grad_out: torch.Tensor, grid: torch.Tensor, points: torch.Tensor,
-                        grid_requires_grad: bool, points_requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid_backward_fake(
+    grad_out: torch.Tensor,
+    grid: torch.Tensor,
+    points: torch.Tensor,
+    grid_requires_grad: bool,
+    points_requires_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _checks.check_grid_backward_inputs(grad_out, grid, points)
     return _backward_outputs(grid, points, grid_requires_grad, points_requires_grad)
 

@@ -1,6 +1,7 @@
 """Bilinear upsampling by an integer factor: the typed wrapper of ``torch.ops.cuda_ext.upsample_bilinear2d``,
 its fake (meta) kernel for ``torch.compile``, and its autograd formula (a gather kernel, no atomics).
 """
+
 from __future__ import annotations
 
 from typing import Any

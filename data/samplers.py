@@ -7,7 +7,7 @@ cameras (nothing per-pixel is precomputed, so memory stays at the images' size).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -20,7 +20,8 @@ class RayBatch:
     """origins, directions (B, 3) float32 (unit directions); rgb (B, 3) float32 in [0, 1].
 
     views (B,) and pixels (B, 2) (row, column) int64 say where each ray came from; alpha (B,) float32 in [0, 1]
-    is the pixels' coverage when the scene has it (rgb is composited on the scene's background).
+    is the pixels' coverage when the scene has it (rgb is composited on the scene's background). jitter (B,) in
+    [0, 1) places each ray's samples along it (drawn with the batch, so a batch fixes all of a step's randomness).
     """
 
     origins: torch.Tensor
@@ -29,6 +30,10 @@ class RayBatch:
     views: torch.Tensor | None = None
     pixels: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
+    jitter: torch.Tensor | None = None
+
+    def shard(self, rank: int, world: int) -> RayBatch:
+        return _shard(self, rank, world)
 
 
 @dataclass
@@ -40,6 +45,7 @@ class PatchBatch:
     rgb:                 (n, sP, sP, 3) float32 target pixels in [0, 1].
     views (n,) and top_left (n, 2) (row y0, column x0) int64 say where each patch came from.
     alpha:               (n, sP, sP) float32 coverage of the target pixels when the scene has it.
+    jitter:              (n, P, P) in [0, 1): where each low-res ray's samples sit along it.
     """
 
     origins: torch.Tensor
@@ -49,6 +55,25 @@ class PatchBatch:
     views: torch.Tensor | None = None
     top_left: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
+    jitter: torch.Tensor | None = None
+
+    def shard(self, rank: int, world: int) -> PatchBatch:
+        return _shard(self, rank, world)
+
+
+def _shard(batch, rank: int, world: int):
+    """Rank ``rank``'s contiguous 1/world of a batch (every tensor field sliced along its first dimension): ranks
+    that draw the same global batch and take their shards see together exactly what one process would."""
+    size = batch.origins.shape[0]
+    if world < 1 or not 0 <= rank < world or size % world:
+        raise ValueError(f"shard: a batch of {size} does not split into {world} equal shards (rank {rank})")
+    share = size // world
+    sliced = {
+        f.name: getattr(batch, f.name)[rank * share : (rank + 1) * share]
+        for f in fields(batch)
+        if getattr(batch, f.name) is not None
+    }
+    return replace(batch, **sliced)
 
 
 def _positive_int(name: str, value) -> int:
@@ -111,6 +136,7 @@ class RaySampler(_SceneSampler):
             views,
             torch.stack([rows, cols], -1),
             self._alpha(views, rows, cols),
+            torch.rand(self.batch_size, device=self.device, generator=self.generator),
         )
 
 
@@ -165,4 +191,5 @@ class PatchSampler(_SceneSampler):
             views,
             torch.stack([y0, x0], -1),
             self._alpha(views[:, None, None], rows, cols),
+            torch.rand(origins.shape[:3], device=self.device, generator=self.generator),
         )

@@ -181,3 +181,20 @@ __all__ = [
     "OccupancyGrid",
     "optical_depth",
 ]
+
+
+@torch.no_grad()
+def visible_box(
+    density: torch.Tensor, bbox: torch.Tensor, shift: float, step_scale: float, threshold: float, margin: int = 2
+) -> torch.Tensor | None:
+    """(2, 3) box around the vertices of the (R0, R1, R2) density grid spanning ``bbox`` whose per-sample alpha
+    ``1 - exp(-optical_depth)`` reaches ``threshold``, grown by ``margin`` voxels; None when none does."""
+    occupied = (-torch.expm1(-optical_depth(density, shift, step_scale)) >= threshold).nonzero()
+    if occupied.shape[0] == 0:
+        return None
+    last = torch.tensor(density.shape, device=occupied.device) - 1
+    low = (occupied.min(0).values - margin).clamp(min=0)
+    high = torch.minimum(occupied.max(0).values + margin, last)
+    spacing = (bbox[1] - bbox[0]) / last
+    box = torch.stack([bbox[0] + low * spacing, bbox[0] + high * spacing])
+    return None if bool((box[1] <= box[0]).any()) else box

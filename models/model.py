@@ -1,20 +1,16 @@
-"""VoxelNeRF: a DirectVoxGO/Plenoxels-style voxel-grid radiance field with deferred neural shading.
+"""VoxelNeRF: a DirectVoxGO/Plenoxels-style voxel-grid radiance field with neural shading.
 
 One training step renders rays as follows (shapes for B rays, S samples per ray, N kept samples):
 1. ray/box intersection, S uniform samples per ray at ``step_ratio`` voxels apart (jittered per ray when
-   training) -> (B, S) distances and a validity mask;
-2. empty-space skipping: samples in cells the occupancy grid marks empty are dropped -> N packed samples;
-3. early ray termination: a no-grad pass over densities drops samples whose transmittance is below
-   ``early_termination`` (they cannot change the pixel by more than that);
-4. with gradients on the survivors: density -> optical depth ``softplus(d + shift) * step / base_voxel``
-   (density is measured per voxel of the final grid, so growing the grid keeps the field), compositing
-   weights, and per-ray sums of the sigmoid diffuse colour, the other features, the distance (depth) and the
-   weights (opacity); samples whose weight is below ``weight_threshold`` skip the feature lookup;
-5. deferred shading (models/decoder.py): per pixel, optionally after upsampling the composited low-res
-   feature image with ``ops.upsample_bilinear2d``; the background shows through ``1 - opacity``.
+   training); empty-space skipping drops those in cells the occupancy grid marks empty -> N packed samples;
+2. early ray termination: a no-grad pass drops samples whose transmittance is below ``early_termination``;
+3. with gradients on the survivors: density -> optical depth ``softplus(d + shift) * step / base_voxel``
+   (per voxel of the final grid, so growing the grid keeps the field); samples whose compositing weight is
+   below ``weight_threshold`` skip the feature lookup; ``ops.volume_render`` composites colour, depth, opacity;
+4. shading (models/decoder.py): per sample before compositing, or per pixel after it (deferred; features
+   upsampled with ``ops.upsample_bilinear2d``); the background shows through ``1 - opacity``.
 
-Grids grow coarse to fine on the config's schedule (``on_step``); the occupancy grid is rebuilt from the
-density grid every ``occupancy.refresh_every`` steps after ``occupancy.warmup``.
+Grids grow coarse to fine (``on_step``); the occupancy grid follows the density every ``occupancy.refresh_every``.
 """
 
 from __future__ import annotations
@@ -29,11 +25,21 @@ from data.rays import camera_rays
 from data.samplers import PatchBatch
 from models.config import ModelConfig, parse_model_config
 from models.decoder import DIFFUSE_CHANNELS, Decoder, SampleDecoder
-from models.field import OccupancyGrid, VoxelGrid, grid_shape, optical_depth, resample_box, to_unit, voxel_size
+from models.field import (
+    OccupancyGrid,
+    VoxelGrid,
+    grid_shape,
+    optical_depth,
+    resample_box,
+    to_unit,
+    visible_box,
+    voxel_size,
+)
 from models.ops import OpSet
 from models.render import (
     PackedSamples,
-    accumulate,
+    check_rays,
+    checked_box,
     compositing_weights,
     num_samples_per_ray,
     pack,
@@ -41,14 +47,6 @@ from models.render import (
     transmittance_above,
     uniform_samples,
 )
-
-
-def _check_rays(name: str, origins: torch.Tensor, directions: torch.Tensor) -> None:
-    if origins.dim() != 2 or origins.shape[-1] != 3 or directions.shape != origins.shape:
-        raise ValueError(
-            f"{name}: origins and directions must both have shape (B, 3), got {tuple(origins.shape)} and "
-            f"{tuple(directions.shape)}"
-        )
 
 
 class VoxelNeRF(nn.Module):
@@ -66,15 +64,8 @@ class VoxelNeRF(nn.Module):
         self, bbox: torch.Tensor, near: float, far: float, cfg: Any, ops: OpSet, grid_box: torch.Tensor | None = None
     ):
         super().__init__()
-        bbox = torch.as_tensor(bbox, dtype=torch.float32)
-        if bbox.shape != (2, 3) or not bool((bbox[1] > bbox[0]).all()):
-            raise ValueError(f"bbox: expected (2, 3) min and max corners with max > min, got {bbox.tolist()}")
-        if grid_box is not None:
-            grid_box = torch.as_tensor(grid_box, dtype=torch.float32)
-            if grid_box.shape != (2, 3) or not bool((grid_box[1] > grid_box[0]).all()):
-                raise ValueError(
-                    f"grid_box: expected (2, 3) min and max corners with max > min, got {grid_box.tolist()}"
-                )
+        bbox = checked_box("bbox", bbox)
+        grid_box = None if grid_box is None else checked_box("grid_box", grid_box)
         if not 0.0 <= near < far:
             raise ValueError(f"near, far: need 0 <= near < far, got near={near}, far={far}")
         self.config: ModelConfig = parse_model_config(cfg)
@@ -98,19 +89,9 @@ class VoxelNeRF(nn.Module):
         self.density = VoxelGrid(shape, 1)
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)
-        if c.shading == "per_sample":
-            self.decoder = SampleDecoder(
-                c.feature_dim, c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops
-            )
-        else:
-            self.decoder = Decoder(
-                c.feature_dim - DIFFUSE_CHANNELS,
-                c.decoder_hidden,
-                c.decoder_layers,
-                c.dir_encoding,
-                c.gelu_approximate,
-                ops,
-            )
+        decoder = SampleDecoder if c.shading == "per_sample" else Decoder  # per sample: all channels in
+        inputs = c.feature_dim if c.shading == "per_sample" else c.feature_dim - DIFFUSE_CHANNELS
+        self.decoder = decoder(inputs, c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
 
     # the schedule's state travels with the weights: state_dict "_extra_state" = (resolution, shrunk) int64
@@ -193,16 +174,9 @@ class VoxelNeRF(nn.Module):
         plus a margin of two voxels. Returns False (nothing changed) when no vertex is occupied.
         """
         c = self.config
-        sigma_delta = optical_depth(self.density.grid[..., 0], c.density_shift, self.step_size / self.base_voxel)
-        occupied = (-torch.expm1(-sigma_delta) >= c.shrink_threshold).nonzero()
-        if occupied.shape[0] == 0:
-            return False
-        last = torch.tensor(self.grid_shape, device=occupied.device) - 1
-        low = (occupied.min(0).values - 2).clamp(min=0)
-        high = torch.minimum(occupied.max(0).values + 2, last)
-        spacing = (self.bbox[1] - self.bbox[0]) / last
-        new_bbox = torch.stack([self.bbox[0] + low * spacing, self.bbox[0] + high * spacing])
-        if bool((new_bbox[1] <= new_bbox[0]).any()):
+        scale = self.step_size / self.base_voxel
+        new_bbox = visible_box(self.density.grid[..., 0], self.bbox, c.density_shift, scale, c.shrink_threshold)
+        if new_bbox is None:
             return False
         old_bbox = self.bbox.clone()
         self.bbox.copy_(new_bbox)
@@ -267,7 +241,7 @@ class VoxelNeRF(nn.Module):
         return total
 
     # ------------------------------------------------------------------ rendering
-    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool) -> dict[str, torch.Tensor]:
+    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor) -> dict:
         """Composite B rays: (B, 3) origins and unit directions ->
 
         dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count).
@@ -278,8 +252,9 @@ class VoxelNeRF(nn.Module):
         step = self.step_size
         num_samples = num_samples_per_ray(self.extent, self.near, self.far, step, c.max_samples)
         t_start, t_end = ray_box_intersect(origins, directions, self.bbox, self.near, self.far)
-        offset = torch.rand(num_rays, 1, device=origins.device) if jitter else 0.5
-        t, valid = uniform_samples(t_start, t_end, step, num_samples, offset)
+        if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
+            jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
+        t, valid = uniform_samples(t_start, t_end, step, num_samples, jitter.reshape(num_rays, 1).to(origins.device))
         points = to_unit(origins[:, None, :] + t[..., None] * directions[:, None, :], self.bbox)
         valid = valid & self.occupancy.lookup(points.reshape(-1, 3)).reshape(valid.shape)
         samples = pack(valid, t, points)
@@ -291,27 +266,27 @@ class VoxelNeRF(nn.Module):
                 samples = samples.select(transmittance_above(depth_no_grad, samples.ray, num_rays, c.early_termination))
 
         sigma_delta = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
-        weights = compositing_weights(sigma_delta, samples.ray, num_rays)
-        geometry = accumulate(
-            torch.stack([samples.t, torch.ones_like(samples.t)], dim=1), weights, samples.ray, num_rays
-        )
-        shaded, shaded_weights = samples, weights
+        shaded = samples
         if c.weight_threshold > 0 and len(samples) > 0:
             # samples that barely show need no colour (DVGO's fast_color_thres): skip their feature lookups
-            keep = (weights.detach() > c.weight_threshold).nonzero().squeeze(1)
+            with torch.no_grad():
+                weights = compositing_weights(sigma_delta, samples.ray, num_rays)
+            keep = (weights > c.weight_threshold).nonzero().squeeze(1)
             shaded = PackedSamples(samples.ray[keep], samples.t[keep], samples.points[keep])
-            shaded_weights = weights[keep]
         feats = self.features(shaded.points, self.ops)
         if self.per_sample:
             values = self.decoder(feats, directions[shaded.ray])
         else:
             values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
-        colour = accumulate(values, shaded_weights, shaded.ray, num_rays)
+        if shaded is not samples:  # skipped samples still attenuate the ray; their colour is zero
+            values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
+        offsets = torch.searchsorted(samples.ray, torch.arange(num_rays + 1, device=samples.ray.device))
+        colour, opacity, depth = self.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
         return {
             "diffuse": colour[:, :DIFFUSE_CHANNELS],
             "features": colour[:, DIFFUSE_CHANNELS:],
-            "depth": geometry[:, 0],
-            "opacity": geometry[:, 1],
+            "depth": depth,
+            "opacity": opacity,
             "samples": torch.tensor(len(samples)),
         }
 
@@ -335,15 +310,11 @@ class VoxelNeRF(nn.Module):
         foreground = diffuse if self.per_sample else self.decoder(diffuse, features, opacity, directions)
         return foreground + (1.0 - opacity)[:, None] * (self.background if background is None else background)
 
-    def render_rays(
-        self, origins: torch.Tensor, directions: torch.Tensor, background: torch.Tensor | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Per-pixel path: (B,3) origins and unit directions -> dict(rgb (B,3), depth (B,), opacity (B,)).
-
-        Samples are jittered in training mode (``model.train()``). ``background``: optional (B, 3) colours.
-        """
-        _check_rays("render_rays", origins, directions)
-        out = self.march(origins, directions, jitter=self.training)
+    def render_rays(self, origins: torch.Tensor, directions: torch.Tensor, background=None, jitter=None) -> dict:
+        """(B,3) origins and unit directions -> dict(rgb (B,3), depth (B,), opacity (B,)). In training mode samples
+        are jittered by ``jitter`` (B,) in [0, 1) (the batch's) or a fresh draw. ``background``: optional (B, 3)."""
+        check_rays("render_rays", origins, directions)
+        out = self.march(origins, directions, jitter=self.training if jitter is None or not self.training else jitter)
         rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions, background)
         return {"rgb": rgb, "depth": out["depth"], "opacity": out["opacity"], "samples": out["samples"]}
 
@@ -372,7 +343,8 @@ class VoxelNeRF(nn.Module):
                 f"for upsample={self.upsample}, "
                 f"got {tuple(batch.hr_directions.shape)}"
             )
-        out = self.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=self.training)
+        jitter = batch.jitter if self.training and batch.jitter is not None else self.training
+        out = self.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=jitter)
         low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
         high = self._upsample(low).reshape(n * side * side, -1)
         rgb = self.shade(
@@ -415,16 +387,9 @@ class VoxelNeRF(nn.Module):
         channels = self._upsample(low).reshape(height * width, -1)
         if self.upsample > 1:
             directions = camera_rays(c2w, height, width, focal, 1)[1].reshape(-1, 3)
+        pieces = [(channels[s : s + chunk], directions[s : s + chunk]) for s in range(0, channels.shape[0], chunk)]
         rgb = torch.cat(
-            [
-                self.shade(
-                    channels[s : s + chunk, :DIFFUSE_CHANNELS],
-                    channels[s : s + chunk, DIFFUSE_CHANNELS:-2],
-                    channels[s : s + chunk, -1],
-                    directions[s : s + chunk],
-                )
-                for s in range(0, channels.shape[0], chunk)
-            ]
+            [self.shade(c[:, :DIFFUSE_CHANNELS], c[:, DIFFUSE_CHANNELS:-2], c[:, -1], d) for c, d in pieces]
         )
         return {
             "rgb": rgb.clamp(0.0, 1.0).reshape(height, width, 3),

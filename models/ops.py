@@ -14,7 +14,13 @@ from typing import Callable
 import torch
 
 BACKENDS = ("custom", "torch")
-OP_NAMES = ("grid_interpolate", "upsample_bilinear2d", "gelu")  # the config keys: functions of cuda_ext
+OP_NAMES = (
+    "grid_interpolate",
+    "upsample_bilinear2d",
+    "gelu",
+    "volume_render",
+    "sparse_adam_step",
+)  # the config keys: functions of cuda_ext
 EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
 
 
@@ -25,6 +31,10 @@ class OpSet:
     - ``grid_interpolate(grid (R0,R1,R2,C), points (N,3) in [-1,1]) -> (N,C)``
     - ``upsample_bilinear2d(x (B,C,H,W), scale_factor: int, align_corners=False) -> (B,C,sH,sW)``
     - ``gelu(x, approximate="none") -> x.shape``
+    - ``volume_render(optical_depth (N,), values (N,C), t (N,), ray_offsets (B+1,), early_stop) ->
+      (values (B,C), opacity (B,), depth (B,))``
+    - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``
+      (the optimiser's, training.optim)
 
     ``backends`` maps each op's name to "custom" or "torch" (for logs and metrics.json).
     """
@@ -32,6 +42,8 @@ class OpSet:
     grid_interpolate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     upsample_bilinear2d: Callable[..., torch.Tensor]
     gelu: Callable[..., torch.Tensor]
+    volume_render: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    sparse_adam_step: Callable[..., None]
     backends: dict[str, str] = field(default_factory=dict)
 
 

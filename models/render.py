@@ -19,6 +19,23 @@ from dataclasses import dataclass
 import torch
 
 
+def check_rays(name: str, origins: torch.Tensor, directions: torch.Tensor) -> None:
+    """ValueError naming ``name`` unless origins and directions are both (B, 3)."""
+    if origins.dim() != 2 or origins.shape[-1] != 3 or directions.shape != origins.shape:
+        raise ValueError(
+            f"{name}: origins and directions must both have shape (B, 3), got {tuple(origins.shape)} and "
+            f"{tuple(directions.shape)}"
+        )
+
+
+def checked_box(name: str, box: torch.Tensor) -> torch.Tensor:
+    """``box`` as a float32 (2, 3) tensor of min and max corners; ValueError naming ``name`` otherwise."""
+    box = torch.as_tensor(box, dtype=torch.float32)
+    if box.shape != (2, 3) or not bool((box[1] > box[0]).all()):
+        raise ValueError(f"{name}: expected (2, 3) min and max corners with max > min, got {box.tolist()}")
+    return box
+
+
 def ray_box_intersect(
     origins: torch.Tensor, directions: torch.Tensor, bbox: torch.Tensor, near: float, far: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +134,8 @@ def accumulate(values: torch.Tensor, weights: torch.Tensor, ray: torch.Tensor, n
 
 
 __all__ = [
+    "check_rays",
+    "checked_box",
     "ray_box_intersect",
     "num_samples_per_ray",
     "uniform_samples",

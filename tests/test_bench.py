@@ -3,6 +3,7 @@
 Speed is never asserted here: only that every measurement is made, recorded and reported, and that one
 failing op is recorded as an error while the rest of the run goes on.
 """
+
 import importlib.util
 import json
 import math
@@ -37,8 +38,9 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
 
     monkeypatch.setattr(cuda_ext.reference, "gelu", broken_gelu)
     json_path, md_path = tmp_path / "out.json", tmp_path / "out.md"
-    bench.main(["--device", "cpu", "--size", "tiny", "--repeats", "3", "--json", str(json_path),
-                "--markdown", str(md_path)])
+    bench.main(
+        ["--device", "cpu", "--size", "tiny", "--repeats", "3", "--json", str(json_path), "--markdown", str(md_path)]
+    )
 
     report = json.loads(json_path.read_text())
     for key in ("date", "torch", "device", "size", "copy", "counting_rules", "results", "targets", "errors"):
@@ -47,8 +49,14 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
     assert _positive(report["copy"]["GBps"])
 
     rows = {(r["op"], r["case"], r["variant"]): r for r in report["results"]}
-    expected_cases = {("trilinear", "grad=feats"), ("trilinear", "grad=feats+points"), ("grid", "random"),
-                      ("grid", "rays"), ("upsample", "x2"), ("gelu", "exact")}
+    expected_cases = {
+        ("trilinear", "grad=feats"),
+        ("trilinear", "grad=feats+points"),
+        ("grid_interpolate", "random"),
+        ("grid_interpolate", "rays"),
+        ("upsample", "x2"),
+        ("gelu", "exact"),
+    }
     assert {(op, case) for op, case, _ in rows} == expected_cases
     errors = {(e["op"], e["case"], e["variant"], e["phase"]): e["error"] for e in report["errors"]}
 
@@ -77,13 +85,29 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
 
     markdown = md_path.read_text()
     assert markdown.count("\n| ") >= 1 + len(rows) and "errors:" in markdown
-    assert [t["name"] for t in report["targets"]] == ["CPU grid random fwbw >= 2x reference"]
+    assert [t["name"] for t in report["targets"]] == ["CPU grid_interpolate random fwbw >= 2x reference"]
 
 
 def test_grid_channel_sweep_names_each_channel_count_and_matches_the_reference(bench, tmp_path):
     json_path = tmp_path / "sweep.json"
-    bench.main(["--device", "cpu", "--size", "tiny", "--repeats", "3", "--ops", "grid", "--variants",
-                "custom,reference", "--grid-channels", "3,4,6", "--json", str(json_path)])
+    bench.main(
+        [
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--repeats",
+            "3",
+            "--ops",
+            "grid",
+            "--variants",
+            "custom,reference",
+            "--grid-channels",
+            "3,4,6",
+            "--json",
+            str(json_path),
+        ]
+    )
     report = json.loads(json_path.read_text())
     assert report["grid_channels"] == [3, 4, 6] and report["errors"] == []
     rows = {(r["case"], r["variant"]): r for r in report["results"]}
@@ -112,13 +136,12 @@ def test_ray_points_lie_in_the_box_and_advance_along_each_ray(bench):
     direction = steps[:, :1] / steps[:, :1].norm(dim=-1, keepdim=True)
     # Consecutive samples of a ray are evenly spaced along one direction (ray-major order).
     assert torch.allclose(steps, steps[:, :1].expand_as(steps), atol=1e-5)
-    assert (steps.norm(dim=-1) > 0).all() and torch.allclose(
-        (steps * direction).sum(-1), steps.norm(dim=-1), atol=1e-5)
+    assert (steps.norm(dim=-1) > 0).all() and torch.allclose((steps * direction).sum(-1), steps.norm(dim=-1), atol=1e-5)
 
 
 def test_targets_pass_miss_and_missing_numbers(bench):
     def row(variant, fwbw_ms):
-        return {"op": "grid", "case": "random", "variant": variant, "fwbw_ms": fwbw_ms}
+        return {"op": "grid_interpolate", "case": "random", "variant": variant, "fwbw_ms": fwbw_ms}
 
     def status(custom_ms):
         rows = [row("reference", 10.0), row("custom", custom_ms)]

@@ -34,7 +34,13 @@ from models.render import (
 DEFAULT_CFG = Path(__file__).resolve().parents[1] / "configs" / "model" / "default.yaml"
 BBOX = torch.tensor([[-1.5, -1.5, -1.5], [1.5, 1.5, 1.5]])
 NEAR, FAR = 2.0, 6.0
-TORCH_OPS = {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}
+TORCH_OPS = {
+    "grid_interpolate": "torch",
+    "upsample_bilinear2d": "torch",
+    "gelu": "torch",
+    "volume_render": "torch",
+    "sparse_adam_step": "torch",
+}
 
 
 def make_cfg(**overrides) -> dict:
@@ -83,11 +89,25 @@ def look_at_c2w(position: tuple[float, float, float]) -> torch.Tensor:
 def test_build_ops_maps_each_key_to_its_backend():
     import cuda_ext
 
-    ops = build_ops({"grid_interpolate": "custom", "upsample_bilinear2d": "torch", "gelu": "custom"})
+    ops = build_ops(
+        {
+            "grid_interpolate": "custom",
+            "upsample_bilinear2d": "torch",
+            "gelu": "custom",
+            "volume_render": "custom",
+            "sparse_adam_step": "custom",
+        }
+    )
     assert ops.grid_interpolate is cuda_ext.grid_interpolate
     assert ops.upsample_bilinear2d is cuda_ext.reference.upsample_bilinear2d
     assert ops.gelu is cuda_ext.gelu
-    assert ops.backends == {"grid_interpolate": "custom", "upsample_bilinear2d": "torch", "gelu": "custom"}
+    assert ops.backends == {
+        "grid_interpolate": "custom",
+        "upsample_bilinear2d": "torch",
+        "gelu": "custom",
+        "volume_render": "custom",
+        "sparse_adam_step": "custom",
+    }
 
 
 @pytest.mark.parametrize(
@@ -542,7 +562,15 @@ def test_tiny_overfit(tiny_scene, upsample, one_thread):
 
 # ---------------------------------------------------------------------------------------------- backends
 def test_custom_ops_match_torch_ops():
-    custom = build_ops({"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"})
+    custom = build_ops(
+        {
+            "grid_interpolate": "custom",
+            "upsample_bilinear2d": "custom",
+            "gelu": "custom",
+            "volume_render": "custom",
+            "sparse_adam_step": "custom",
+        }
+    )
     reference_model = make_model(upsample=2, decoder_layers=2)
     randomize_density(reference_model)
     custom_model = copy.deepcopy(reference_model)

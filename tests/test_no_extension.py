@@ -44,6 +44,8 @@ def test_references_and_ops_torch_need_no_build(tmp_path):
         "grid_interpolate": "torch",
         "upsample_bilinear2d": "torch",
         "gelu": "torch",
+        "volume_render": "torch",
+        "sparse_adam_step": "torch",
     }
 
 

@@ -9,6 +9,7 @@
 - Non-finite points: grid_interpolate's custom op and reference agree on NaN / +inf / -inf coordinates.
 - torch.library.opcheck for every op, where this torch has it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,32 +85,67 @@ def _trilinear_cases() -> list[Bad]:
         return Bad(f"{op}-{id}", op, args, error, match, arg, **kw)
 
     return [
-        bad("feats-list", (feats.tolist(), points), TypeError, "trilinear_interpolate: feats must be a torch.Tensor",
-            "feats", raw="schema"),
+        bad(
+            "feats-list",
+            (feats.tolist(), points),
+            TypeError,
+            "trilinear_interpolate: feats must be a torch.Tensor",
+            "feats",
+            raw="schema",
+        ),
         bad("points-float", (feats, 0.5), TypeError, "points must be a torch.Tensor", "points", raw="schema"),
-        bad("feats-2d", (randn(4, 24), points), ValueError, r"feats must have shape \(N, 8, F\), got \(4, 24\)",
-            "feats"),
+        bad(
+            "feats-2d", (randn(4, 24), points), ValueError, r"feats must have shape \(N, 8, F\), got \(4, 24\)", "feats"
+        ),
         bad("feats-4d", (randn(4, 8, 3, 1), points), ValueError, r"feats must have shape \(N, 8, F\)", "feats"),
         bad("feats-7-corners", (randn(4, 7, 3), points), ValueError, "feats must hold 8 corners", "feats"),
         bad("feats-no-corners", (randn(4, 0, 3), points), ValueError, "feats must hold 8 corners", "feats"),
-        bad("points-2-columns", (feats, rand_points(4)[:, :2]), ValueError,
-            r"trilinear_interpolate: points must have shape \(N, 3\), got \(4, 2\)", "points"),
-        bad("points-1d", (feats, rand_points(4).flatten()), ValueError, r"points must have shape \(N, 3\), got \(12,\)",
-            "points"),
+        bad(
+            "points-2-columns",
+            (feats, rand_points(4)[:, :2]),
+            ValueError,
+            r"trilinear_interpolate: points must have shape \(N, 3\), got \(4, 2\)",
+            "points",
+        ),
+        bad(
+            "points-1d",
+            (feats, rand_points(4).flatten()),
+            ValueError,
+            r"points must have shape \(N, 3\), got \(12,\)",
+            "points",
+        ),
         bad("points-3d", (feats, rand_points(4)[:, :, None]), ValueError, r"points must have shape \(N, 3\)", "points"),
         bad("N-mismatch", (feats, rand_points(5)), ValueError, "points has N=5 rows but feats has N=4", "points"),
-        bad("N-mismatch-empty", (randn(0, 8, 3), points), ValueError, "points has N=4 rows but feats has N=0",
-            "points"),
+        bad(
+            "N-mismatch-empty", (randn(0, 8, 3), points), ValueError, "points has N=4 rows but feats has N=0", "points"
+        ),
         bad("int64", (randint(4, 8, 3), randint(4, 3)), TypeError, "feats must be float32 or float64", "feats"),
         bad("bool", (randint(4, 8, 3) > 0, randint(4, 3) > 0), TypeError, "feats must be float32 or float64", "feats"),
-        bad("complex", (feats.to(torch.complex128), points.to(torch.complex128)), TypeError,
-            "feats must be float32 or float64", "feats"),
+        bad(
+            "complex",
+            (feats.to(torch.complex128), points.to(torch.complex128)),
+            TypeError,
+            "feats must be float32 or float64",
+            "feats",
+        ),
         bad("mixed-dtypes", (feats, points.float()), TypeError, "points and feats must have the same dtype", "points"),
         bad("int-points", (feats, randint(4, 3)), TypeError, "points and feats must have the same dtype", "points"),
-        bad("half-on-cpu", (feats.half(), points.half()), TypeError, "feats must be float32 or float64 on the CPU",
-            "feats", meta=False),
-        bad("bfloat16-on-cpu", (feats.bfloat16(), points.bfloat16()), TypeError,
-            "feats must be float32 or float64 on the CPU", "feats", meta=False),
+        bad(
+            "half-on-cpu",
+            (feats.half(), points.half()),
+            TypeError,
+            "feats must be float32 or float64 on the CPU",
+            "feats",
+            meta=False,
+        ),
+        bad(
+            "bfloat16-on-cpu",
+            (feats.bfloat16(), points.bfloat16()),
+            TypeError,
+            "feats must be float32 or float64 on the CPU",
+            "feats",
+            meta=False,
+        ),
     ]
 
 
@@ -121,28 +157,66 @@ def _grid_cases() -> list[Bad]:
         return Bad(f"{op}-{id}", op, args, error, match, arg, **kw)
 
     return [
-        bad("grid-None", (None, points), TypeError, "grid_interpolate: grid must be a torch.Tensor", "grid",
-            raw="schema"),
+        bad(
+            "grid-None",
+            (None, points),
+            TypeError,
+            "grid_interpolate: grid must be a torch.Tensor",
+            "grid",
+            raw="schema",
+        ),
         bad("points-list", (grid, points.tolist()), TypeError, "points must be a torch.Tensor", "points", raw="schema"),
-        bad("grid-3d", (randn(3, 4, 10), points), ValueError,
-            r"grid must have shape \(R0, R1, R2, C\), got \(3, 4, 10\)", "grid"),
+        bad(
+            "grid-3d",
+            (randn(3, 4, 10), points),
+            ValueError,
+            r"grid must have shape \(R0, R1, R2, C\), got \(3, 4, 10\)",
+            "grid",
+        ),
         bad("grid-5d", (randn(3, 4, 2, 5, 1), points), ValueError, r"grid must have shape \(R0, R1, R2, C\)", "grid"),
         bad("empty-axis-0", (randn(0, 4, 2, 5), points), ValueError, "grid has an empty axis 0", "grid"),
         bad("empty-axis-1", (randn(3, 0, 2, 5), points), ValueError, "grid has an empty axis 1", "grid"),
         bad("empty-axis-2", (randn(3, 4, 0, 5), points), ValueError, "grid has an empty axis 2", "grid"),
-        bad("points-4-columns", (grid, randn(5, 4)), ValueError,
-            r"grid_interpolate: points must have shape \(N, 3\), got \(5, 4\)", "points"),
-        bad("points-2-columns", (grid, randn(5, 2)), ValueError, r"points must have shape \(N, 3\), got \(5, 2\)",
-            "points"),
+        bad(
+            "points-4-columns",
+            (grid, randn(5, 4)),
+            ValueError,
+            r"grid_interpolate: points must have shape \(N, 3\), got \(5, 4\)",
+            "points",
+        ),
+        bad(
+            "points-2-columns",
+            (grid, randn(5, 2)),
+            ValueError,
+            r"points must have shape \(N, 3\), got \(5, 2\)",
+            "points",
+        ),
         bad("points-1d", (grid, randn(3)), ValueError, r"points must have shape \(N, 3\)", "points"),
         bad("points-3d", (grid, randn(5, 3, 1)), ValueError, r"points must have shape \(N, 3\)", "points"),
-        bad("int32", (randint(3, 4, 2, 5, dtype=torch.int32), randint(6, 3, dtype=torch.int32)), TypeError,
-            "grid must be float32 or float64", "grid"),
+        bad(
+            "int32",
+            (randint(3, 4, 2, 5, dtype=torch.int32), randint(6, 3, dtype=torch.int32)),
+            TypeError,
+            "grid must be float32 or float64",
+            "grid",
+        ),
         bad("mixed-dtypes", (grid.float(), points), TypeError, "points and grid must have the same dtype", "points"),
-        bad("half-on-cpu", (grid.half(), points.half()), TypeError, "grid must be float32 or float64 on the CPU",
-            "grid", meta=False),
-        bad("bfloat16-on-cpu", (grid.bfloat16(), points.bfloat16()), TypeError,
-            "grid must be float32 or float64 on the CPU", "grid", meta=False),
+        bad(
+            "half-on-cpu",
+            (grid.half(), points.half()),
+            TypeError,
+            "grid must be float32 or float64 on the CPU",
+            "grid",
+            meta=False,
+        ),
+        bad(
+            "bfloat16-on-cpu",
+            (grid.bfloat16(), points.bfloat16()),
+            TypeError,
+            "grid must be float32 or float64 on the CPU",
+            "grid",
+            meta=False,
+        ),
     ]
 
 
@@ -156,36 +230,67 @@ def _upsample_cases() -> list[Bad]:
     huge_width = torch.ones(1, dtype=F64).expand(1, 1, 1, 2**30)  # no memory behind it
     huge_height = torch.ones(1, dtype=F64).expand(1, 1, 2**29, 1)
     return [
-        bad("x-list", (x.tolist(), 2, False), TypeError, "upsample_bilinear2d: x must be a torch.Tensor", "x",
-            raw="schema"),
+        bad(
+            "x-list",
+            (x.tolist(), 2, False),
+            TypeError,
+            "upsample_bilinear2d: x must be a torch.Tensor",
+            "x",
+            raw="schema",
+        ),
         bad("x-3d", (randn(3, 4, 5), 2, False), ValueError, r"x must be 4-D \(B, C, H, W\), got 3-D", "x"),
         bad("x-5d", (randn(1, 2, 3, 4, 5), 2, False), ValueError, r"x must be 4-D \(B, C, H, W\), got 5-D", "x"),
         bad("x-0d", (randn(), 2, False), ValueError, r"x must be 4-D \(B, C, H, W\), got 0-D", "x"),
         bad("int64", (randint(2, 3, 4, 5), 2, False), TypeError, "x must be float32 or float64", "x"),
         bad("bool", (randint(2, 3, 4, 5) > 0, 2, False), TypeError, "x must be float32 or float64", "x"),
         bad("half-on-cpu", (x.half(), 2, False), TypeError, "x must be float32 or float64 on the CPU", "x", meta=False),
-        bad("bfloat16-on-cpu", (x.bfloat16(), 2, True), TypeError, "x must be float32 or float64 on the CPU", "x",
-            meta=False),
+        bad(
+            "bfloat16-on-cpu",
+            (x.bfloat16(), 2, True),
+            TypeError,
+            "x must be float32 or float64 on the CPU",
+            "x",
+            meta=False,
+        ),
         bad("scale-0", (x, 0, False), ValueError, "scale_factor must be an integer >= 1, got 0", "scale_factor"),
-        bad("scale-negative", (x, -3, True), ValueError, "scale_factor must be an integer >= 1, got -3",
-            "scale_factor"),
-        bad("scale-too-large", (x, 2**31, False), ValueError, "scale_factor must be at most 2147483647",
-            "scale_factor"),
-        bad("scale-float", (x, 1.5, False), TypeError, "scale_factor must be an integer >= 1, got 1.5", "scale_factor",
-            raw="schema"),
-        bad("scale-integral-float", (x, 2.0, False), TypeError, "scale_factor must be an integer", "scale_factor",
-            raw="schema"),
+        bad(
+            "scale-negative", (x, -3, True), ValueError, "scale_factor must be an integer >= 1, got -3", "scale_factor"
+        ),
+        bad(
+            "scale-too-large", (x, 2**31, False), ValueError, "scale_factor must be at most 2147483647", "scale_factor"
+        ),
+        bad(
+            "scale-float",
+            (x, 1.5, False),
+            TypeError,
+            "scale_factor must be an integer >= 1, got 1.5",
+            "scale_factor",
+            raw="schema",
+        ),
+        bad(
+            "scale-integral-float",
+            (x, 2.0, False),
+            TypeError,
+            "scale_factor must be an integer",
+            "scale_factor",
+            raw="schema",
+        ),
         bad("scale-str", (x, "2", False), TypeError, "scale_factor must be an integer", "scale_factor", raw="schema"),
-        bad("scale-None", (x, None, False), TypeError, "scale_factor must be an integer", "scale_factor",
-            raw="schema"),
+        bad("scale-None", (x, None, False), TypeError, "scale_factor must be an integer", "scale_factor", raw="schema"),
         bad("scale-bool", (x, True, False), TypeError, "scale_factor must be an integer", "scale_factor", raw=None),
         bad("align-str", (x, 2, "yes"), TypeError, "align_corners must be a bool", "align_corners", raw="schema"),
         bad("align-None", (x, 2, None), TypeError, "align_corners must be a bool", "align_corners", raw=None),
         bad("align-int", (x, 2, 1), TypeError, "align_corners must be a bool", "align_corners", raw=None),
-        bad("huge-width", (huge_width, 4, False), ValueError, "x width times scale_factor must be at most 2147483647",
-            "x width"),
-        bad("huge-height", (huge_height, 8, True), ValueError, "x height times scale_factor must be at most",
-            "x height"),
+        bad(
+            "huge-width",
+            (huge_width, 4, False),
+            ValueError,
+            "x width times scale_factor must be at most 2147483647",
+            "x width",
+        ),
+        bad(
+            "huge-height", (huge_height, 8, True), ValueError, "x height times scale_factor must be at most", "x height"
+        ),
     ]
 
 
@@ -199,20 +304,37 @@ def _gelu_cases() -> list[Bad]:
     return [
         bad("x-list", (x.tolist(), "none"), TypeError, "gelu: x must be a torch.Tensor", "x", raw="schema"),
         bad("x-float", (0.5, "tanh"), TypeError, "gelu: x must be a torch.Tensor", "x", raw="schema"),
-        bad("approximate-exact", (x, "exact"), ValueError, 'gelu: approximate must be "none" or "tanh", got \'exact\'',
-            "approximate"),
+        bad(
+            "approximate-exact",
+            (x, "exact"),
+            ValueError,
+            'gelu: approximate must be "none" or "tanh", got \'exact\'',
+            "approximate",
+        ),
         bad("approximate-Tanh", (x, "Tanh"), ValueError, 'approximate must be "none" or "tanh"', "approximate"),
         bad("approximate-empty", (x, ""), ValueError, 'approximate must be "none" or "tanh"', "approximate"),
-        bad("approximate-None", (x, None), TypeError, 'approximate must be "none" or "tanh", got None', "approximate",
-            raw="schema"),
+        bad(
+            "approximate-None",
+            (x, None),
+            TypeError,
+            'approximate must be "none" or "tanh", got None',
+            "approximate",
+            raw="schema",
+        ),
         bad("approximate-int", (x, 1), TypeError, 'approximate must be "none" or "tanh"', "approximate", raw="schema"),
         bad("int64", (randint(3, 4), "none"), TypeError, "gelu: x must be float32 or float64", "x"),
         bad("int32", (randint(3, 4, dtype=torch.int32), "tanh"), TypeError, "x must be float32 or float64", "x"),
         bad("bool", (randint(7) > 0, "none"), TypeError, "x must be float32 or float64", "x"),
         bad("complex", (x.to(torch.complex64), "none"), TypeError, "x must be float32 or float64", "x"),
         bad("half-on-cpu", (x.half(), "none"), TypeError, "x must be float32 or float64 on the CPU", "x", meta=False),
-        bad("bfloat16-on-cpu", (x.bfloat16(), "tanh"), TypeError, "x must be float32 or float64 on the CPU", "x",
-            meta=False),
+        bad(
+            "bfloat16-on-cpu",
+            (x.bfloat16(), "tanh"),
+            TypeError,
+            "x must be float32 or float64 on the CPU",
+            "x",
+            meta=False,
+        ),
     ]
 
 
@@ -226,10 +348,17 @@ def _ids(cases):
 
 def test_every_op_and_argument_has_bad_calls():
     covered = {(case.op, case.arg.split()[0]) for case in BAD_CALLS}
-    expected = {("trilinear_interpolate", "feats"), ("trilinear_interpolate", "points"),
-                ("grid_interpolate", "grid"), ("grid_interpolate", "points"),
-                ("upsample_bilinear2d", "x"), ("upsample_bilinear2d", "scale_factor"),
-                ("upsample_bilinear2d", "align_corners"), ("gelu", "x"), ("gelu", "approximate")}
+    expected = {
+        ("trilinear_interpolate", "feats"),
+        ("trilinear_interpolate", "points"),
+        ("grid_interpolate", "grid"),
+        ("grid_interpolate", "points"),
+        ("upsample_bilinear2d", "x"),
+        ("upsample_bilinear2d", "scale_factor"),
+        ("upsample_bilinear2d", "align_corners"),
+        ("gelu", "x"),
+        ("gelu", "approximate"),
+    }
     assert covered == expected
 
 
@@ -249,8 +378,9 @@ def test_reference_rejects_like_the_wrapper(case: Bad):
     assert type(info.value) is case.error
 
 
-@pytest.mark.parametrize("case", [c for c in BAD_CALLS if c.raw is not None],
-                         ids=_ids([c for c in BAD_CALLS if c.raw is not None]))
+@pytest.mark.parametrize(
+    "case", [c for c in BAD_CALLS if c.raw is not None], ids=_ids([c for c in BAD_CALLS if c.raw is not None])
+)
 def test_raw_op_rejects_too(case: Bad):
     """The C++ backstop (or the dispatcher's argument parsing) rejects what the wrapper rejects."""
     with pytest.raises((RuntimeError, TypeError, ValueError), match=case.arg.split()[0]):
@@ -273,8 +403,9 @@ def _meta_call(op_name: str, args: tuple) -> Any:
 
 
 @requires_fake_mode
-@pytest.mark.parametrize("case", [c for c in BAD_CALLS if c.raw is not None],
-                         ids=_ids([c for c in BAD_CALLS if c.raw is not None]))
+@pytest.mark.parametrize(
+    "case", [c for c in BAD_CALLS if c.raw is not None], ids=_ids([c for c in BAD_CALLS if c.raw is not None])
+)
 def test_fake_kernel_rejects_what_the_real_kernel_rejects(case: Bad):
     # Real kernel (C++ on CPU tensors): rejects.
     with pytest.raises((RuntimeError, TypeError, ValueError)):
@@ -323,47 +454,121 @@ def test_cuda_device_mismatch_and_half_dtypes():
 def _backward_cases() -> list[BadBackward]:
     feats, points, grid = randn(4, 8, 3), rand_points(4), randn(3, 2, 5, 2)
     x = randn(3, 4)
-    tri, grd, ups, gel = ("trilinear_interpolate_backward", "grid_interpolate_backward",
-                          "upsample_bilinear2d_backward", "gelu_backward")
+    tri, grd, ups, gel = (
+        "trilinear_interpolate_backward",
+        "grid_interpolate_backward",
+        "upsample_bilinear2d_backward",
+        "gelu_backward",
+    )
     return [
-        BadBackward("tri-grad-shape", tri, (randn(4, 4), feats, points, True, True), ValueError,
-                    r"grad_out must have shape \(4, 3\)"),
-        BadBackward("tri-grad-1d", tri, (randn(12), feats, points, True, False), ValueError,
-                    r"grad_out must have shape \(4, 3\)"),
-        BadBackward("tri-grad-dtype", tri, (randn(4, 3).float(), feats, points, False, True), TypeError,
-                    "grad_out and feats must have the same dtype"),
-        BadBackward("tri-points", tri, (randn(4, 3), feats, randn(4, 2), True, True), ValueError,
-                    r"trilinear_interpolate_backward: points must have shape \(N, 3\)"),
-        BadBackward("tri-int", tri, (randint(4, 3), randint(4, 8, 3), randint(4, 3), True, True), TypeError,
-                    "feats must be float32 or float64"),
-        BadBackward("grid-grad-shape", grd, (randn(4, 3), grid, points, True, True), ValueError,
-                    r"grad_out must have shape \(4, 2\)"),
-        BadBackward("grid-grad-rows", grd, (randn(5, 2), grid, points, True, True), ValueError,
-                    r"grad_out must have shape \(4, 2\)"),
-        BadBackward("grid-grad-dtype", grd, (randn(4, 2).float(), grid, points, True, True), TypeError,
-                    "grad_out and grid must have the same dtype"),
-        BadBackward("grid-empty-axis", grd, (randn(4, 2), randn(3, 0, 5, 2), points, True, True), ValueError,
-                    "grid has an empty axis 1"),
-        BadBackward("grid-half-cpu", grd, (randn(4, 2).half(), grid.half(), points.half(), True, True), TypeError,
-                    "grid must be float32 or float64 on the CPU", meta=False),
-        BadBackward("ups-grad-size", ups, (randn(1, 2, 8, 9), 4, 5, 2, False), ValueError,
-                    r"grad_out must be \(B, C, 8, 10\)"),
+        BadBackward(
+            "tri-grad-shape",
+            tri,
+            (randn(4, 4), feats, points, True, True),
+            ValueError,
+            r"grad_out must have shape \(4, 3\)",
+        ),
+        BadBackward(
+            "tri-grad-1d",
+            tri,
+            (randn(12), feats, points, True, False),
+            ValueError,
+            r"grad_out must have shape \(4, 3\)",
+        ),
+        BadBackward(
+            "tri-grad-dtype",
+            tri,
+            (randn(4, 3).float(), feats, points, False, True),
+            TypeError,
+            "grad_out and feats must have the same dtype",
+        ),
+        BadBackward(
+            "tri-points",
+            tri,
+            (randn(4, 3), feats, randn(4, 2), True, True),
+            ValueError,
+            r"trilinear_interpolate_backward: points must have shape \(N, 3\)",
+        ),
+        BadBackward(
+            "tri-int",
+            tri,
+            (randint(4, 3), randint(4, 8, 3), randint(4, 3), True, True),
+            TypeError,
+            "feats must be float32 or float64",
+        ),
+        BadBackward(
+            "grid-grad-shape",
+            grd,
+            (randn(4, 3), grid, points, True, True),
+            ValueError,
+            r"grad_out must have shape \(4, 2\)",
+        ),
+        BadBackward(
+            "grid-grad-rows",
+            grd,
+            (randn(5, 2), grid, points, True, True),
+            ValueError,
+            r"grad_out must have shape \(4, 2\)",
+        ),
+        BadBackward(
+            "grid-grad-dtype",
+            grd,
+            (randn(4, 2).float(), grid, points, True, True),
+            TypeError,
+            "grad_out and grid must have the same dtype",
+        ),
+        BadBackward(
+            "grid-empty-axis",
+            grd,
+            (randn(4, 2), randn(3, 0, 5, 2), points, True, True),
+            ValueError,
+            "grid has an empty axis 1",
+        ),
+        BadBackward(
+            "grid-half-cpu",
+            grd,
+            (randn(4, 2).half(), grid.half(), points.half(), True, True),
+            TypeError,
+            "grid must be float32 or float64 on the CPU",
+            meta=False,
+        ),
+        BadBackward(
+            "ups-grad-size", ups, (randn(1, 2, 8, 9), 4, 5, 2, False), ValueError, r"grad_out must be \(B, C, 8, 10\)"
+        ),
         BadBackward("ups-grad-3d", ups, (randn(2, 8, 10), 4, 5, 2, False), ValueError, "grad_out must be 4-D"),
-        BadBackward("ups-negative-size", ups, (randn(1, 1, 2, 2), -1, 1, 2, False), ValueError,
-                    "input_height and input_width must be >= 0"),
-        BadBackward("ups-scale-0", ups, (randn(1, 1, 2, 2), 2, 2, 0, False), ValueError,
-                    "scale_factor must be an integer >= 1"),
-        BadBackward("ups-int", ups, (randint(1, 1, 4, 4), 2, 2, 2, False), TypeError,
-                    "grad_out must be float32 or float64"),
+        BadBackward(
+            "ups-negative-size",
+            ups,
+            (randn(1, 1, 2, 2), -1, 1, 2, False),
+            ValueError,
+            "input_height and input_width must be >= 0",
+        ),
+        BadBackward(
+            "ups-scale-0", ups, (randn(1, 1, 2, 2), 2, 2, 0, False), ValueError, "scale_factor must be an integer >= 1"
+        ),
+        BadBackward(
+            "ups-int", ups, (randint(1, 1, 4, 4), 2, 2, 2, False), TypeError, "grad_out must be float32 or float64"
+        ),
         BadBackward("gelu-grad-shape", gel, (randn(4), x, "none"), ValueError, "grad_out must have the shape of x"),
-        BadBackward("gelu-grad-dtype", gel, (randn(3, 4).float(), x, "tanh"), TypeError,
-                    "grad_out and x must have the same dtype"),
-        BadBackward("gelu-approximate", gel, (randn(3, 4), x, "erf"), ValueError,
-                    'approximate must be "none" or "tanh"'),
-        BadBackward("gelu-int", gel, (randint(3, 4), randint(3, 4), "none"), TypeError,
-                    "x must be float32 or float64"),
-        BadBackward("gelu-half-cpu", gel, (randn(3, 4).half(), x.half(), "none"), TypeError,
-                    "x must be float32 or float64 on the CPU", meta=False),
+        BadBackward(
+            "gelu-grad-dtype",
+            gel,
+            (randn(3, 4).float(), x, "tanh"),
+            TypeError,
+            "grad_out and x must have the same dtype",
+        ),
+        BadBackward(
+            "gelu-approximate", gel, (randn(3, 4), x, "erf"), ValueError, 'approximate must be "none" or "tanh"'
+        ),
+        BadBackward("gelu-int", gel, (randint(3, 4), randint(3, 4), "none"), TypeError, "x must be float32 or float64"),
+        BadBackward(
+            "gelu-half-cpu",
+            gel,
+            (randn(3, 4).half(), x.half(), "none"),
+            TypeError,
+            "x must be float32 or float64 on the CPU",
+            meta=False,
+        ),
     ]
 
 
@@ -638,16 +843,16 @@ def test_non_finite_points_agree_between_backends(sizes, dtype, tol):
     # axis with one voxel, where (point + 1) / 2 * 0 is NaN.
     if sizes[3] > 0:
         assert out[0:3].isnan().all()
-        for i, (value, border) in enumerate([(INF, 1.0), (-INF, -1.0)]):
+        for i, (_value, border) in enumerate([(INF, 1.0), (-INF, -1.0)]):
             for axis in range(3):
                 row = 3 + 3 * i + axis
                 if sizes[axis] == 1:
                     assert out[row].isnan().all()
                 else:
-                    clamped = points[row:row + 1].clone()
+                    clamped = points[row : row + 1].clone()
                     clamped[0, axis] = border
                     for fn in (cuda_ext.grid_interpolate, reference.grid_interpolate):
-                        assert torch.equal(fn(grid, clamped)[0], fn(grid, points[row:row + 1])[0])
+                        assert torch.equal(fn(grid, clamped)[0], fn(grid, points[row : row + 1])[0])
                     assert torch.isfinite(out[row]).all()
         assert torch.isfinite(out[9:]).all()
     # The backward runs on both (no crash, no out-of-range index). The grid gradients agree (NaN at the

@@ -25,7 +25,13 @@ from models import build_ops
 from models.field import optical_depth, resample_box, to_unit
 from models.render import accumulate, compositing_weights
 
-CUSTOM_OPS = {"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"}
+CUSTOM_OPS = {
+    "grid_interpolate": "custom",
+    "upsample_bilinear2d": "custom",
+    "gelu": "custom",
+    "volume_render": "custom",
+    "sparse_adam_step": "custom",
+}
 
 
 # ------------------------------------------------------------------------------------- per-sample shading

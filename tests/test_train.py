@@ -93,7 +93,13 @@ def test_run_writes_metrics_renders_and_checkpoint(finished_run):
     metrics = read_metrics(finished_run)
     assert METRIC_KEYS <= set(metrics)
     assert metrics["iters"] == 12 and metrics["render_only"] is False
-    assert metrics["ops"] == {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}
+    assert metrics["ops"] == {
+        "grid_interpolate": "torch",
+        "upsample_bilinear2d": "torch",
+        "gelu": "torch",
+        "volume_render": "torch",
+        "sparse_adam_step": "torch",
+    }
     assert metrics["device"] == "cpu" and metrics["resolution"] == [16, 16]
     assert len(metrics["per_view"]) == N_TEST
     assert math.isfinite(metrics["psnr"]) and -1.0 <= metrics["ssim"] <= 1.0
@@ -297,21 +303,66 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        ([], {"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"}),
-        (["ops=torch"], {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "torch"}),
+        (
+            [],
+            {
+                "grid_interpolate": "custom",
+                "upsample_bilinear2d": "custom",
+                "gelu": "custom",
+                "volume_render": "custom",
+                "sparse_adam_step": "custom",
+            },
+        ),
+        (
+            ["ops=torch"],
+            {
+                "grid_interpolate": "torch",
+                "upsample_bilinear2d": "torch",
+                "gelu": "torch",
+                "volume_render": "torch",
+                "sparse_adam_step": "torch",
+            },
+        ),
         (
             ["ops.upsample_bilinear2d=torch"],
-            {"grid_interpolate": "custom", "upsample_bilinear2d": "torch", "gelu": "custom"},
+            {
+                "grid_interpolate": "custom",
+                "upsample_bilinear2d": "torch",
+                "gelu": "custom",
+                "volume_render": "custom",
+                "sparse_adam_step": "custom",
+            },
         ),
         (
             ["ops=torch", "ops.gelu=custom"],
-            {"grid_interpolate": "torch", "upsample_bilinear2d": "torch", "gelu": "custom"},
+            {
+                "grid_interpolate": "torch",
+                "upsample_bilinear2d": "torch",
+                "gelu": "custom",
+                "volume_render": "torch",
+                "sparse_adam_step": "torch",
+            },
         ),
         # the keys' earlier names still work
-        (["ops.trilinear=torch"], {"grid_interpolate": "torch", "upsample_bilinear2d": "custom", "gelu": "custom"}),
+        (
+            ["ops.trilinear=torch"],
+            {
+                "grid_interpolate": "torch",
+                "upsample_bilinear2d": "custom",
+                "gelu": "custom",
+                "volume_render": "custom",
+                "sparse_adam_step": "custom",
+            },
+        ),
         (
             ["ops=torch", "ops.upsample=custom"],
-            {"grid_interpolate": "torch", "upsample_bilinear2d": "custom", "gelu": "torch"},
+            {
+                "grid_interpolate": "torch",
+                "upsample_bilinear2d": "custom",
+                "gelu": "torch",
+                "volume_render": "torch",
+                "sparse_adam_step": "torch",
+            },
         ),
     ],
 )

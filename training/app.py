@@ -14,6 +14,7 @@ Run directory layout::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -23,8 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from data import SceneError
 from models.ops import build_ops
+from training import distributed
 from training.checkpoint import CheckpointError, remove_stale_temporaries
 from training.config import ConfigError, typed, validate_config
+from training.distributed import DistributedError, Group
 from training.evaluation import write_outputs
 from training.preflight import PreflightError, run_preflight
 from training.run_dir import (
@@ -46,10 +49,14 @@ from training.trainer import EXIT_OK, Trainer
 EXIT_USAGE = 2  # bad config, bad scene, missing checkpoint
 
 
-def _main(cfg: DictConfig, paths: RunPaths) -> int:
+def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
     validate_config(cfg)
+    check_split(cfg, group)
     refuse_to_overwrite(cfg, paths)
-    removed = remove_stale_temporaries(paths.checkpoint)
+    device = resolve_device(cfg.device, group.local_rank if group.active else None)
+    distributed.start(group, device.type, float(cfg.train.dist_timeout))
+    group.same_everywhere("hydra.run.dir", str(paths.root.resolve()))
+    removed = remove_stale_temporaries(paths.checkpoint) if group.is_main else 0
     if removed:
         print(
             f"removed {removed} unfinished checkpoint file(s) left by an interrupted save in {paths.checkpoint.parent}"
@@ -63,7 +70,6 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
         ops = build_ops(cfg.ops)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    device = resolve_device(cfg.device)
     seed = seed_everything(state["seed"] if state is not None else cfg.seed)
 
     data_start = time.perf_counter()
@@ -93,13 +99,14 @@ def _main(cfg: DictConfig, paths: RunPaths) -> int:
         )
     except PreflightError as error:
         raise RunError(str(error)) from None
-    trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, grid_box(cfg.data, train_scene))
+    box = grid_box(cfg.data, train_scene)
+    trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, box, group)
     if state is not None:
         trainer.restore(state, with_training_state=not cfg.render_only)
         print(f"loaded {paths.checkpoint} (step {trainer.step})")
     if not cfg.render_only:
         code = trainer.fit()
-        if code != EXIT_OK:
+        if code != EXIT_OK or not group.is_main:  # rank 0 alone evaluates and writes the outputs
             return code
     metrics = write_outputs(trainer, bool(cfg.render_only), data_seconds)
     print(
@@ -137,33 +144,51 @@ class _LogTee:
 
 def run(cfg: DictConfig, run_dir: str | os.PathLike) -> int:
     """Train and/or evaluate as ``cfg`` says, in ``run_dir``; returns the process exit code. The run's
-    messages also go to ``run_dir/train.log`` (when the folder is writable)."""
+    messages also go to ``run_dir/train.log`` (when the folder is writable). Under torchrun, ranks other than 0
+    keep quiet except for errors (training.distributed)."""
+    group = distributed.from_environment()
+    if not group.is_main:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            return _run(cfg, run_dir, group)
     log_path = Path(run_dir) / "train.log"
     try:
         log = open(log_path, "a", encoding="utf-8")
     except OSError:
-        return _run(cfg, run_dir)  # a read-only folder: the preflight check says so in one line
+        return _run(cfg, run_dir, group)  # a read-only folder: the preflight check says so in one line
     stdout, stderr = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _LogTee(stdout, log), _LogTee(stderr, log)
     try:
-        return _run(cfg, run_dir)
+        return _run(cfg, run_dir, group)
     finally:
         sys.stdout, sys.stderr = stdout, stderr
         log.close()
 
 
-def _run(cfg: DictConfig, run_dir: str | os.PathLike) -> int:
+def _run(cfg: DictConfig, run_dir: str | os.PathLike, group: Group) -> int:
     """Train and/or evaluate as ``cfg`` says, in ``run_dir``; returns the process exit code.
 
     0 success; 2 a bad config, scene or checkpoint (one line on stderr); 3 the loss diverged (the last good
     checkpoint is kept); 128 + signal number when SIGINT / SIGTERM stopped training (after a checkpoint).
     """
     try:
-        return _main(cfg, RunPaths(Path(run_dir)))
-    except (ConfigError, SceneError, CheckpointError, RunError) as error:
+        return _main(cfg, RunPaths(Path(run_dir)), group)
+    except (ConfigError, SceneError, CheckpointError, RunError, DistributedError) as error:
         message = " ".join(str(error).split())  # one line, whatever the source
         print(f"error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted (outside training: nothing to save)", file=sys.stderr)
         return 128 + 2
+    finally:
+        distributed.stop(group)
+
+
+def check_split(cfg: DictConfig, group: Group) -> None:
+    """The global batch (train.batch_rays, or train.patches_per_batch with model.upsample > 1) must split into
+    equal shards, one per rank."""
+    key = "train.batch_rays" if int(cfg.model.upsample) == 1 else "train.patches_per_batch"
+    size = int(OmegaConf.select(cfg, key))
+    if size % group.world:
+        raise ConfigError(
+            f"{key}: {size} does not split over {group.world} ranks (the global batch; make it a multiple)"
+        )

@@ -34,6 +34,8 @@ class OpsConfig:
     grid_interpolate: str = "custom"  # the trilinear lookup in the voxel grids
     upsample_bilinear2d: str = "custom"  # the deferred decoder's feature upsampling
     gelu: str = "custom"  # the decoder's activation
+    volume_render: str = "custom"  # compositing of packed samples into colour, opacity, depth
+    sparse_adam_step: str = "custom"  # train.sparse_adam's update of the touched voxels
     trilinear: Optional[str] = None  # earlier name of grid_interpolate (set: overrides it)
     upsample: Optional[str] = None  # earlier name of upsample_bilinear2d (set: overrides it)
 
@@ -92,6 +94,8 @@ class TrainConfig:
     turntable_max_side: int = 400
     adam_eps: float = 1.0e-8
     opacity_loss: float = 0.0
+    sparse_adam: bool = False
+    dist_timeout: float = 300.0
     random_background: bool = False
     overwrite: bool = False
 
@@ -244,6 +248,7 @@ def _check_train(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.lr_decoder")
     _check_nonnegative_number(cfg, "train.lr_final_factor")
     _check_nonnegative_number(cfg, "train.opacity_loss")
+    _check_nonnegative_number(cfg, "train.dist_timeout")
     for key in (
         "train.batch_rays",
         "train.patch_size",
@@ -255,7 +260,7 @@ def _check_train(cfg: DictConfig) -> None:
         _check_int(cfg, key, minimum=1, rule="> 0")
     for key in ("train.checkpoint_every", "train.eval_every", "train.eval_views", "train.turntable_frames"):
         _check_int(cfg, key, minimum=0)
-    for key in ("train.resume", "train.profile", "train.overwrite", "train.random_background"):
+    for key in ("train.resume", "train.profile", "train.overwrite", "train.random_background", "train.sparse_adam"):
         _check_bool(cfg, key)
     eps = _get(cfg, "train.adam_eps")
     if eps is not _ABSENT and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1):

@@ -17,11 +17,12 @@ from data.bounds import mask_hull_box
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "voxel-field" / "scenes"
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu; ``cpu`` / ``cuda`` as given (validated earlier)."""
+def resolve_device(name: str, index: int | None = None) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; ``cpu`` / ``cuda`` as given (validated earlier). ``index``: the
+    GPU of this rank (torchrun's LOCAL_RANK) when several processes share a machine."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name, index) if name == "cuda" and index is not None else torch.device(name)
 
 
 def describe_device(device: torch.device) -> str:

@@ -18,18 +18,17 @@ from models.model import VoxelNeRF
 from models.ops import OpSet
 from training import evaluation
 from training.checkpoint import (
-    CheckpointError,
     InterruptGuard,
-    capture_rng_state,
-    restore_rng_state,
     save_checkpoint,
 )
 from training.config import ConfigError
+from training.distributed import Group
 from training.evaluation import sync
+from training.optim import SparseGridAdam
 from training.profiler import StepProfiler
+from training.resume import restore_trainer, trainer_state
 from training.run_dir import RunError, RunPaths, write_error, write_json
 
-CHECKPOINT_FORMAT = 1
 EXIT_OK = 0
 EXIT_DIVERGED = 3  # NaN / inf loss
 LOSS_LIMIT = 1e3  # colours live in [0, 1]: a loss this large (PSNR -30 dB) is an exploding run, not a slow one
@@ -78,7 +77,9 @@ class Trainer:
         eval_scene: Scene,
         seed: int,
         grid_box: torch.Tensor | None = None,
+        group: Group | None = None,
     ):
+        self.group = group or Group()  # training.distributed: this process's rank among the job's
         self.cfg, self.train_cfg = cfg, cfg.train
         self.paths, self.device, self.seed = paths, device, seed
         self.train_scene, self.eval_scene = train_scene, eval_scene
@@ -135,13 +136,16 @@ class Trainer:
         except ValueError as error:
             raise ConfigError(f"train.patch_size: {error}") from None
 
-    def _new_optimizer(self) -> torch.optim.Adam:
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        """Adam over the grids and the decoder; with ``train.sparse_adam`` the grids' step reads and writes only
+        the voxels this step touched (training.optim.SparseGridAdam, through ``ops.sparse_adam_step``)."""
         groups = self.model.param_groups(float(self.train_cfg.lr), float(self.train_cfg.lr_decoder))
         for group in groups:
             group["initial_lr"] = group["lr"]
-        return torch.optim.Adam(
-            groups, betas=ADAM_BETAS, eps=float(self.train_cfg.get("adam_eps", 1e-8)), fused=self.device.type == "cuda"
-        )
+        eps = float(self.train_cfg.get("adam_eps", 1e-8))
+        if self.train_cfg.get("sparse_adam", False):
+            return SparseGridAdam(groups, self.ops.sparse_adam_step, betas=ADAM_BETAS, eps=eps)
+        return torch.optim.Adam(groups, betas=ADAM_BETAS, eps=eps, fused=self.device.type == "cuda")
 
     def _rebuild_optimizer(self) -> None:
         """New Adam over the model's current parameters, keeping the moments of parameters that survived."""
@@ -164,11 +168,12 @@ class Trainer:
         with profiler.section("step"):
             self._set_learning_rates()
             with profiler.section("sampling"):
-                batch = self.sampler.sample()
+                batch = self.sampler.sample()  # the global batch: every rank draws the same one
+                batch = batch.shard(self.group.rank, self.group.world) if self.group.active else batch
                 background, target = self._training_background(batch)
             with profiler.section("forward"):
                 if self.model.upsample == 1:
-                    out = self.model.render_rays(batch.origins, batch.directions, background)
+                    out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter)
                 else:
                     out = self.model.render_patches(batch, background)
             with profiler.section("regularization"):
@@ -178,16 +183,17 @@ class Trainer:
                 loss = mse + regularization + self._opacity_loss(out["opacity"], batch.alpha)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                self.group.average_gradients(self.model.parameters())
             with profiler.section("optimizer"):
                 self.optimizer.step()
             self.step += 1
             with profiler.section("schedule"):
                 if self.model.on_step(self.step, self.iters):
                     self._rebuild_optimizer()
-        rays = batch.origins.numel() // 3
+        rays = batch.origins.numel() // 3 * self.group.world  # the job's rays, for rays/s
         self.rays_done += rays
         self.samples_done += int(out["samples"]) if "samples" in out else 0  # a CPU count: no device sync
-        self.pixels_done += batch.rgb.numel() // 3
+        self.pixels_done += batch.rgb.numel() // 3 * self.group.world
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
 
@@ -226,6 +232,7 @@ class Trainer:
             dynamic_ncols=True,
             mininterval=0.5,
             file=sys.stdout,
+            disable=not self.group.is_main,
         )
         code = EXIT_OK
         with InterruptGuard() as guard:
@@ -236,8 +243,9 @@ class Trainer:
                 loss, mse = self.train_step()
                 step = self.step
                 pause = False
+                stop = guard.requested if not self.group.active else self.group.mean(float(guard.requested))[0] > 0
                 if step % cfg.log_every == 0 or step == self.iters:
-                    loss_value, mse_value = loss.item(), mse.item()  # syncs the device
+                    loss_value, mse_value = self.group.mean(loss.item(), mse.item())  # syncs the device
                     if not (math.isfinite(loss_value) and math.isfinite(mse_value)) or loss_value > LOSS_LIMIT:
                         code = self._diverged(step, loss_value)
                         break
@@ -258,24 +266,25 @@ class Trainer:
                     bar.update(step - bar.n)
                 periodic_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.iters
                 periodic_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < self.iters
-                if periodic_checkpoint or periodic_eval or guard.requested:
+                if periodic_checkpoint or periodic_eval or stop:
                     sync(self.device)
                     self.train_seconds += time.perf_counter() - segment_start
                     pause = True
-                if periodic_checkpoint or guard.requested:
+                if periodic_checkpoint or stop:
                     if not self._save_if_finite(loss):
                         code = self._diverged(step, loss.item())
                         break
-                if guard.requested:
+                if stop:
                     bar.close()
                     print(
-                        f"interrupted by {guard.signum.name} at step {step}/{self.iters}: checkpoint saved to "
+                        f"interrupted by {guard.signum.name if guard.signum else 'a signal to another rank'} "
+                        f"at step {step}/{self.iters}: checkpoint saved to "
                         f"{self.paths.checkpoint}; continue with train.resume=true and the same hydra.run.dir",
                         file=sys.stderr,
                     )
                     self.profiler.recording = False
-                    return guard.exit_code
-                if periodic_eval:
+                    return guard.exit_code or 128 + 15  # another rank's signal: as SIGTERM
+                if periodic_eval and self.group.is_main:
                     self._periodic_eval()
                 if pause:
                     segment_start = window_start = time.perf_counter()
@@ -347,7 +356,10 @@ class Trainer:
 
     def save(self) -> None:
         """Write the checkpoint atomically; a write error (disk full, read-only, I/O) becomes a RunError that
-        says the previous checkpoint is kept (the atomic save never touches it)."""
+        says the previous checkpoint is kept (the atomic save never touches it). Rank 0 alone writes."""
+        if not self.group.is_main:
+            self.last_saved_step = self.step
+            return
         start = time.perf_counter()
         try:
             self._write_checkpoint()
@@ -364,65 +376,10 @@ class Trainer:
         self.checkpoint_seconds += time.perf_counter() - start
 
     def _write_checkpoint(self) -> None:
-        save_checkpoint(
-            self.paths.checkpoint,
-            {
-                "format": CHECKPOINT_FORMAT,
-                "step": self.step,
-                "iters": self.iters,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "rng": capture_rng_state(),
-                "sampler_generator": self.generator.get_state(),
-                "config": OmegaConf.to_container(self.cfg, resolve=True),
-                "history": self.history,
-                "eval_history": self.eval_history,
-                "train_seconds": self.train_seconds,
-                "rays": self.rays_done,
-                "pixels": self.pixels_done,
-                "samples": self.samples_done,
-                "checkpoint_seconds": self.checkpoint_seconds,
-                "seed": self.seed,
-            },
-        )
+        save_checkpoint(self.paths.checkpoint, trainer_state(self))
 
     def restore(self, state: dict, with_training_state: bool) -> None:
-        """Load a checkpoint's model (any grid resolution); with ``with_training_state`` also the optimiser,
-        RNG states and counters, so training continues exactly where it stopped."""
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{self.paths.checkpoint}: unknown checkpoint format {state.get('format')!r}")
-        try:
-            self.model.load_state_dict(state["model"])
-        except (RuntimeError, KeyError) as error:
-            first = str(error).strip().splitlines()[0]
-            raise CheckpointError(f"{self.paths.checkpoint}: does not fit this model ({first})") from None
-        self.model.to(self.device)
-        self.step = int(state["step"])
-        self.history = state["history"]
-        self.eval_history = list(state["eval_history"])
-        self.train_seconds = float(state["train_seconds"])
-        self.rays_done, self.pixels_done = int(state["rays"]), int(state["pixels"])
-        self.samples_done = int(state.get("samples", 0))
-        self.checkpoint_seconds = float(state.get("checkpoint_seconds", 0.0))
-        self.last_saved_step = self.step
-        if not with_training_state:
-            return
-        # re-apply the schedule at this step (idempotent: sets the TV switch; grows only if train.iters changed)
-        grown = self.step > 0 and self.model.on_step(self.step, self.iters)
-        self.optimizer = self._new_optimizer()
-        if not grown:
-            self.optimizer.load_state_dict(state["optimizer"])
-            for group in self.optimizer.param_groups:  # the checkpoint may come from another device type
-                group["fused"] = self.device.type == "cuda"
-        restore_rng_state(state["rng"])
-        generator_state = state["sampler_generator"].cpu()
-        if generator_state.numel() == self.generator.get_state().numel():
-            self.generator.set_state(generator_state)
-        else:  # written on another device type (CPU and CUDA generators keep different states): reseed
-            self.generator.manual_seed(self.seed + self.step)
-            print(
-                f"note: the checkpoint's batch sampler state is from another device type; resampling from seed "
-                f"{self.seed} + step {self.step}"
-            )
+        """Load a checkpoint (training.resume.restore_trainer)."""
+        restore_trainer(self, state, with_training_state)
 
     # ---------------------------------------------------------------- evaluation

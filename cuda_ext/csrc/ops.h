@@ -34,7 +34,31 @@ at::Tensor upsample_bilinear2d_backward_cpu(const at::Tensor& grad_out, int64_t 
 at::Tensor gelu_cpu(const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, c10::string_view approximate);
 
+// volume_render: alpha compositing of packed samples, ray b's at [ray_offsets[b], ray_offsets[b + 1]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> volume_render_cpu(const at::Tensor& optical_depth,
+                                                                 const at::Tensor& values, const at::Tensor& t,
+                                                                 const at::Tensor& ray_offsets, double early_stop);
+std::tuple<at::Tensor, at::Tensor> volume_render_backward_cpu(
+    const at::Tensor& grad_values, const at::Tensor& grad_opacity, const at::Tensor& grad_depth,
+    const at::Tensor& optical_depth, const at::Tensor& values, const at::Tensor& t, const at::Tensor& ray_offsets,
+    const at::Tensor& out, const at::Tensor& opacity, const at::Tensor& depth, double early_stop);
+
+// sparse_adam_step: Adam on the listed rows of a (M, C) parameter, in place.
+void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                          const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
+                          double beta2, double eps);
+
 #ifdef WITH_CUDA
+void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                           const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
+                           double beta2, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> volume_render_cuda(const at::Tensor& optical_depth,
+                                                                  const at::Tensor& values, const at::Tensor& t,
+                                                                  const at::Tensor& ray_offsets, double early_stop);
+std::tuple<at::Tensor, at::Tensor> volume_render_backward_cuda(
+    const at::Tensor& grad_values, const at::Tensor& grad_opacity, const at::Tensor& grad_depth,
+    const at::Tensor& optical_depth, const at::Tensor& values, const at::Tensor& t, const at::Tensor& ray_offsets,
+    const at::Tensor& out, const at::Tensor& opacity, const at::Tensor& depth, double early_stop);
 at::Tensor trilinear_interpolate_cuda(const at::Tensor& feats, const at::Tensor& points);
 std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cuda(const at::Tensor& grad_out,
                                                                        const at::Tensor& feats,

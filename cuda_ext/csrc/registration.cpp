@@ -31,6 +31,16 @@ TORCH_LIBRARY(cuda_ext, m) {
       "int scale_factor, bool align_corners) -> Tensor");
   m.def("gelu(Tensor x, str approximate) -> Tensor");
   m.def("gelu_backward(Tensor grad_out, Tensor x, str approximate) -> Tensor");
+  m.def(
+      "volume_render(Tensor optical_depth, Tensor values, Tensor t, Tensor ray_offsets, float early_stop) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "volume_render_backward(Tensor grad_values, Tensor grad_opacity, Tensor grad_depth, Tensor optical_depth, "
+      "Tensor values, Tensor t, Tensor ray_offsets, Tensor out, Tensor opacity, Tensor depth, float early_stop) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "sparse_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
+      "int step, float lr, float beta1, float beta2, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
@@ -42,6 +52,9 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("upsample_bilinear2d_backward", &cuda_ext::upsample_bilinear2d_backward_cpu);
   m.impl("gelu", &cuda_ext::gelu_cpu);
   m.impl("gelu_backward", &cuda_ext::gelu_backward_cpu);
+  m.impl("volume_render", &cuda_ext::volume_render_cpu);
+  m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cpu);
+  m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
 }
 
 #ifdef WITH_CUDA
@@ -54,5 +67,8 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("upsample_bilinear2d_backward", &cuda_ext::upsample_bilinear2d_backward_cuda);
   m.impl("gelu", &cuda_ext::gelu_cuda);
   m.impl("gelu_backward", &cuda_ext::gelu_backward_cuda);
+  m.impl("volume_render", &cuda_ext::volume_render_cuda);
+  m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cuda);
+  m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
 }
 #endif

@@ -1,0 +1,164 @@
+"""Argument checks of the training-step ops (volume_render, sparse_adam_step), shared by their wrappers, fake
+kernels and references; same rules and messages as :mod:`cuda_ext._checks` (metadata only, except where a
+docstring says otherwise)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cuda_ext._checks import (
+    _FULL_DTYPES,
+    _shape,
+    check_device,
+    check_int,
+    check_same_device_and_dtype,
+    check_tensor,
+    require,
+)
+
+__all__ = ["check_render_inputs", "check_render_grads", "check_adam_inputs"]
+
+
+# ------------------------------------------------------------------------------------------ volume_render
+
+
+def check_render_inputs(
+    optical_depth: Any, values: Any, t: Any, ray_offsets: Any, early_stop: Any, op: str = "volume_render"
+) -> float:
+    """Packed samples: optical_depth (N,) float32/float64, values (N, C), t (N,) of its dtype and device,
+    ray_offsets (B + 1,) int64 on its device, early_stop a number in [0, 1). Returns early_stop as a float."""
+    for name, value in (("optical_depth", optical_depth), ("values", values), ("t", t), ("ray_offsets", ray_offsets)):
+        check_tensor(op, name, value)
+    check_device(op, "optical_depth", optical_depth)
+    require(
+        optical_depth.dtype in _FULL_DTYPES,
+        TypeError,
+        lambda: f"{op}: optical_depth must be float32 or float64, got {optical_depth.dtype}",
+    )
+    require(
+        optical_depth.dim() == 1,
+        ValueError,
+        lambda: f"{op}: optical_depth must have shape (N,), got {_shape(optical_depth)}",
+    )
+    n = optical_depth.shape[0]
+    require(
+        values.dim() == 2 and values.shape[0] == n,
+        ValueError,
+        lambda: f"{op}: values must have shape (N, C) with N = {n}, got {_shape(values)}",
+    )
+    require(
+        t.dim() == 1 and t.shape[0] == n,
+        ValueError,
+        lambda: f"{op}: t must have shape (N,) with N = {n}, got {_shape(t)}",
+    )
+    check_same_device_and_dtype(op, "values", values, "optical_depth", optical_depth)
+    check_same_device_and_dtype(op, "t", t, "optical_depth", optical_depth)
+    require(
+        ray_offsets.dim() == 1 and ray_offsets.shape[0] >= 1,
+        ValueError,
+        lambda: f"{op}: ray_offsets must have shape (B + 1,), got {_shape(ray_offsets)}",
+    )
+    require(
+        ray_offsets.dtype == torch.int64, TypeError, lambda: f"{op}: ray_offsets must be int64, got {ray_offsets.dtype}"
+    )
+    require(
+        ray_offsets.device == optical_depth.device,
+        ValueError,
+        lambda: (
+            f"{op}: ray_offsets and optical_depth must be on the same device, got {ray_offsets.device} and "
+            f"{optical_depth.device}"
+        ),
+    )
+    if isinstance(early_stop, bool) or not isinstance(early_stop, (int, float)):
+        raise TypeError(f"{op}: early_stop must be a number, got {early_stop!r} of type {type(early_stop).__name__}")
+    if not 0.0 <= early_stop < 1.0:
+        raise ValueError(f"{op}: early_stop must be in [0, 1), got {early_stop}")
+    return float(early_stop)
+
+
+def check_render_grads(
+    grad_values: Any,
+    grad_opacity: Any,
+    grad_depth: Any,
+    values: torch.Tensor,
+    rays: Any,
+    op: str = "volume_render_backward",
+) -> None:
+    for name, value in (("grad_values", grad_values), ("grad_opacity", grad_opacity), ("grad_depth", grad_depth)):
+        check_tensor(op, name, value)
+        check_same_device_and_dtype(op, name, value, "values", values)
+    require(
+        grad_values.dim() == 2 and grad_values.shape[0] == rays and grad_values.shape[1] == values.shape[1],
+        ValueError,
+        lambda: f"{op}: grad_values must have shape (B, C) = ({rays}, {values.shape[1]}), got {_shape(grad_values)}",
+    )
+    for name, value in (("grad_opacity", grad_opacity), ("grad_depth", grad_depth)):
+        require(
+            value.dim() == 1 and value.shape[0] == rays,
+            ValueError,
+            lambda name=name, value=value: f"{op}: {name} must have shape ({rays},), got {_shape(value)}",
+        )
+
+
+# ------------------------------------------------------------------------------------------ sparse_adam_step
+
+
+def check_adam_inputs(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    rows: Any,
+    step: Any,
+    lr: Any,
+    beta1: Any,
+    beta2: Any,
+    eps: Any,
+    op: str = "sparse_adam_step",
+) -> None:
+    for name, value in (
+        ("param", param),
+        ("grad", grad),
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+        ("rows", rows),
+    ):
+        check_tensor(op, name, value)
+    check_device(op, "param", param)
+    require(
+        param.dtype in _FULL_DTYPES, TypeError, lambda: f"{op}: param must be float32 or float64, got {param.dtype}"
+    )
+    require(param.dim() == 2, ValueError, lambda: f"{op}: param must have shape (M, C), got {_shape(param)}")
+    require(param.is_contiguous(), ValueError, lambda: f"{op}: param must be contiguous (it is updated in place)")
+    for name, value in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        require(
+            value.shape == param.shape,
+            ValueError,
+            lambda name=name, value=value: (
+                f"{op}: {name} must have the shape of param {_shape(param)}, got {_shape(value)}"
+            ),
+        )
+        check_same_device_and_dtype(op, name, value, "param", param)
+        require(value.is_contiguous(), ValueError, lambda name=name: f"{op}: {name} must be contiguous")
+    require(rows.dim() == 1, ValueError, lambda: f"{op}: rows must have shape (K,), got {_shape(rows)}")
+    require(rows.dtype == torch.int64, TypeError, lambda: f"{op}: rows must be int64, got {rows.dtype}")
+    require(
+        rows.device == param.device,
+        ValueError,
+        lambda: f"{op}: rows and param must be on the same device, got {rows.device} and {param.device}",
+    )
+    if check_int(op, "step", step) < 1:
+        raise ValueError(f"{op}: step must be >= 1, got {step}")
+    for name, value, low, high in (
+        ("lr", lr, 0.0, float("inf")),
+        ("beta1", beta1, 0.0, 1.0),
+        ("beta2", beta2, 0.0, 1.0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{op}: {name} must be a number, got {value!r}")
+        if not (low <= value < high or (name == "lr" and value == low)):
+            raise ValueError(f"{op}: {name} must be in [{low:g}, {high:g}), got {value}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{op}: eps must be a number > 0, got {eps!r}")

@@ -1,0 +1,79 @@
+"""Volume rendering of packed samples: the typed wrapper of ``torch.ops.cuda_ext.volume_render``, its fake
+(meta) kernels, and its autograd through the hand-written backward kernel (csrc/render.h has the formulas;
+the kernels are csrc/cpu/render.cpp and csrc/cuda/render.cu).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cuda_ext import _step_checks
+
+__all__ = ["volume_render"]
+
+
+def volume_render(
+    optical_depth: torch.Tensor,
+    values: torch.Tensor,
+    t: torch.Tensor,
+    ray_offsets: torch.Tensor,
+    early_stop: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Alpha-composite packed samples along their rays.
+
+    Args:
+        optical_depth: (N,) s_i = sigma_i * delta_i >= 0 of each sample, float32 or float64.
+        values: (N, C) what each sample contributes (colour, features), same dtype and device.
+        t: (N,) each sample's distance along its ray (for the depth).
+        ray_offsets: (B + 1,) int64, non-decreasing, 0 first and N last: ray b owns samples
+            [ray_offsets[b], ray_offsets[b + 1]), in order along the ray (samples outside every ray are ignored).
+        early_stop: samples whose transmittance T_i = exp(-sum_{j<i} s_j) is below this contribute nothing
+            (early ray termination; 0 = off).
+    Returns:
+        (values (B, C), opacity (B,), depth (B,)) = sum_i w_i (v_i, 1, t_i) with w_i = T_i (1 - exp(-s_i)).
+        Differentiable in optical_depth and values (twice is not supported); t and ray_offsets are not.
+    """
+    early_stop = _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop)
+    return torch.ops.cuda_ext.volume_render(optical_depth, values, t, ray_offsets, early_stop)
+
+
+@torch.library.register_fake("cuda_ext::volume_render")
+def _volume_render_fake(optical_depth, values, t, ray_offsets, early_stop):
+    _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop)
+    rays = ray_offsets.shape[0] - 1
+    return values.new_empty((rays, values.shape[1])), values.new_empty((rays,)), values.new_empty((rays,))
+
+
+@torch.library.register_fake("cuda_ext::volume_render_backward")
+def _volume_render_backward_fake(
+    grad_values, grad_opacity, grad_depth, optical_depth, values, t, ray_offsets, out, opacity, depth, early_stop
+):
+    _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop, op="volume_render_backward")
+    _step_checks.check_render_grads(grad_values, grad_opacity, grad_depth, values, ray_offsets.shape[0] - 1)
+    return torch.empty_like(optical_depth), torch.empty_like(values)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    optical_depth, values, t, ray_offsets, early_stop = inputs
+    out, opacity, depth = output
+    ctx.save_for_backward(optical_depth, values, t, ray_offsets, out, opacity, depth)
+    ctx.early_stop = early_stop
+
+
+def _backward(ctx: Any, grad_values: torch.Tensor, grad_opacity: torch.Tensor, grad_depth: torch.Tensor) -> tuple:
+    if torch.is_grad_enabled():
+        raise RuntimeError("volume_render: double backward is not supported (create_graph=True)")
+    optical_depth, values, t, ray_offsets, out, opacity, depth = ctx.saved_tensors
+    grads = [
+        g if g is not None else torch.zeros_like(ref)
+        for g, ref in ((grad_values, out), (grad_opacity, opacity), (grad_depth, depth))
+    ]
+    grad_sd, grad_v = torch.ops.cuda_ext.volume_render_backward(
+        *grads, optical_depth, values, t, ray_offsets, out, opacity, depth, ctx.early_stop
+    )
+    return (grad_sd if ctx.needs_input_grad[0] else None, grad_v if ctx.needs_input_grad[1] else None, None, None, None)
+
+
+torch.library.register_autograd("cuda_ext::volume_render", _backward, setup_context=_setup_context)

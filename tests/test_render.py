@@ -1,0 +1,140 @@
+"""cuda_ext.volume_render against its reference (float64), gradcheck, opcheck, the model's former compositing
+code, early termination, poisoned outputs on CUDA, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cuda_ext
+from cuda_ext import reference
+from models.render import accumulate, compositing_weights
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)]
+
+
+def packed(counts: list[int], channels: int, dtype=torch.float64, device="cpu", seed: int = 0):
+    """Random packed samples for rays with ``counts`` samples each (some empty): optical depth in (0, 0.6)."""
+    generator = torch.Generator().manual_seed(seed)
+    n = sum(counts)
+    sd = (torch.rand(n, generator=generator, dtype=torch.float64) * 0.6 + 1e-3).to(dtype)
+    values = (torch.rand(n, channels, generator=generator, dtype=torch.float64) * 2 - 0.5).to(dtype)
+    t = (torch.rand(n, generator=generator, dtype=torch.float64) * 4 + 2).to(dtype)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+    return [x.to(device) for x in (sd, values, t, offsets)]
+
+
+COUNTS = [5, 0, 1, 40, 3, 0, 77, 12]  # empty, single-sample, long (several warps' chunks) rays
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("channels", [1, 3, 12, 20])
+@pytest.mark.parametrize("early_stop", [0.0, 0.2])
+def test_matches_the_reference_in_float64(device, channels, early_stop):
+    sd, values, t, offsets = packed(COUNTS, channels, device=device)
+    got = cuda_ext.volume_render(sd, values, t, offsets, early_stop)
+    want = reference.volume_render(sd, values, t, offsets, early_stop)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("early_stop", [0.0, 0.3])
+def test_gradients_match_the_reference(device, early_stop):
+    inputs = packed(COUNTS, 3, device=device, seed=1)
+    grads = []
+    for fn in (cuda_ext.volume_render, reference.volume_render):
+        sd, values = (x.clone().requires_grad_() for x in inputs[:2])
+        out, opacity, depth = fn(sd, values, inputs[2], inputs[3], early_stop)
+        weights = torch.rand(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype).to(device)
+        (out * weights).sum().add((opacity * 0.7).sum()).add((depth * -0.3).sum()).backward()
+        grads.append((sd.grad, values.grad))
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("early_stop", [0.0, 0.4])
+def test_gradcheck_cpu(early_stop):
+    sd, values, t, offsets = packed([4, 0, 9, 2], 3, seed=3)
+    sd.requires_grad_()
+    values.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda s, v: cuda_ext.volume_render(s, v, t, offsets, early_stop), (sd, values), eps=1e-6, atol=1e-7
+    )
+
+
+@pytest.mark.requires_cuda
+def test_gradcheck_cuda():
+    sd, values, t, offsets = packed([4, 0, 35, 2], 3, device="cuda", seed=4)
+    sd.requires_grad_()
+    values.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda s, v: cuda_ext.volume_render(s, v, t, offsets), (sd, values), eps=1e-6, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_close_to_float64(device):
+    sd, values, t, offsets = packed(COUNTS * 20, 12, device=device, seed=5)
+    want = cuda_ext.volume_render(sd, values, t, offsets)
+    got = cuda_ext.volume_render(sd.float(), values.float(), t.float(), offsets)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_the_models_former_compositing_code():
+    sd, values, t, offsets = packed(COUNTS, 6, seed=6)
+    ray = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
+    weights = compositing_weights(sd, ray, len(COUNTS))
+    out, opacity, depth = cuda_ext.volume_render(sd, values, t, offsets)
+    torch.testing.assert_close(out, accumulate(values, weights, ray, len(COUNTS)))
+    torch.testing.assert_close(opacity, accumulate(torch.ones_like(t)[:, None], weights, ray, len(COUNTS))[:, 0])
+    torch.testing.assert_close(depth, accumulate(t[:, None], weights, ray, len(COUNTS))[:, 0])
+
+
+def test_opcheck():
+    sd, values, t, offsets = packed(COUNTS, 3, seed=7)
+    torch.library.opcheck(
+        torch.ops.cuda_ext.volume_render.default, (sd.requires_grad_(), values.requires_grad_(), t, offsets, 0.1)
+    )
+
+
+@pytest.mark.requires_cuda
+def test_every_output_is_written_on_cuda(poison_cuda_cache):
+    sd, values, t, offsets = packed(COUNTS * 50, 12, dtype=torch.float32, device="cuda", seed=8)
+    sd.requires_grad_()
+    values.requires_grad_()
+    poison_cuda_cache()
+    out, opacity, depth = cuda_ext.volume_render(sd, values, t, offsets, 0.05)
+    poison_cuda_cache()
+    (out.sum() + opacity.sum() + depth.sum()).backward()
+    for tensor in (out, opacity, depth, sd.grad, values.grad):
+        assert torch.isfinite(tensor).all()
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda a: {**a, "optical_depth": a["optical_depth"].float()}, TypeError, "values and optical_depth"),
+        (lambda a: {**a, "values": a["values"][:, 0]}, ValueError, "values must have shape"),
+        (lambda a: {**a, "t": a["t"][:-1]}, ValueError, "t must have shape"),
+        (lambda a: {**a, "ray_offsets": a["ray_offsets"].int()}, TypeError, "ray_offsets must be int64"),
+        (lambda a: {**a, "ray_offsets": a["ray_offsets"][:0]}, ValueError, "ray_offsets must have shape"),
+        (lambda a: {**a, "early_stop": -0.1}, ValueError, "early_stop must be in"),
+        (lambda a: {**a, "early_stop": "0"}, TypeError, "early_stop must be a number"),
+        (lambda a: {**a, "optical_depth": a["optical_depth"].tolist()}, TypeError, "optical_depth must be a torch"),
+    ],
+)
+@pytest.mark.parametrize("fn", [cuda_ext.volume_render, reference.volume_render])
+def test_bad_input_names_the_argument(fn, change, error, match):
+    sd, values, t, offsets = packed([3, 2], 3)
+    args = change({"optical_depth": sd, "values": values, "t": t, "ray_offsets": offsets, "early_stop": 0.0})
+    with pytest.raises(error, match=match):
+        fn(**args)
+
+
+def test_direct_op_call_with_bad_input_raises_not_crashes():
+    sd, values, t, offsets = packed([3, 2], 3)
+    with pytest.raises(RuntimeError, match="volume_render: t must have shape"):
+        torch.ops.cuda_ext.volume_render(sd, values, t[:-1], offsets, 0.0)
