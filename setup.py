@@ -85,5 +85,10 @@ setup(
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy", "hydra-core>=1.3", "tqdm", "imageio>=2.9", "pillow"],
-    extras_require={"test": ["pytest"], "lint": ["ruff==0.17.5", "clang-format==23.1.3"]},
+    extras_require={
+        "test": ["pytest"],
+        "lint": ["ruff==0.17.5", "clang-format==23.1.3"],
+        "tensorboard": ["tensorboard"],
+        "video": ["imageio-ffmpeg"],
+    },
 )

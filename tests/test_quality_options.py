@@ -261,7 +261,7 @@ def test_model_background_per_ray_replaces_its_own():
 
 
 def test_opacity_loss_pulls_opacity_to_alpha_at_the_rays_resolution():
-    from training.trainer import opacity_loss
+    from training.losses import opacity_loss
 
     generator = torch.Generator().manual_seed(3)
     opacity = torch.rand(2, 4, 4, generator=generator, dtype=torch.float64, requires_grad=True)

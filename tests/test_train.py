@@ -116,6 +116,14 @@ def test_run_writes_metrics_renders_and_checkpoint(finished_run):
     assert not list((finished_run / "checkpoints").glob(".*.tmp"))
 
 
+def test_the_turntable_is_an_mp4_that_reads_back(finished_run):
+    pytest.importorskip("imageio_ffmpeg", reason="imageio-ffmpeg is not installed (pip install -e '.[video]')")
+    import imageio.v3 as iio
+
+    frames = iio.imread(finished_run / "renders" / "turntable.mp4")
+    assert frames.shape == (3, 16, 16, 3) and frames.dtype.name == "uint8"
+
+
 def test_render_only_reproduces_the_evaluation(finished_run):
     before = read_metrics(finished_run)
     (finished_run / "renders" / "000_pred.png").unlink()

@@ -95,6 +95,7 @@ class TrainConfig:
     adam_eps: float = 1.0e-8
     opacity_loss: float = 0.0
     sparse_adam: bool = False
+    tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0
     random_background: bool = False
     overwrite: bool = False

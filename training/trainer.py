@@ -24,10 +24,13 @@ from training.checkpoint import (
 from training.config import ConfigError
 from training.distributed import Group
 from training.evaluation import sync
+from training.losses import opacity_loss
 from training.optim import SparseGridAdam
 from training.profiler import StepProfiler
 from training.resume import restore_trainer, trainer_state
 from training.run_dir import RunError, RunPaths, write_error, write_json
+from training.tensorboard import TensorBoardLogger
+from training.visualize import to_uint8
 
 EXIT_OK = 0
 EXIT_DIVERGED = 3  # NaN / inf loss
@@ -38,20 +41,6 @@ ADAM_BETAS = (0.9, 0.99)  # DirectVoxGO's: a shorter second-moment memory suits 
 def learning_rate_factor(step: int, total_steps: int, final_factor: float) -> float:
     """Exponential decay from 1 at step 0 to ``final_factor`` (>= 0) at ``total_steps``."""
     return final_factor ** (min(step, total_steps) / max(total_steps, 1))
-
-
-def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """Mean squared difference between the rays' opacity and the training images' alpha: density where the
-    masks say empty is haze, even where its colour matches the background (``train.opacity_loss`` weighs it).
-
-    ``opacity`` (B,) or (n, P, P); ``alpha`` the same shape, or (n, sP, sP) for patch batches (area-averaged
-    down to the rays' resolution P).
-    """
-    if alpha.shape != opacity.shape:
-        if alpha.dim() != 3 or opacity.dim() != 3 or alpha.shape[1] % opacity.shape[1]:
-            raise ValueError(f"opacity_loss: alpha {tuple(alpha.shape)} does not fit opacity {tuple(opacity.shape)}")
-        alpha = F.avg_pool2d(alpha[:, None], alpha.shape[1] // opacity.shape[1])[:, 0]
-    return F.mse_loss(opacity, alpha)
 
 
 class Trainer:
@@ -224,6 +213,7 @@ class Trainer:
             self.sampler = self._build_sampler()
         self.model.train()
         self.profiler.recording = True
+        self.tensorboard = TensorBoardLogger(self.paths.root / "tensorboard", self.group.is_main and cfg.tensorboard)
         bar = tqdm(
             total=self.iters,
             initial=self.step,
@@ -255,6 +245,17 @@ class Trainer:
                     window_start, window_rays, window_samples = now, self.rays_done, self.samples_done
                     batch_psnr = -10.0 * math.log10(max(mse_value, 1e-12))
                     self._record(step, loss_value, batch_psnr)
+                    lrs = {f"lr_{g.get('name', i)}": g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
+                    occupied = self.model.occupancy.mask.float().mean().item()
+                    self.tensorboard.scalars(
+                        step,
+                        loss=loss_value,
+                        psnr=batch_psnr,
+                        rays_per_second=rays_per_second,
+                        resolution=self.model.resolution,
+                        occupancy=occupied,
+                        **lrs,
+                    )
                     bar.set_postfix(
                         loss=f"{loss_value:.4f}",
                         psnr=f"{batch_psnr:.2f}",
@@ -283,6 +284,7 @@ class Trainer:
                         file=sys.stderr,
                     )
                     self.profiler.recording = False
+                    self.tensorboard.close()
                     return guard.exit_code or 128 + 15  # another rank's signal: as SIGTERM
                 if periodic_eval and self.group.is_main:
                     self._periodic_eval()
@@ -293,6 +295,7 @@ class Trainer:
                 sync(self.device)
                 self.train_seconds += time.perf_counter() - segment_start
         self.profiler.recording = False
+        self.tensorboard.close()
         bar.close()
         if code != EXIT_OK:
             return code
@@ -337,6 +340,8 @@ class Trainer:
             "psnr_worst10": result["psnr_worst10"],
         }
         self.eval_history.append(entry)
+        first = evaluation.render(self, self.eval_scene.c2w[views[0]])["rgb"].cpu().numpy()
+        self.tensorboard.evaluation(self.step, entry["psnr"], entry["ssim"], {f"view_{views[0]:03d}": to_uint8(first)})
         tqdm.write(
             f"eval @ step {self.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
             f"({len(views)} views, {self.train_seconds:.1f} s of training)",
