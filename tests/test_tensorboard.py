@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from training import tensorboard as tb
@@ -41,6 +42,48 @@ def test_a_run_writes_scalars_and_evaluations_that_tensorboard_reads_back(tmp_pa
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
     assert [e.step for e in events.Scalars("eval/psnr")] == [4]
     assert events.Tags()["images"], "the evaluation image is missing"
+
+
+def test_the_logger_writes_scalars_and_images_that_tensorboard_reads_back(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = tb.TensorBoardLogger(tmp_path / "tb", None)  # None = auto: on, since the package is here
+    assert logger.enabled
+    logger.scalars(10, loss=0.25, psnr=21.5, lr_grids=0.1, rays_per_second=1234.0, resolution=32, occupancy=0.4)
+    logger.scalars(20, loss=0.125, psnr=24.0, skipped=None)  # None values are left out
+    image = np.zeros((6, 8, 3), np.uint8)
+    image[:, :4, 0] = 255  # left half red
+    logger.evaluation(20, 23.5, 0.875, {"view_000": image})
+    logger.close()
+    logger.close()  # twice is fine
+
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert set(tags["scalars"]) == {
+        "train/loss",
+        "train/psnr",
+        "train/lr_grids",
+        "train/rays_per_second",
+        "train/resolution",
+        "train/occupancy",
+        "eval/psnr",
+        "eval/ssim",
+    }
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 0.25), (20, 0.125)]
+    assert [(e.step, e.value) for e in events.Scalars("train/psnr")] == [(10, 21.5), (20, 24.0)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/ssim")] == [(20, 0.875)]
+    assert events.Scalars("train/resolution")[0].value == 32
+    assert tags["images"] == ["eval/view_000"]
+    (written,) = events.Images("eval/view_000")
+    assert (written.step, written.width, written.height) == (20, 8, 6)
+    import io
+
+    from PIL import Image
+
+    decoded = np.asarray(Image.open(io.BytesIO(written.encoded_image_string)).convert("RGB"))
+    np.testing.assert_array_equal(decoded, image)  # PNG: lossless
 
 
 def test_off_writes_nothing(tmp_path):

@@ -23,10 +23,12 @@ class TensorBoardLogger:
 
     Args:
         log_dir: the event files' folder.
-        setting: ``"auto"`` (on when the package is importable), ``true`` or ``false``.
+        setting: ``"auto"`` or ``None`` (on when the package is importable), ``true`` or ``false``.
     """
 
-    def __init__(self, log_dir: Path, setting: str | bool):
+    def __init__(self, log_dir: Path, setting: str | bool | None = "auto"):
+        if setting is None:
+            setting = "auto"
         if setting not in ("auto", True, False):
             raise ConfigError(f"train.tensorboard: expected auto, true or false, got {setting!r}")
         available = tensorboard_available()
