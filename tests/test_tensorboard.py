@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
+from PIL import Image
 
 from training import tensorboard as tb
 from training.config import ConfigError
@@ -78,10 +81,6 @@ def test_the_logger_writes_scalars_and_images_that_tensorboard_reads_back(tmp_pa
     assert tags["images"] == ["eval/view_000"]
     (written,) = events.Images("eval/view_000")
     assert (written.step, written.width, written.height) == (20, 8, 6)
-    import io
-
-    from PIL import Image
-
     decoded = np.asarray(Image.open(io.BytesIO(written.encoded_image_string)).convert("RGB"))
     np.testing.assert_array_equal(decoded, image)  # PNG: lossless
 
