@@ -160,5 +160,7 @@ def check_adam_inputs(
             raise TypeError(f"{op}: {name} must be a number, got {value!r}")
         if not (low <= value < high or (name == "lr" and value == low)):
             raise ValueError(f"{op}: {name} must be in [{low:g}, {high:g}), got {value}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{op}: eps must be a number > 0, got {eps!r} of type {type(eps).__name__}")
+    if not 0 < eps < float("inf"):
         raise ValueError(f"{op}: eps must be a number > 0, got {eps!r}")

@@ -1,14 +1,18 @@
 // sparse_adam_step: torch.optim.Adam's update (no weight decay, no amsgrad) applied to the listed rows of a
-// (M, C) parameter only, in place, with its gradient and moments. Argument checks and the per-element math,
-// shared by the CPU kernel (cpu/adam.cpp) and the CUDA kernel (cuda/adam.cu).
+// (M, C) parameter only, in place, with its gradient and moments. Argument checks, the step's constants and the
+// per-element math, shared by the CPU kernel (cpu/adam.cpp) and the CUDA kernel (cuda/adam.cu).
 #pragma once
 
 #include <cmath>
+#include <utility>
 
 #include "kernel_common.h"
 
 namespace cuda_ext {
 
+// The backstop for direct torch.ops.cuda_ext calls (the Python wrapper checks the same, with the same words).
+// rows' values (range, uniqueness) are not read here: the CPU kernel checks the range as it goes, the CUDA
+// kernel skips rows out of range (the wrapper rejects them before the launch).
 inline void check_adam_inputs(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                               const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr,
                               double beta1, double beta2, double eps, at::DeviceType device) {
@@ -26,35 +30,58 @@ inline void check_adam_inputs(const at::Tensor& param, const at::Tensor& grad, c
     check_same_device_and_dtype(*tensor, param, op, name, "param");
     TORCH_CHECK(tensor->is_contiguous(), op, ": ", name, " must be contiguous");
   }
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, op, ": rows must be a (K,) int64 tensor, got ",
-              rows.scalar_type(), " of shape ", rows.sizes());
-  TORCH_CHECK(rows.device() == param.device(), op, ": rows must be on param's device (", param.device(), "), got ",
-              rows.device());
+  TORCH_CHECK(rows.dim() == 1, op, ": rows must have shape (K,), got ", rows.sizes());
+  TORCH_CHECK(rows.scalar_type() == at::kLong, op, ": rows must be int64, got ", rows.scalar_type());
+  TORCH_CHECK(rows.device() == param.device(), op, ": rows and param must be on the same device, got ", rows.device(),
+              " and ", param.device());
   TORCH_CHECK(step >= 1, op, ": step must be >= 1, got ", step);
-  TORCH_CHECK(lr >= 0, op, ": lr must be >= 0, got ", lr);
-  TORCH_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, op, ": beta1 and beta2 must be in [0, 1), got ",
-              beta1, " and ", beta2);
-  TORCH_CHECK(eps > 0, op, ": eps must be > 0, got ", eps);
+  TORCH_CHECK(lr >= 0 && std::isfinite(lr), op, ": lr must be in [0, inf), got ", lr);
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1, op, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0 && beta2 < 1, op, ": beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK(eps > 0 && std::isfinite(eps), op, ": eps must be a number > 0, got ", eps);
 }
 
-// The step's constants, as torch.optim.Adam (single-tensor path) computes them: the bias-corrected step size
-// and the second moment's bias correction, folded so each element costs one sqrt and one division.
-struct AdamConstants {
-  double beta1, beta2, eps, step_size, bias_correction2_sqrt;
-  static AdamConstants make(int64_t step, double lr, double beta1, double beta2, double eps) {
+// The step's constants in the element type, made as torch.optim.Adam's single-tensor path makes them: the bias
+// corrections, lr / bias_correction1 and bias_correction2 ** 0.5 in double (Python floats), then every scalar
+// rounded to the tensors' dtype where the tensor op takes it.
+template <typename T>
+struct AdamCoefficients {
+  T lerp_weight;            // 1 - beta1: exp_avg.lerp_(grad, 1 - beta1)
+  bool small_weight;        // |lerp_weight| < 0.5: lerp's two formulas (ATen's at::native::lerp)
+  T beta2;                  // exp_avg_sq.mul_(beta2)
+  T one_minus_beta2;        // .addcmul_(grad, grad, value=1 - beta2)
+  T bias_correction2_sqrt;  // exp_avg_sq.sqrt() / bias_correction2_sqrt
+  T eps;                    // .add_(eps)
+  T neg_step_size;          // param.addcdiv_(exp_avg, denom, value=-step_size)
+
+  static AdamCoefficients make(int64_t step, double lr, double beta1, double beta2, double eps) {
     const double bias_correction1 = 1 - std::pow(beta1, double(step));
     const double bias_correction2 = 1 - std::pow(beta2, double(step));
-    return {beta1, beta2, eps, lr / bias_correction1, std::sqrt(bias_correction2)};
+    const double step_size = lr / bias_correction1;
+    const T weight = static_cast<T>(1 - beta1);
+    return {weight,
+            std::abs(weight) < T(0.5),
+            static_cast<T>(beta2),
+            static_cast<T>(1 - beta2),
+            static_cast<T>(std::pow(bias_correction2, 0.5)),
+            static_cast<T>(eps),
+            static_cast<T>(-step_size)};
   }
 };
 
-// One element: m, v and p updated in place from g.
-template <typename acc_t>
-CUDA_EXT_HOST_DEVICE void adam_element(acc_t& p, acc_t g, acc_t& m, acc_t& v, const AdamConstants& k) {
-  m = m * acc_t(k.beta1) + g * acc_t(1 - k.beta1);
-  v = v * acc_t(k.beta2) + g * g * acc_t(1 - k.beta2);
-  const acc_t denom = sqrt(v) / acc_t(k.bias_correction2_sqrt) + acc_t(k.eps);
-  p -= acc_t(k.step_size) * m / denom;
+// One element, in torch's op order (each line is one tensor op of _single_tensor_adam; ATen's CPU vector code
+// and nvcc both fuse lerp's and addcmul's multiply-add, hence the fma):
+//   m = lerp(m, g, 1 - beta1); v = v * beta2 + (1 - beta2) * g * g;
+//   p = p + (-step_size * m) / (sqrt(v) / sqrt(bias_correction2) + eps).
+template <typename T>
+CUDA_EXT_HOST_DEVICE void adam_element(T& p, T g, T& m, T& v, const AdamCoefficients<T>& k) {
+  using std::fma;
+  using std::sqrt;
+  const T diff = g - m;
+  m = k.small_weight ? fma(k.lerp_weight, diff, m) : fma(k.lerp_weight - T(1), diff, g);
+  v = fma(k.one_minus_beta2 * g, g, v * k.beta2);
+  const T denom = sqrt(v) / k.bias_correction2_sqrt + k.eps;
+  p = p + (k.neg_step_size * m) / denom;
 }
 
 }  // namespace cuda_ext

@@ -1,36 +1,119 @@
-// sparse_adam_step on CUDA: a grid-stride loop over the K*C elements of the listed rows. Consecutive threads
-// take consecutive elements, so the C channels of a row (contiguous in param, grad and both moments) are read
-// and written by neighbouring lanes: each row is one coalesced run, and the time follows K, not M.
+// sparse_adam_step on CUDA. Bandwidth bound: per listed row it reads param, grad and both moments and writes
+// param and the moments, 7 * C elements, and nothing of the rows not listed, so the time follows K, not M.
+//
+// Layout: a row is handled by kLanes neighbouring lanes (the smallest power of two that covers its C channels in
+// packs of kVec elements, at most a warp), so one warp-wide load covers 32 / kLanes whole rows, each a coalesced
+// run; packs are 16, 8 or 4 bytes when C and the pointers allow (C = 12 float32: 3 float4 per row), else single
+// elements (C = 13: 13 lanes of 16). A grid-stride loop over the rows, kUnroll rows per lane per pass whose loads
+// are all issued before any math, keeps enough bytes in flight per thread to cover DRAM latency.
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
+
 #include "adam.h"
 #include "kernel_common.h"
 #include "ops.h"
+#include "vector_memory.cuh"
 
 namespace cuda_ext {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
 
 template <typename scalar_t>
+struct AdamPointers {
+  scalar_t* __restrict__ param;
+  const scalar_t* __restrict__ grad;
+  scalar_t* __restrict__ exp_avg;
+  scalar_t* __restrict__ exp_avg_sq;
+};
+
+// Plain (coherent) vector access: param and the moments are read, then written, by the same thread.
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ Vec<scalar_t, kVec> load_plain(const scalar_t* p) {
+  return *reinterpret_cast<const Vec<scalar_t, kVec>*>(p);
+}
+
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ void store_plain(scalar_t* p, const Vec<scalar_t, kVec>& value) {
+  *reinterpret_cast<Vec<scalar_t, kVec>*>(p) = value;
+}
+
+template <typename scalar_t, int kVec, int kLanes>
 __global__ void __launch_bounds__(kThreads)
-    sparse_adam_kernel(scalar_t* __restrict__ p, const scalar_t* __restrict__ g, scalar_t* __restrict__ m,
-                       scalar_t* __restrict__ v, const int64_t* __restrict__ rows, int64_t k_rows, int64_t m_rows,
-                       int64_t channels, AdamConstants k) {
-  const int64_t total = k_rows * channels;
-  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / channels;
-    const int64_t row = rows[r];
-    if (row < 0 || row >= m_rows) continue;
-    const int64_t i = row * channels + (e - r * channels);
-    scalar_t pi = p[i], mi = m[i], vi = v[i];
-    adam_element<scalar_t>(pi, g[i], mi, vi, k);
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
+    sparse_adam_kernel(AdamPointers<scalar_t> ptr, const int64_t* __restrict__ rows, int64_t k_rows, int64_t m_rows,
+                       int64_t channels, AdamCoefficients<scalar_t> k) {
+  constexpr int kSlotsPerBlock = kThreads / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  const int64_t first = int64_t(blockIdx.x) * kSlotsPerBlock + threadIdx.x / kLanes;
+  const int64_t stride = int64_t(gridDim.x) * kSlotsPerBlock;
+  for (int64_t r0 = first; r0 < k_rows; r0 += stride * kUnroll) {
+    int64_t base[kUnroll];  // the row's first element, or -1: no row (past K, or out of range)
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t r = r0 + u * stride;
+      const int64_t row = r < k_rows ? __ldg(rows + r) : -1;
+      base[u] = row >= 0 && row < m_rows ? row * channels : -1;
+    }
+    for (int64_t c = int64_t(lane) * kVec; c < channels; c += int64_t(kLanes) * kVec) {
+      Vec<scalar_t, kVec> p[kUnroll], g[kUnroll], m[kUnroll], v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base[u] < 0) continue;
+        const int64_t i = base[u] + c;
+        p[u] = load_plain<scalar_t, kVec>(ptr.param + i);
+        g[u] = load_vec<scalar_t, kVec, /*kStreaming=*/false>(ptr.grad + i);
+        m[u] = load_plain<scalar_t, kVec>(ptr.exp_avg + i);
+        v[u] = load_plain<scalar_t, kVec>(ptr.exp_avg_sq + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base[u] < 0) continue;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
+        const int64_t i = base[u] + c;
+        store_plain(ptr.param + i, p[u]);
+        store_plain(ptr.exp_avg + i, m[u]);
+        store_plain(ptr.exp_avg_sq + i, v[u]);
+      }
+    }
   }
+}
+
+template <typename scalar_t, int kVec, int kLanes>
+void launch(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_rows, int64_t m_rows, int64_t channels,
+            const AdamCoefficients<scalar_t>& k) {
+  auto kernel = sparse_adam_kernel<scalar_t, kVec, kLanes>;
+  constexpr int64_t kRowsPerBlockPass = int64_t(kThreads / kLanes) * kUnroll;
+  const int64_t wanted = (k_rows + kRowsPerBlockPass - 1) / kRowsPerBlockPass;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel, kThreads)));
+  kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, rows, k_rows,
+                                                                                                m_rows, channels, k);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// kLanes: the smallest power of two >= the packs of a row, at most a warp.
+template <typename scalar_t, int kVec>
+void launch_for_width(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_rows, int64_t m_rows,
+                      int64_t channels, const AdamCoefficients<scalar_t>& k) {
+  const int64_t packs = channels / kVec;
+  if (packs <= 1) return launch<scalar_t, kVec, 1>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 2) return launch<scalar_t, kVec, 2>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 4) return launch<scalar_t, kVec, 4>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 8) return launch<scalar_t, kVec, 8>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 16) return launch<scalar_t, kVec, 16>(ptr, rows, k_rows, m_rows, channels, k);
+  return launch<scalar_t, kVec, 32>(ptr, rows, k_rows, m_rows, channels, k);
+}
+
+// The widest pack (16, 8 or 4 bytes... down to one element) that divides C and every pointer's alignment.
+template <typename scalar_t>
+bool packs_fit(const AdamPointers<scalar_t>& ptr, int64_t channels, int vec) {
+  const int64_t bytes = int64_t(vec) * sizeof(scalar_t);
+  return channels % vec == 0 && aligned_to(ptr.param, bytes) && aligned_to(ptr.grad, bytes) &&
+         aligned_to(ptr.exp_avg, bytes) && aligned_to(ptr.exp_avg_sq, bytes);
 }
 
 }  // namespace
@@ -41,16 +124,21 @@ void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, cons
   check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows_in, step, lr, beta1, beta2, eps, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(param.device());
   const at::Tensor rows = rows_in.contiguous();
-  const int64_t total = rows.size(0) * param.size(1);
-  if (total == 0) return;
-  const AdamConstants k = AdamConstants::make(step, lr, beta1, beta2, eps);
+  const int64_t k_rows = rows.size(0), m_rows = param.size(0), channels = param.size(1);
+  if (k_rows == 0 || channels == 0) return;
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam_step_cuda", [&] {
-    const int blocks =
-        std::min<int64_t>((total + kThreads - 1) / kThreads, resident_blocks(sparse_adam_kernel<scalar_t>, kThreads));
-    sparse_adam_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        param.data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(), exp_avg.data_ptr<scalar_t>(),
-        exp_avg_sq.data_ptr<scalar_t>(), rows.const_data_ptr<int64_t>(), rows.size(0), param.size(0), param.size(1), k);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto k = AdamCoefficients<scalar_t>::make(step, lr, beta1, beta2, eps);
+    const AdamPointers<scalar_t> ptr{param.data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(),
+                                     exp_avg.data_ptr<scalar_t>(), exp_avg_sq.data_ptr<scalar_t>()};
+    const int64_t* index = rows.const_data_ptr<int64_t>();
+    constexpr int kWide = 16 / sizeof(scalar_t);  // 4 floats or 2 doubles
+    if (packs_fit(ptr, channels, kWide)) {
+      launch_for_width<scalar_t, kWide>(ptr, index, k_rows, m_rows, channels, k);
+    } else if (kWide >= 4 && packs_fit(ptr, channels, 2)) {
+      launch_for_width<scalar_t, (kWide >= 4 ? 2 : 1)>(ptr, index, k_rows, m_rows, channels, k);
+    } else {
+      launch_for_width<scalar_t, 1>(ptr, index, k_rows, m_rows, channels, k);
+    }
   });
 }
 
