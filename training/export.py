@@ -1,0 +1,325 @@
+"""Export a finished run: a coloured triangle mesh of its density (PLY), or a weights-only file.
+
+    python -m training.export mesh RUN_DIR [--level 0.5] [--resolution R] [--out PATH]
+    python -m training.export weights RUN_DIR [--half] [--out PATH]
+
+Both read ``RUN_DIR/checkpoints/last.pt`` and rebuild the model from the checkpoint's own config with the
+PyTorch reference ops (no compiled extension needed), on the CPU.
+
+**Mesh.** The density is turned into a per-voxel opacity, the alpha of one step of one final-grid voxel,
+``alpha = 1 - exp(-softplus(density + shift))`` (the model's optical depth at ``step_scale = 1``: what a ray
+loses crossing one voxel's length of that density, whatever the sampling step), evaluated on the density grid's
+vertices (or, with ``--resolution R``, trilinearly resampled to R vertices along the box's longest side). Marching
+cubes (PyMCubes) extracts the ``alpha = level`` surface; vertices go to world coordinates through ``model.bbox``
+and take the view-independent colour, the sigmoid of the feature grid's first 3 channels (the diffuse colour
+logit of both shading modes) trilinearly sampled there. Only the box of vertices reaching the level (plus one
+vertex) is meshed, padded with empty space, so surfaces touching the grid's border are closed there.
+
+Why ``level = 0.5`` by default: a voxel of alpha 0.5 stops half the light that enters it, so the 0.5 surface is
+where a ray crossing the object's shell has lost about half its transmittance within one voxel: the depth a
+render composites to, to within a voxel. Lower levels wrap the faint haze and floaters the training leaves in
+empty space into the mesh (the occupancy grid skips below 1e-3); higher ones open holes where a surface is
+spread over two or three voxels of moderate alpha (each below 0.9, say) that together are opaque.
+
+**Weights.** A file apart from the resumable checkpoint, without the optimiser, RNG states or history: the model
+state dict, the model config, the scene's near/far and box (what :class:`VoxelNeRF` is built from), the step;
+``--half`` stores the two grids (almost all of the bytes) as float16. :func:`load_weights` rebuilds the model.
+Both files are written atomically (temporary file, fsync, ``os.replace``).
+
+Errors (missing run folder or checkpoint, a level no vertex reaches, a missing optional package) are one line on
+stderr and exit code 2. The mesh needs the ``mesh`` extra: ``pip install -e ".[mesh]"`` (PyMCubes, plyfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.field import grid_shape, optical_depth, to_unit
+from models.model import VoxelNeRF
+from models.ops import OP_NAMES, OpSet, build_ops
+from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+DEFAULT_LEVEL = 0.5  # per-voxel alpha of the surface (module docstring: why)
+MESH_HINT = 'pip install -e ".[mesh]"'
+WEIGHTS_FORMAT = "voxel-field-weights"
+WEIGHTS_VERSION = 1
+GRID_KEYS = ("density.grid", "features.grid")  # the parameters --half stores as float16
+CHUNK = 1 << 18  # points per grid lookup when resampling
+
+
+class ExportError(RuntimeError):
+    """An export cannot be made; the message is one line naming the file or the option."""
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def reference_ops() -> OpSet:
+    """Every op through cuda_ext.reference (pure PyTorch): exporting needs no compiled extension."""
+    return build_ops({name: "torch" for name in OP_NAMES})
+
+
+def checkpoint_path(run_dir: str | os.PathLike) -> Path:
+    """``RUN_DIR/checkpoints/last.pt``, or ExportError when the folder or the file is missing."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ExportError(f"{run_dir}: no such run folder")
+    path = run_dir / "checkpoints" / "last.pt"
+    if not path.is_file():
+        raise ExportError(f"{path}: checkpoint not found (train the run first, or check the folder)")
+    return path
+
+
+def scene_of(data_cfg: dict) -> dict:
+    """near, far and the scene box ((2, 3) nested list) from a run's data config (both loaders' keys)."""
+    half = float(data_cfg.get("scene_box", 1.5))
+    return {"near": float(data_cfg["near"]), "far": float(data_cfg["far"]), "bbox": [[-half] * 3, [half] * 3]}
+
+
+def build_model(model_cfg: dict, scene: dict, state_dict: dict, ops: OpSet | None = None) -> VoxelNeRF:
+    """A :class:`VoxelNeRF` built from its config and scene, with ``state_dict`` loaded (grids as float32), in eval
+    mode on the CPU. The grids take the state dict's shape and box (grown, shrunk or tight)."""
+    bbox = torch.tensor(scene["bbox"], dtype=torch.float32)
+    model = VoxelNeRF(bbox, scene["near"], scene["far"], dict(model_cfg), ops or reference_ops())
+    state_dict = {k: v.float() if k in GRID_KEYS else v for k, v in state_dict.items()}
+    model.load_state_dict(state_dict)
+    return model.eval()
+
+
+def load_run(run_dir: str | os.PathLike, ops: OpSet | None = None) -> tuple[VoxelNeRF, dict]:
+    """(model, checkpoint state) of a run folder's ``checkpoints/last.pt``."""
+    path = checkpoint_path(run_dir)
+    try:
+        state = load_checkpoint(path, map_location="cpu")
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
+    config = state.get("config") or {}
+    if "model" not in state or "model" not in config or "data" not in config:
+        raise ExportError(f"{path}: not a training checkpoint of this project (no model weights or config)")
+    try:
+        model = build_model(config["model"], scene_of(config["data"]), state["model"], ops)
+    except (RuntimeError, KeyError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ExportError(f"{path}: cannot rebuild the model ({first})") from None
+    return model, state
+
+
+# ---------------------------------------------------------------------------------------------- mesh
+@torch.no_grad()
+def vertex_alpha(model: VoxelNeRF, resolution: int | None = None) -> torch.Tensor:
+    """(R0, R1, R2) per-voxel alpha (one final-grid voxel step) at the density grid's vertices over
+    ``model.bbox``, or at the vertices of a grid of ``resolution`` vertices along the box's longest side."""
+    density = model.density.grid.detach()
+    if resolution is None:
+        raw = density[..., 0]
+    else:
+        if resolution < 2:
+            raise ExportError(f"--resolution: need at least 2 vertices, got {resolution}")
+        box = model.bbox.detach().cpu()
+        shape = grid_shape(tuple(float(e) for e in (box[1] - box[0]).tolist()), resolution)
+        axes = [torch.linspace(-1.0, 1.0, n) for n in shape]
+        points = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+        raw = torch.cat(
+            [model.ops.grid_interpolate(density, points[i : i + CHUNK])[:, 0] for i in range(0, len(points), CHUNK)]
+        ).reshape(shape)
+    return -torch.expm1(-optical_depth(raw.float(), model.config.density_shift, 1.0))
+
+
+@torch.no_grad()
+def extract_mesh(
+    model: VoxelNeRF, level: float = DEFAULT_LEVEL, resolution: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(vertices (V, 3) float32 world, faces (F, 3) int32 outward-facing, colours (V, 3) uint8) of the
+    ``alpha = level`` surface. Raises ExportError (naming the largest alpha) when no vertex reaches ``level``."""
+    if not 0.0 < level < 1.0:
+        raise ExportError(f"--level: the surface's alpha must lie in (0, 1), got {level}")
+    mcubes = _require("mcubes", "PyMCubes")
+    alpha = vertex_alpha(model, resolution).cpu().numpy().astype(np.float64)
+    occupied = np.argwhere(alpha >= level)
+    if len(occupied) == 0:
+        raise ExportError(
+            f"empty mesh: no vertex reaches alpha {level:g} (the largest is {alpha.max():.3g}); lower --level"
+        )
+    shape = np.array(alpha.shape)
+    low = np.maximum(occupied.min(0) - 1, 0)
+    high = np.minimum(occupied.max(0) + 1, shape - 1)
+    crop = alpha[low[0] : high[0] + 1, low[1] : high[1] + 1, low[2] : high[2] + 1]
+    crop = np.pad(crop, 1, constant_values=0.0)  # empty space around: surfaces at the border close
+    vertices, faces = mcubes.marching_cubes(crop, level)  # index space; faces counter-clockwise seen from outside
+    index = np.clip(vertices + (low - 1), 0, shape - 1)  # a closing cap at the border lands on the box's face
+    index, faces = _drop_degenerate(index, faces.astype(np.int64))
+    if len(faces) == 0:
+        raise ExportError(f"empty mesh: the alpha {level:g} surface has no area (one vertex reaches it); lower --level")
+    box = model.bbox.detach().cpu().double().numpy()
+    world = box[0] + index * ((box[1] - box[0]) / (shape - 1))
+    unit = to_unit(torch.from_numpy(world).float(), model.bbox.detach().cpu().float()).clamp(-1.0, 1.0)
+    diffuse = model.features.grid.detach()[..., :3].float().contiguous()
+    logits = torch.cat([model.ops.grid_interpolate(diffuse, unit[i : i + CHUNK]) for i in range(0, len(unit), CHUNK)])
+    colours = (torch.sigmoid(logits) * 255.0).round().to(torch.uint8).numpy()
+    return world.astype(np.float32), faces.astype(np.int32), colours
+
+
+def _drop_degenerate(vertices: np.ndarray, faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Remove zero-area faces (marching cubes makes them where a grid value equals the level, and the border
+    clamp flattens some) and the vertices no face uses any more."""
+    a, b, c = (vertices[faces[:, k]] for k in range(3))
+    faces = faces[np.linalg.norm(np.cross(b - a, c - a), axis=1) > 1e-12]
+    used, faces = np.unique(faces, return_inverse=True)
+    return vertices[used], faces.reshape(-1, 3)
+
+
+def write_ply(path: str | os.PathLike, vertices: np.ndarray, faces: np.ndarray, colours: np.ndarray) -> None:
+    """Binary little-endian PLY: vertex x, y, z (float) and red, green, blue (uchar); face vertex_indices (int)."""
+    plyfile = _require("plyfile", "plyfile")
+    fields = [("x", "f4"), ("y", "f4"), ("z", "f4"), ("red", "u1"), ("green", "u1"), ("blue", "u1")]
+    vertex = np.empty(len(vertices), dtype=fields)
+    for column, (name, _) in enumerate(fields):
+        vertex[name] = vertices[:, column] if column < 3 else colours[:, column - 3]
+    face = np.empty(len(faces), dtype=[("vertex_indices", "i4", (3,))])
+    face["vertex_indices"] = faces
+    data = plyfile.PlyData(
+        [plyfile.PlyElement.describe(vertex, "vertex"), plyfile.PlyElement.describe(face, "face")],
+        text=False,
+        byte_order="<",
+    )
+    _atomic_write(Path(path), data.write)
+
+
+def export_mesh(
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    level: float = DEFAULT_LEVEL,
+    resolution: int | None = None,
+) -> dict[str, Any]:
+    """Mesh a run's density at ``level`` into ``out`` (default ``RUN_DIR/mesh.ply``); returns what was written."""
+    _require("mcubes", "PyMCubes")  # before the (possibly slow) model load
+    _require("plyfile", "plyfile")
+    model, state = load_run(run_dir)
+    vertices, faces, colours = extract_mesh(model, level, resolution)
+    out = Path(out) if out is not None else Path(run_dir) / "mesh.ply"
+    write_ply(out, vertices, faces, colours)
+    return {
+        "path": out,
+        "vertices": len(vertices),
+        "faces": len(faces),
+        "level": level,
+        "step": int(state.get("step", 0)),
+        "bounds": (vertices.min(0).tolist(), vertices.max(0).tolist()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def export_weights(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, half: bool = False) -> dict:
+    """Write a run's weights-only file (default ``RUN_DIR/weights.pt``, ``weights_fp16.pt`` with ``half``)."""
+    path = checkpoint_path(run_dir)
+    model, state = load_run(run_dir)
+    weights = {
+        k: (v.half() if half and k in GRID_KEYS else v).detach().cpu().clone() for k, v in model.state_dict().items()
+    }
+    content = {
+        "format": WEIGHTS_FORMAT,
+        "version": WEIGHTS_VERSION,
+        "model": weights,
+        "model_config": dict(state["config"]["model"]),
+        "scene": scene_of(state["config"]["data"]),
+        "step": int(state.get("step", 0)),
+        "grids_dtype": "float16" if half else "float32",
+        "source": str(path),
+    }
+    out = Path(out) if out is not None else Path(run_dir) / ("weights_fp16.pt" if half else "weights.pt")
+    try:
+        save_checkpoint(out, content)  # atomic: temporary file, fsync, os.replace
+    except OSError as error:
+        raise ExportError(f"{out}: cannot write ({error.strerror or error})") from None
+    return {"path": out, "bytes": out.stat().st_size, "step": content["step"], "grids_dtype": content["grids_dtype"]}
+
+
+def load_weights(path: str | os.PathLike, ops: OpSet | None = None) -> VoxelNeRF:
+    """The :class:`VoxelNeRF` of a weights file (eval mode, CPU, float32 grids); ``ops`` default: the references."""
+    try:
+        content = load_checkpoint(path, map_location="cpu")
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
+    if content.get("format") != WEIGHTS_FORMAT or content.get("version") != WEIGHTS_VERSION:
+        raise ExportError(f"{path}: not a voxel-field weights file (format {content.get('format')!r})")
+    return build_model(content["model_config"], content["scene"], content["model"], ops)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _require(module: str, package: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ExportError(f"mesh export needs the {package} package: {MESH_HINT}") from None
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Call ``write(file)`` on a temporary file beside ``path``, fsync it and rename it over ``path``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        raise ExportError(f"{path}: cannot write ({error.strerror or error})") from None
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temp, 0o644)  # mkstemp made it 0600
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    mesh = commands.add_parser("mesh", help="PLY mesh of the density (vertex colours: the diffuse colour)")
+    mesh.add_argument("run_dir", type=Path, help="the run folder (holds checkpoints/last.pt)")
+    mesh.add_argument(
+        "--level", type=float, default=DEFAULT_LEVEL, help="per-voxel alpha of the surface, in (0, 1) (default 0.5)"
+    )
+    mesh.add_argument(
+        "--resolution", type=int, default=None, help="vertices along the longest side (default: the grid's own)"
+    )
+    mesh.add_argument("--out", type=Path, default=None, help="output file (default RUN_DIR/mesh.ply)")
+    weights = commands.add_parser("weights", help="weights-only file: model state, model config, scene")
+    weights.add_argument("run_dir", type=Path, help="the run folder (holds checkpoints/last.pt)")
+    weights.add_argument("--half", action="store_true", help="store the grids as float16")
+    weights.add_argument("--out", type=Path, default=None, help="output file (default RUN_DIR/weights[_fp16].pt)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "mesh":
+            result = export_mesh(args.run_dir, args.out, args.level, args.resolution)
+            low, high = ([round(v, 3) for v in corner] for corner in result["bounds"])
+            print(
+                f"wrote {result['path']}: {result['vertices']} vertices, {result['faces']} faces "
+                f"(alpha {result['level']:g} surface of step {result['step']}; bounds {low} .. {high})"
+            )
+        else:
+            result = export_weights(args.run_dir, args.out, args.half)
+            print(
+                f"wrote {result['path']}: {result['bytes'] / 2**20:.1f} MiB, step {result['step']} "
+                f"({result['grids_dtype']} grids)"
+            )
+    except ExportError as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
