@@ -136,15 +136,22 @@ def sparse_adam_step(
     beta2: float,
     eps: float,
 ) -> None:
-    """torch.optim.Adam's update on ``rows`` of (M, C) ``param`` (and its moments), in place; the rest untouched."""
+    """torch.optim.Adam's update on ``rows`` of (M, C) ``param`` (and its moments), in place; the rest untouched.
+
+    The rows are gathered, stepped with the tensor ops of torch.optim.Adam's single-tensor path (lerp_, mul_ +
+    addcmul_, sqrt / bias_correction2 ** 0.5 + eps, addcdiv_), and scattered back: on the CPU, with every row
+    listed, bit for bit torch.optim.Adam. Rows not listed are neither read nor written (masked Adam).
+    """
     _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
-    if rows.numel() and not bool(((rows >= 0) & (rows < param.shape[0])).all()):
-        raise ValueError(f"sparse_adam_step: rows must lie in [0, {param.shape[0]})")
-    g, m, v = grad[rows], exp_avg[rows], exp_avg_sq[rows]
-    m = m * beta1 + g * (1 - beta1)
-    v = v * beta2 + g * g * (1 - beta2)
-    denom = v.sqrt() / (1 - beta2**step) ** 0.5 + eps
+    if rows.numel():
+        low, high = torch.stack(torch.aminmax(rows)).tolist()
+        if low < 0 or high >= param.shape[0]:
+            raise ValueError(f"sparse_adam_step: rows must lie in [0, {param.shape[0]}), got values in [{low}, {high}]")
     with torch.no_grad():
-        param[rows] -= (lr / (1 - beta1**step)) * m / denom
-    exp_avg[rows] = m
-    exp_avg_sq[rows] = v
+        g, m, v, p = grad[rows], exp_avg[rows], exp_avg_sq[rows], param[rows]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias_correction1, bias_correction2 = 1 - beta1 ** float(step), 1 - beta2 ** float(step)
+        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-(lr / bias_correction1))
+        param[rows], exp_avg[rows], exp_avg_sq[rows] = p, m, v
