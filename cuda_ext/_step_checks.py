@@ -18,7 +18,7 @@ from cuda_ext._checks import (
     require,
 )
 
-__all__ = ["check_render_inputs", "check_render_grads", "check_adam_inputs"]
+__all__ = ["check_render_inputs", "check_render_offsets", "check_render_grads", "check_adam_inputs"]
 
 
 # ------------------------------------------------------------------------------------------ volume_render
@@ -76,6 +76,20 @@ def check_render_inputs(
     if not 0.0 <= early_stop < 1.0:
         raise ValueError(f"{op}: early_stop must be in [0, 1), got {early_stop}")
     return float(early_stop)
+
+
+def check_render_offsets(optical_depth: torch.Tensor, ray_offsets: torch.Tensor, op: str = "volume_render") -> None:
+    """ray_offsets' values (0 first, non-decreasing, N last), read only where that costs no device sync: CPU
+    tensors outside tracing. On CUDA the kernels clamp every ray's range to [0, N] instead."""
+    if ray_offsets.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    n, first, last = optical_depth.shape[0], int(ray_offsets[0]), int(ray_offsets[-1])
+    if first != 0:
+        raise ValueError(f"{op}: ray_offsets must start at 0, got {first}")
+    if last != n:
+        raise ValueError(f"{op}: ray_offsets must end at N = {n} (the number of samples), got {last}")
+    if ray_offsets.shape[0] > 1 and not bool((ray_offsets[1:] >= ray_offsets[:-1]).all()):
+        raise ValueError(f"{op}: ray_offsets must be non-decreasing")
 
 
 def check_render_grads(

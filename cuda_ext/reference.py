@@ -108,6 +108,7 @@ def volume_render(
     first sample; w_i = T_i (1 - exp(-s_i)), zero where T_i < early_stop or the sample is in no ray.
     """
     early_stop = _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop)
+    _step_checks.check_render_offsets(optical_depth, ray_offsets)
     n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
     index = torch.arange(n, device=optical_depth.device)
     ray = torch.searchsorted(ray_offsets, index, right=True) - 1

@@ -28,7 +28,8 @@ def volume_render(
         values: (N, C) what each sample contributes (colour, features), same dtype and device.
         t: (N,) each sample's distance along its ray (for the depth).
         ray_offsets: (B + 1,) int64, non-decreasing, 0 first and N last: ray b owns samples
-            [ray_offsets[b], ray_offsets[b + 1]), in order along the ray (samples outside every ray are ignored).
+            [ray_offsets[b], ray_offsets[b + 1]), in order along the ray. Checked on the CPU (ValueError); on
+            CUDA that would cost a device sync per call, so the kernels clamp each ray's range to [0, N] instead.
         early_stop: samples whose transmittance T_i = exp(-sum_{j<i} s_j) is below this contribute nothing
             (early ray termination; 0 = off).
     Returns:
@@ -36,6 +37,7 @@ def volume_render(
         Differentiable in optical_depth and values (twice is not supported); t and ray_offsets are not.
     """
     early_stop = _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop)
+    _step_checks.check_render_offsets(optical_depth, ray_offsets)
     return torch.ops.cuda_ext.volume_render(optical_depth, values, t, ray_offsets, early_stop)
 
 

@@ -124,6 +124,12 @@ def test_every_output_is_written_on_cuda(poison_cuda_cache):
         (lambda a: {**a, "early_stop": -0.1}, ValueError, "early_stop must be in"),
         (lambda a: {**a, "early_stop": "0"}, TypeError, "early_stop must be a number"),
         (lambda a: {**a, "optical_depth": a["optical_depth"].tolist()}, TypeError, "optical_depth must be a torch"),
+        (lambda a: {**a, "ray_offsets": a["ray_offsets"] - 1}, ValueError, "ray_offsets must start at 0"),
+        (lambda a: {**a, "ray_offsets": a["ray_offsets"].clamp(max=4)}, ValueError, "ray_offsets must end at N = 5"),
+        (lambda a: {**a, "ray_offsets": torch.tensor([0, 4, 3, 5])}, ValueError, "ray_offsets must be non-decreasing"),
+        (lambda a: {**a, "values": a["values"].to("meta")}, ValueError, "values and optical_depth must be on the same"),
+        (lambda a: {**a, "ray_offsets": a["ray_offsets"].to("meta")}, ValueError, "ray_offsets and optical_depth"),
+        (lambda a: {**a, "optical_depth": a["optical_depth"].half()}, TypeError, "optical_depth must be float32 or"),
     ],
 )
 @pytest.mark.parametrize("fn", [cuda_ext.volume_render, reference.volume_render])
@@ -138,3 +144,23 @@ def test_direct_op_call_with_bad_input_raises_not_crashes():
     sd, values, t, offsets = packed([3, 2], 3)
     with pytest.raises(RuntimeError, match="volume_render: t must have shape"):
         torch.ops.cuda_ext.volume_render(sd, values, t[:-1], offsets, 0.0)
+    with pytest.raises(RuntimeError, match="volume_render: ray_offsets must end at N = 5"):
+        torch.ops.cuda_ext.volume_render(sd, values, t, offsets.clamp(max=4), 0.0)
+    out = torch.ops.cuda_ext.volume_render(sd, values, t, offsets, 0.0)
+    with pytest.raises(RuntimeError, match="volume_render_backward: ray_offsets must be non-decreasing"):
+        torch.ops.cuda_ext.volume_render_backward(*out, sd, values, t, torch.tensor([0, 6, 5]), *out, 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_gradients_of_thin_samples_stay_accurate(device):
+    """Tiny s: w_i = T_i (1 - exp(-s_i)) must come from expm1 in the backward too (T_i - T_{i+1} cancels)."""
+    sd, values, t, offsets = packed([60] * 64, 3, device=device, seed=9)
+    sd = sd * 1e-3
+    grads = []
+    for dtype in (torch.float64, torch.float32):
+        s, v = (x.detach().to(dtype).requires_grad_() for x in (sd, values))
+        out, opacity, depth = cuda_ext.volume_render(s, v, t.to(dtype), offsets)
+        (out.sum() + opacity.sum() + depth.sum()).backward()
+        grads.append((s.grad.double(), v.grad.double()))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)

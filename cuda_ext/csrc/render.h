@@ -39,6 +39,19 @@ inline void check_render_inputs(const at::Tensor& optical_depth, const at::Tenso
               ray_offsets.device());
 }
 
+// The offsets' values (0 first, non-decreasing, N last), read on the host: the CPU kernels only. On CUDA that
+// would need a device-to-host copy per call; the CUDA kernels clamp every range to [0, N] instead.
+inline void check_render_offsets(const at::Tensor& offsets, int64_t n, const char* op) {
+  const int64_t* o = offsets.const_data_ptr<int64_t>();
+  const int64_t rays = offsets.size(0) - 1;
+  TORCH_CHECK(o[0] == 0, op, ": ray_offsets must start at 0, got ", o[0]);
+  TORCH_CHECK(o[rays] == n, op, ": ray_offsets must end at N = ", n, " (the number of samples), got ", o[rays]);
+  for (int64_t b = 0; b < rays; ++b) {
+    TORCH_CHECK(o[b] <= o[b + 1], op, ": ray_offsets must be non-decreasing, got ", o[b], " then ", o[b + 1],
+                " at ray ", b);
+  }
+}
+
 inline void check_render_grads(const at::Tensor& grad_values, const at::Tensor& grad_opacity,
                                const at::Tensor& grad_depth, const at::Tensor& values, int64_t rays, const char* op) {
   TORCH_CHECK(grad_values.dim() == 2 && grad_values.size(0) == rays && grad_values.size(1) == values.size(1), op,

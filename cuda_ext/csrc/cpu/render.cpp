@@ -51,8 +51,9 @@ void render_backward_rays(const scalar_t* sd, const scalar_t* v, const scalar_t*
     for (int64_t i = first; i < last; ++i) {
       const scalar_t transmittance = std::exp(-optical);
       if (transmittance < early_stop) break;
-      const scalar_t after = transmittance * std::exp(-sd[i]);  // T_{i+1}
-      const scalar_t w = transmittance - after;
+      // w as the forward computes it (expm1: no cancellation for small s), T_{i+1} = T_i - w_i
+      const scalar_t w = transmittance * -std::expm1(-sd[i]);
+      const scalar_t after = transmittance - w;
       scalar_t g = g_op[b] + g_dp[b] * t[i];
       for (int64_t c = 0; c < channels; ++c) {
         g += go[c] * v[i * channels + c];
@@ -73,6 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> volume_render_cpu(const at::Tenso
   check_render_inputs(optical_depth_in, values_in, t_in, ray_offsets_in, early_stop, at::kCPU, "volume_render");
   const at::Tensor sd = optical_depth_in.contiguous(), v = values_in.contiguous(), t = t_in.contiguous();
   const at::Tensor offsets = ray_offsets_in.contiguous();
+  check_render_offsets(offsets, sd.size(0), "volume_render");
   const int64_t rays = offsets.size(0) - 1, channels = v.size(1);
   at::Tensor out = at::empty({rays, channels}, v.options());
   at::Tensor opacity = at::empty({rays}, v.options()), depth = at::empty({rays}, v.options());
@@ -99,6 +101,7 @@ std::tuple<at::Tensor, at::Tensor> volume_render_backward_cpu(
   check_render_grads(out_in, opacity_in, depth_in, values_in, rays, op);
   const at::Tensor sd = optical_depth_in.contiguous(), v = values_in.contiguous(), t = t_in.contiguous();
   const at::Tensor offsets = ray_offsets_in.contiguous(), out = out_in.contiguous();
+  check_render_offsets(offsets, sd.size(0), op);
   const at::Tensor opacity = opacity_in.contiguous(), depth = depth_in.contiguous();
   const at::Tensor g_out = grad_values_in.contiguous(), g_op = grad_opacity_in.contiguous();
   const at::Tensor g_dp = grad_depth_in.contiguous();

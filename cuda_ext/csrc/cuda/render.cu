@@ -127,8 +127,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     const scalar_t inclusive = warp_inclusive_scan(s, lane);
     const scalar_t transmittance = exp_of(-(carry + inclusive - s));
     const bool alive = valid && transmittance >= early_stop;
-    const scalar_t after = transmittance * exp_of(-s);  // T_{i+1}
-    const scalar_t w = alive ? transmittance - after : scalar_t(0);
+    // w as the forward computes it (expm1: T_i - T_{i+1} would cancel for small s), T_{i+1} = T_i - w_i
+    const scalar_t w = alive ? -transmittance * expm1_of(-s) : scalar_t(0);
+    const scalar_t after = transmittance - w;
     scalar_t g = 0;
     if (alive) {
       g = g_op[b] + g_dp[b] * t[i];
