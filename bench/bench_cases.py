@@ -25,12 +25,14 @@ class Sizes:
     upsample: tuple[int, int, int, int]  # B, C, H, W (scale 2)
     gelu: int  # elements
     copy_bytes: int  # size of the bandwidth-reference copy
+    volume_render: tuple[int, ...] = (8192,)  # B rays per case (30-60 samples each; bench_render_cases.py)
 
 
 SIZES = {
-    "full": Sizes((262144, 256), (160, 12, 4096 * 1024), 1024, (8, 64, 256, 256), 1 << 28, 1 << 30),
-    "small": Sizes((32768, 64), (64, 12, 192 * 1024), 1024, (2, 16, 128, 128), 1 << 22, 1 << 28),
-    "tiny": Sizes((512, 16), (12, 4, 64 * 64), 64, (1, 2, 16, 16), 1 << 14, 1 << 22),
+    # full: a training step's 8192 rays, and 16x that (above launch and Python overheads)
+    "full": Sizes((262144, 256), (160, 12, 4096 * 1024), 1024, (8, 64, 256, 256), 1 << 28, 1 << 30, (8192, 131072)),
+    "small": Sizes((32768, 64), (64, 12, 192 * 1024), 1024, (2, 16, 128, 128), 1 << 22, 1 << 28, (2048,)),
+    "tiny": Sizes((512, 16), (12, 4, 64 * 64), 64, (1, 2, 16, 16), 1 << 14, 1 << 22, (64,)),
 }
 
 COUNTING_RULES = {

@@ -35,13 +35,18 @@ from bench_cases import (  # noqa: E402
     grid_cases,
     ray_points,  # noqa: F401  (tests reach it through this module)
 )
+from bench_render_cases import RULE as RENDER_RULE  # noqa: E402
+from bench_render_cases import render_cases  # noqa: E402
 from bench_report import derive, evaluate_targets, render  # noqa: E402
 from bench_timing import Timer, _no_reset, cache_bytes, measure_copy, rotation_sets  # noqa: E402
 
 # custom-in-order: the grid lookup with CUDA_EXT_GRID_REORDER=off (points always visited as given), to show
 # what the bucket order gains on grids larger than L2
-VARIANTS = ("custom", "custom-in-order", "reference", "builtin")
-OPS = ("trilinear", "grid_interpolate", "upsample", "gelu")
+# former: the model's PyTorch compositing that volume_render replaced (models/render.py)
+VARIANTS = ("custom", "custom-in-order", "reference", "builtin", "former")
+OPS = ("trilinear", "grid_interpolate", "upsample", "gelu", "volume_render")
+CASE_BUILDERS = {**CASE_BUILDERS, "volume_render": render_cases}
+COUNTING_RULES = {**COUNTING_RULES, "volume_render": RENDER_RULE}
 OP_ALIASES = {"grid": "grid_interpolate"}  # --ops grid still works
 
 

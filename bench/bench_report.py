@@ -126,6 +126,19 @@ TARGETS = (
         1.05,
         at_least=False,
     ),
+    *(
+        Target(
+            f"volume_render {phase} >= 60% of copy BW, C={c} B=8192",
+            "cuda",
+            "volume_render",
+            f"C={c} B=8192",
+            lambda g, phase=phase: g("custom", f"{phase}_pct_copy"),
+            60,
+            unit="%",
+        )
+        for c in (3, 12)
+        for phase in ("fw", "bw")
+    ),
     Target(
         "CPU grid_interpolate random fwbw >= 2x reference",
         "cpu",

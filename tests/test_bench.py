@@ -56,13 +56,16 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
         ("grid_interpolate", "rays"),
         ("upsample", "x2"),
         ("gelu", "exact"),
+        ("volume_render", "C=3 B=64"),
+        ("volume_render", "C=12 B=64"),
     }
     assert {(op, case) for op, case, _ in rows} == expected_cases
     errors = {(e["op"], e["case"], e["variant"], e["phase"]): e["error"] for e in report["errors"]}
 
     # The pure-PyTorch variants run everywhere: each has positive times, bandwidths and custom-speed-up slots.
-    timed = [key for key in rows if key[2] == "builtin" or (key[2] == "reference" and key[0] != "gelu")]
-    assert len(timed) == 5 + 4  # reference: trilinear x2, grid x2, upsample; builtin: grid x2, upsample, gelu
+    timed = [key for key in rows if key[2] in ("builtin", "former") or (key[2] == "reference" and key[0] != "gelu")]
+    # reference: trilinear x2, grid x2, upsample, volume_render x2; builtin: grid x2, upsample, gelu; former: x2
+    assert len(timed) == 7 + 4 + 2
     for key in timed:
         row = rows[key]
         for field in ("fw_ms", "fwbw_ms", "fw_GBps", "fw_pct_copy", "fwbw_GBps"):
@@ -71,8 +74,12 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
         assert row["bw_ms"] is None or _positive(row["bw_ms"]), (key, row["bw_ms"])
         assert row["fw"]["runs"] >= 3 and row["fwbw"]["runs"] >= 3
         assert "custom_speedup" in row
-    for key in [k for k in timed if k[2] == "builtin" and k[0] != "gelu"]:  # gelu's reference is broken here
-        assert rows[key]["rel_err_vs_reference"] < 1e-5, key  # F.grid_sample / F.interpolate agree
+    for key in [k for k in timed if k[2] in ("builtin", "former") and k[0] != "gelu"]:  # gelu's reference: broken
+        assert rows[key]["rel_err_vs_reference"] < 1e-5, key  # F.grid_sample / F.interpolate / former agree
+    for case in ("C=3 B=64", "C=12 B=64"):  # the bytes each pass must move, so the table shows % of copy
+        row = rows[("volume_render", case, "custom")]
+        assert row["bytes_fw"] > 0 and row["bytes_bw"] > row["bytes_fw"] and _positive(row["fw_pct_copy"])
+        assert row["rel_err_vs_reference"] < 1e-5 and _positive(row["bw_ms"]) and row["bw_source"] == "op"
 
     # The broken op is an error row, not a crash, and the ops after it were still measured.
     assert "deliberately broken" in errors[("gelu", "exact", "reference", "fw")]
