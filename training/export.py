@@ -125,11 +125,12 @@ def vertex_alpha(model: VoxelNeRF, resolution: int | None = None) -> torch.Tenso
             raise ExportError(f"--resolution: need at least 2 vertices, got {resolution}")
         box = model.bbox.detach().cpu()
         shape = grid_shape(tuple(float(e) for e in (box[1] - box[0]).tolist()), resolution)
-        axes = [torch.linspace(-1.0, 1.0, n) for n in shape]
-        points = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
-        raw = torch.cat(
-            [model.ops.grid_interpolate(density, points[i : i + CHUNK])[:, 0] for i in range(0, len(points), CHUNK)]
-        ).reshape(shape)
+        axis0, axis1, axis2 = (torch.linspace(-1.0, 1.0, n) for n in shape)
+        plane = torch.stack(torch.meshgrid(axis1, axis2, indexing="ij"), dim=-1).reshape(-1, 2)
+        raw = torch.empty(shape)
+        for i, u in enumerate(axis0.tolist()):  # one slab of vertices at a time: bounded memory at any resolution
+            points = torch.cat([torch.full((len(plane), 1), u), plane], dim=1)
+            raw[i] = model.ops.grid_interpolate(density, points)[:, 0].reshape(shape[1], shape[2])
     return -torch.expm1(-optical_depth(raw.float(), model.config.density_shift, 1.0))
 
 
