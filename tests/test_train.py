@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -110,6 +111,9 @@ def test_run_writes_metrics_renders_and_checkpoint(finished_run):
         for kind in ("pred", "compare", "depth"):
             assert (renders / f"{view:03d}_{kind}.png").stat().st_size > 0
     assert any(renders.glob("turntable.*")) and (renders / "training_curve.png").is_file()
+    depth, opacity = np.load(renders / "000_depth.npy"), np.load(renders / "000_opacity.npy")
+    assert depth.shape == opacity.shape == (16, 16) and depth.dtype == opacity.dtype == np.float32
+    assert np.isnan(depth[opacity < 0.5]).all() and ((opacity >= 0) & (opacity <= 1 + 1e-5)).all()
     state = load_checkpoint(finished_run / "checkpoints" / "last.pt")
     assert state["step"] == 12 and state["config"]["train"]["iters"] == 12
     assert len(state["history"]["step"]) == 6  # log_every=2

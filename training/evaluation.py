@@ -91,6 +91,11 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
             ):
                 path = f"{stem}_{name}.png"
                 trainer.pending_writes.append((path, writer.submit(iio.imwrite, path, image)))
+            # the raw maps beside the pictures: depth (H, W) float32, NaN where opacity < 0.5; opacity (H, W)
+            opacity = out["opacity"].float().cpu().numpy()
+            for name, array in (("depth", depth.astype(np.float32)), ("opacity", opacity)):
+                path = f"{stem}_{name}.npy"
+                trainer.pending_writes.append((path, writer.submit(np.save, path, array)))
     sync(trainer.device)
     trainer.model.train(was_training)
     ranked = sorted(per_view, key=lambda v: v["psnr"])
