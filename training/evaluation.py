@@ -53,15 +53,19 @@ def render(trainer: Trainer, c2w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: ThreadPoolExecutor | None = None) -> dict:
-    """Render ``views`` of the eval split -> dict(psnr, ssim (means), per_view, seconds); PNGs when asked."""
+    """Render ``views`` of the eval split -> dict(psnr, ssim (means), per_view, seconds, first_rgb: the first
+    view's (H, W, 3) float image as numpy); PNGs when asked."""
     was_training = trainer.model.training
     trainer.model.eval()
     scene = trainer.eval_scene
     per_view = []
+    first_rgb = None
     start = time.perf_counter()
     for view in views:
         out = render(trainer, scene.c2w[view])
         target = scene.images[view].float() / 255.0
+        if first_rgb is None:
+            first_rgb = out["rgb"].cpu().numpy()
         per_view.append(
             {
                 "view": view,
@@ -107,6 +111,7 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
         "worst_views": [v["view"] for v in worst],
         "per_view": per_view,
         "seconds": time.perf_counter() - start,
+        "first_rgb": first_rgb,
     }
 
 

@@ -340,8 +340,8 @@ class Trainer:
             "psnr_worst10": result["psnr_worst10"],
         }
         self.eval_history.append(entry)
-        first = evaluation.render(self, self.eval_scene.c2w[views[0]])["rgb"].cpu().numpy()
-        self.tensorboard.evaluation(self.step, entry["psnr"], entry["ssim"], {f"view_{views[0]:03d}": to_uint8(first)})
+        image = {f"view_{views[0]:03d}": to_uint8(result["first_rgb"])}  # the image evaluate just rendered
+        self.tensorboard.evaluation(self.step, entry["psnr"], entry["ssim"], image)
         tqdm.write(
             f"eval @ step {self.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
             f"({len(views)} views, {self.train_seconds:.1f} s of training)",
