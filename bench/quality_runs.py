@@ -4,7 +4,8 @@
         --variant base= --variant rb=train.random_background=true ...
 
 Each ``--variant NAME=OVERRIDES`` (space-separated Hydra overrides, appended to ``--common``) is one
-``train.py +experiment=blender`` run in its own folder under ``--runs``. ``--parallel`` runs share the device,
+``train.py +experiment=blender`` run in its own folder under ``--runs``; ``--variant NAME@N=OVERRIDES`` runs it
+data-parallel on N GPUs (``torchrun --standalone --nproc_per_node=N``). ``--parallel`` runs share the device,
 so their PSNR is what the config gives but their times are not: time a variant alone (``--parallel 1``)
 before quoting its speed. The JSON has, per variant, mean PSNR / SSIM, the mean of the worst 10% of views,
 the worst views, training seconds, rays/s and the final grid shape and box.
@@ -25,10 +26,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
+def run_variant(name: str, overrides: list[str], args: argparse.Namespace, ranks: int = 1) -> dict:
     run_dir = Path(args.runs) / name
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
     command = [
         sys.executable,
+        *launcher,
         "train.py",
         "+experiment=blender",
         f"data.root={args.data}",
@@ -40,7 +43,13 @@ def run_variant(name: str, overrides: list[str], args: argparse.Namespace) -> di
     start = time.perf_counter()
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
-    result = {"variant": name, "overrides": overrides, "returncode": completed.returncode, "wall_seconds": wall}
+    result = {
+        "variant": name,
+        "ranks": ranks,
+        "overrides": overrides,
+        "returncode": completed.returncode,
+        "wall_seconds": wall,
+    }
     metrics_path = run_dir / "metrics.json"
     if completed.returncode != 0 or not metrics_path.is_file():
         result["error"] = (completed.stdout[-1500:] + completed.stderr[-1500:]).strip()
@@ -77,10 +86,11 @@ def main() -> int:
     args = parser.parse_args()
     variants = []
     for item in args.variant:
-        name, _, overrides = item.partition("=")
-        if not name:
-            parser.error(f"--variant {item!r}: expected NAME=OVERRIDES")
-        variants.append((name, shlex.split(overrides)))
+        label, _, overrides = item.partition("=")
+        name, _, ranks = label.partition("@")
+        if not name or not (ranks == "" or ranks.isdigit() and int(ranks) >= 1):
+            parser.error(f"--variant {item!r}: expected NAME=OVERRIDES or NAME@RANKS=OVERRIDES")
+        variants.append((name, shlex.split(overrides), int(ranks or 1)))
     results: list[dict] = []
 
     def record(result: dict) -> None:
@@ -107,7 +117,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        futures = [pool.submit(run_variant, name, overrides, args) for name, overrides in variants]
+        futures = [pool.submit(run_variant, name, overrides, args, ranks) for name, overrides, ranks in variants]
         for future in futures:
             record(future.result())
     return 0 if all("psnr" in r for r in results) else 1

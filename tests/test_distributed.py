@@ -123,3 +123,42 @@ def test_a_killed_rank_stops_the_job_with_an_error_not_a_hang(tmp_path):
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0
     assert "failed" in stderr.lower()
+
+
+def _average_both_ways(rank: int, world: int, init_file: str, results: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        generator = torch.Generator().manual_seed(rank)
+        grids = []
+        for channels in (1, 5):  # two grids of one voxel count share the union of touched voxels
+            grad = torch.zeros(6, 7, 8, channels)
+            touched = torch.randperm(6 * 7 * 8, generator=generator)[:20]  # each rank touches its own voxels
+            grad.view(-1, channels)[touched] = torch.randn(20, channels, generator=generator)
+            grids.append(torch.nn.Parameter(torch.randn(6, 7, 8, channels)))
+            grids[-1].grad = grad
+        other = torch.nn.Parameter(torch.zeros(3))
+        other.grad = torch.randn(3, generator=generator)
+        lonely = torch.nn.Parameter(torch.zeros(4, 2))  # no gradient on this rank: counts as zeros
+        if rank == 0:
+            lonely.grad = torch.randn(4, 2, generator=generator)
+        dense = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in (*grids, other, lonely)]
+        for tensor in dense:
+            dist.all_reduce(tensor)
+            tensor.div_(world)
+        Group(rank, world, rank).average_gradients([other], row_sparse=[*grids, lonely])
+        torch.save({"dense": dense, "touched": [p.grad for p in (*grids, other, lonely)]}, f"{results}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_touched_rows_average_equals_the_dense_average(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_average_both_ways, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"out.{rank}")
+        for index, (dense, touched) in enumerate(zip(result["dense"], result["touched"])):
+            assert touched.abs().sum() > 0, f"parameter {index}: no gradient arrived"
+            torch.testing.assert_close(touched, dense, rtol=1e-6, atol=1e-7, msg=f"parameter {index}")

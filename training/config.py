@@ -97,6 +97,7 @@ class TrainConfig:
     sparse_adam: bool = False
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0
+    dist_grad_sync: str = "touched"  # touched | dense (training.distributed)
     random_background: bool = False
     overwrite: bool = False
 
@@ -250,6 +251,7 @@ def _check_train(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.lr_final_factor")
     _check_nonnegative_number(cfg, "train.opacity_loss")
     _check_nonnegative_number(cfg, "train.dist_timeout")
+    _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
     for key in (
         "train.batch_rays",
         "train.patch_size",

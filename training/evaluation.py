@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 import imageio.v3 as iio
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from data.cameras import look_at, orbit_positions
 from training.metrics import psnr, ssim
@@ -113,6 +115,31 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
         "seconds": time.perf_counter() - start,
         "first_rgb": first_rgb,
     }
+
+
+def periodic_eval(trainer: Trainer) -> None:
+    """Held-out PSNR / SSIM on ``train.eval_views`` views spread over the eval split, during training: appended to
+    the trainer's eval history, logged to TensorBoard with the first view's image, and printed."""
+    count = min(trainer.train_cfg.eval_views, trainer.eval_scene.num_views)
+    if count == 0:
+        return
+    views = np.linspace(0, trainer.eval_scene.num_views - 1, count).round().astype(int).tolist()
+    result = evaluate(trainer, sorted(set(views)), write_images=False)
+    entry = {
+        "step": trainer.step,
+        "train_seconds": trainer.train_seconds,
+        "psnr": result["psnr"],
+        "ssim": result["ssim"],
+        "psnr_worst10": result["psnr_worst10"],
+    }
+    trainer.eval_history.append(entry)
+    image = {f"view_{views[0]:03d}": to_uint8(result["first_rgb"])}  # the image evaluate just rendered
+    trainer.tensorboard.evaluation(trainer.step, entry["psnr"], entry["ssim"], image)
+    tqdm.write(
+        f"eval @ step {trainer.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
+        f"({len(views)} views, {trainer.train_seconds:.1f} s of training)",
+        file=sys.stdout,
+    )
 
 
 def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> dict:

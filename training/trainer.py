@@ -7,7 +7,6 @@ import math
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +29,6 @@ from training.profiler import StepProfiler
 from training.resume import restore_trainer, trainer_state
 from training.run_dir import RunError, RunPaths, write_error, write_json
 from training.tensorboard import TensorBoardLogger
-from training.visualize import to_uint8
 
 EXIT_OK = 0
 EXIT_DIVERGED = 3  # NaN / inf loss
@@ -172,7 +170,8 @@ class Trainer:
                 loss = mse + regularization + self._opacity_loss(out["opacity"], batch.alpha)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                self.group.average_gradients(self.model.parameters())
+                grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
+                self.group.average_model_gradients(self.model, grids, self.train_cfg.get("dist_grad_sync", "touched"))
             with profiler.section("optimizer"):
                 self.optimizer.step()
             self.step += 1
@@ -233,9 +232,11 @@ class Trainer:
                 loss, mse = self.train_step()
                 step = self.step
                 pause = False
-                stop = guard.requested if not self.group.active else self.group.mean(float(guard.requested))[0] > 0
+                stop = guard.requested and not self.group.active  # under torchrun: agreed on at log steps
                 if step % cfg.log_every == 0 or step == self.iters:
-                    loss_value, mse_value = self.group.mean(loss.item(), mse.item())  # syncs the device
+                    # syncs the device; under torchrun one all-reduce, so that every rank takes the same decisions
+                    loss_value, mse_value, requested = self.group.mean(loss.item(), mse.item(), float(guard.requested))
+                    stop = requested > 0
                     if not (math.isfinite(loss_value) and math.isfinite(mse_value)) or loss_value > LOSS_LIMIT:
                         code = self._diverged(step, loss_value)
                         break
@@ -287,7 +288,7 @@ class Trainer:
                     self.tensorboard.close()
                     return guard.exit_code or 128 + 15  # another rank's signal: as SIGTERM
                 if periodic_eval and self.group.is_main:
-                    self._periodic_eval()
+                    evaluation.periodic_eval(self)
                 if pause:
                     segment_start = window_start = time.perf_counter()
                     window_rays, window_samples = self.rays_done, self.samples_done
@@ -325,28 +326,6 @@ class Trainer:
             file=sys.stderr,
         )
         return EXIT_DIVERGED
-
-    def _periodic_eval(self) -> None:
-        count = min(self.train_cfg.eval_views, self.eval_scene.num_views)
-        if count == 0:
-            return
-        views = np.linspace(0, self.eval_scene.num_views - 1, count).round().astype(int).tolist()
-        result = evaluation.evaluate(self, sorted(set(views)), write_images=False)
-        entry = {
-            "step": self.step,
-            "train_seconds": self.train_seconds,
-            "psnr": result["psnr"],
-            "ssim": result["ssim"],
-            "psnr_worst10": result["psnr_worst10"],
-        }
-        self.eval_history.append(entry)
-        image = {f"view_{views[0]:03d}": to_uint8(result["first_rgb"])}  # the image evaluate just rendered
-        self.tensorboard.evaluation(self.step, entry["psnr"], entry["ssim"], image)
-        tqdm.write(
-            f"eval @ step {self.step}: PSNR {entry['psnr']:.2f} dB, SSIM {entry['ssim']:.4f} "
-            f"({len(views)} views, {self.train_seconds:.1f} s of training)",
-            file=sys.stdout,
-        )
 
     # ---------------------------------------------------------------- checkpoints
     def _parameters_finite(self) -> bool:
