@@ -1,7 +1,9 @@
-"""Scenes for the trainer: the blender-format loader, the built-in procedural scene, rays and batch samplers."""
+"""Scenes for the trainer: the blender- and nerfstudio-format loaders, the built-in procedural scene, rays and
+batch samplers."""
 
 from data.blender import eval_split, list_splits, load_blender, write_blender_split
 from data.errors import SceneError
+from data.nerfstudio import load_nerfstudio, write_nerfstudio
 from data.rays import camera_rays, pixel_rays, project_to_pixels
 from data.samplers import PatchBatch, PatchSampler, RayBatch, RaySampler
 from data.scene import Scene
@@ -14,6 +16,8 @@ __all__ = [
     "list_splits",
     "eval_split",
     "write_blender_split",
+    "load_nerfstudio",
+    "write_nerfstudio",
     "ensure_synthetic_scene",
     "camera_rays",
     "pixel_rays",

@@ -5,9 +5,11 @@ Conventions
 Cameras are pinhole, OpenGL style (as in the NeRF-synthetic "blender" scenes): in camera space the camera looks
 down -z, +y is up and +x is right. ``c2w`` maps camera to world: its columns are the world-space right, up and
 backward axes and the camera position. Pixel positions are continuous: pixel (row y, column x) covers
-[x, x+1) x [y, y+1) and its centre is (x + 0.5, y + 0.5). The principal point is the image centre (W/2, H/2),
-so the camera-space direction through position (u, v) is ((u - W/2) / f, -(v - H/2) / f, -1). Returned
-directions have unit length, so a distance t along a ray is Euclidean (``near``/``far`` are distances).
+[x, x+1) x [y, y+1) and its centre is (x + 0.5, y + 0.5). A camera's intrinsics are (fx, fy, cx, cy) in pixels:
+the camera-space direction through position (u, v) is ((u - cx) / fx, -(v - cy) / fy, -1), so the position
+(cx, cy) gives the optical axis. A single focal length f stands for (f, f, W/2, H/2) (square pixels, principal
+point at the image centre, as in the blender scenes). Returned directions have unit length, so a distance t
+along a ray is Euclidean (``near``/``far`` are distances).
 
 Low-resolution rays and bilinear upsampling (the image-space decoder)
 ---------------------------------------------------------------------
@@ -30,17 +32,39 @@ from __future__ import annotations
 import torch
 
 
+def as_intrinsics(
+    intrinsics: float | torch.Tensor, width: int | None, height: int | None, dtype: torch.dtype, device=None
+) -> torch.Tensor:
+    """(..., 4) tensor (fx, fy, cx, cy) in ``dtype``: a focal length in pixels becomes (f, f, W/2, H/2) (width and
+    height needed); a tensor of intrinsics is converted (its last dimension must be 4)."""
+    if isinstance(intrinsics, torch.Tensor):
+        if intrinsics.shape[-1:] != (4,):
+            raise ValueError(f"intrinsics must have shape (..., 4) (fx, fy, cx, cy), got {tuple(intrinsics.shape)}")
+        return intrinsics.to(device=device if device is not None else intrinsics.device, dtype=dtype)
+    if width is None or height is None:
+        raise ValueError("a focal length needs the image width and height (principal point at the centre)")
+    values = (float(intrinsics), float(intrinsics), 0.5 * width, 0.5 * height)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def pixel_rays(
-    c2w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, focal: float, width: int, height: int
+    c2w: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    intrinsics: float | torch.Tensor,
+    width: int | None = None,
+    height: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rays through continuous pixel positions.
 
     c2w: (*S, 4, 4) (or broadcastable to that), u, v: (*S) column and row positions in full-res pixel units.
+    intrinsics: (*S, 4) (or broadcastable) fx, fy, cx, cy, or a focal length with width and height.
     Returns origins and unit directions, each (*S, 3), in c2w's dtype.
     """
     rot = c2w[..., :3, :3]
-    dx = ((u - 0.5 * width) / focal).unsqueeze(-1)
-    dy = (-(v - 0.5 * height) / focal).unsqueeze(-1)
+    k = as_intrinsics(intrinsics, width, height, c2w.dtype, c2w.device)
+    dx = ((u - k[..., 2]) / k[..., 0]).unsqueeze(-1)
+    dy = (-(v - k[..., 3]) / k[..., 1]).unsqueeze(-1)
     # rot @ (dx, dy, -1) written as a sum of columns: elementwise, so bit-identical for any thread count
     directions = rot[..., :, 0] * dx + rot[..., :, 1] * dy - rot[..., :, 2]
     directions = directions / torch.linalg.vector_norm(directions, dim=-1, keepdim=True)
@@ -54,11 +78,13 @@ def block_centres(count: int, scale: int, dtype: torch.dtype = torch.float32, de
 
 
 def camera_rays(
-    c2w: torch.Tensor, height: int, width: int, focal: float, scale: int = 1
+    c2w: torch.Tensor, height: int, width: int, intrinsics: float | torch.Tensor, scale: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ray per pixel centre (scale=1) or per centre of each s x s pixel block (scale=s).
 
-    c2w: (4, 4) or (..., 4, 4). Returns origins and unit directions, each (..., height//scale, width//scale, 3).
+    c2w: (4, 4) or (..., 4, 4); intrinsics: (4,) or (..., 4) fx, fy, cx, cy of the full-resolution image, or a
+    focal length (principal point at the centre). Returns origins and unit directions, each
+    (..., height//scale, width//scale, 3).
     With scale=s these are the low-resolution rays whose renders, upsampled by s (bilinear,
     align_corners=False), line up with the full-resolution pixels (see module doc).
     """
@@ -72,19 +98,25 @@ def camera_rays(
     rows = block_centres(height // scale, scale, dtype, c2w.device)
     cols = block_centres(width // scale, scale, dtype, c2w.device)
     v, u = torch.meshgrid(rows, cols, indexing="ij")
-    return pixel_rays(c2w.to(dtype)[..., None, None, :, :], u, v, focal, width, height)
+    k = as_intrinsics(intrinsics, width, height, dtype, c2w.device)[..., None, None, :]
+    return pixel_rays(c2w.to(dtype)[..., None, None, :, :], u, v, k)
 
 
 def project_to_pixels(
-    c2w: torch.Tensor, directions: torch.Tensor, focal: float, width: int, height: int
+    c2w: torch.Tensor,
+    directions: torch.Tensor,
+    intrinsics: float | torch.Tensor,
+    width: int | None = None,
+    height: int | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`pixel_rays` for directions: (*S, 3) world directions -> (*S, 2) positions (u, v).
 
-    c2w: (*S, 4, 4) or broadcastable. Used to check where rays pass (tests, debugging).
+    c2w: (*S, 4, 4) or broadcastable; intrinsics as for :func:`pixel_rays`. Used to check where rays pass.
     """
     rot = c2w[..., :3, :3]
+    k = as_intrinsics(intrinsics, width, height, directions.dtype, directions.device)
     local = (rot * directions.unsqueeze(-1)).sum(-2)  # rot^T @ d
     depth = -local[..., 2]
-    u = 0.5 * width + focal * local[..., 0] / depth
-    v = 0.5 * height - focal * local[..., 1] / depth
+    u = k[..., 2] + k[..., 0] * local[..., 0] / depth
+    v = k[..., 3] - k[..., 1] * local[..., 1] / depth
     return torch.stack([u, v], dim=-1)

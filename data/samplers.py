@@ -99,7 +99,7 @@ class _SceneSampler:
         self.generator = generator
         self.device = scene.images.device
         self.c2w = scene.c2w.to(self.device)
-        self.intrinsics = (scene.focal, scene.width, scene.height)
+        self.intrinsics = scene.intrinsics.to(self.device, self.c2w.dtype)  # (V, 4) fx, fy, cx, cy per view
 
     def _randint(self, high: int, size: int) -> torch.Tensor:
         return torch.randint(high, (size,), device=self.device, generator=self.generator)
@@ -128,7 +128,7 @@ class RaySampler(_SceneSampler):
         within = flat - views * (height * width)
         rows = torch.div(within, width, rounding_mode="floor")
         cols = within - rows * width
-        origins, directions = pixel_rays(self.c2w[views], cols + 0.5, rows + 0.5, *self.intrinsics)
+        origins, directions = pixel_rays(self.c2w[views], cols + 0.5, rows + 0.5, self.intrinsics[views])
         return RayBatch(
             origins,
             directions,
@@ -175,13 +175,14 @@ class PatchSampler(_SceneSampler):
         x0 = within - y0 * n_cols
 
         c2w = self.c2w[views][:, None, None]  # (n, 1, 1, 4, 4)
+        k = self.intrinsics[views][:, None, None]  # (n, 1, 1, 4)
         y0f, x0f = y0.float()[:, None, None], x0.float()[:, None, None]
         lr = self.lr_offsets
-        origins, directions = pixel_rays(c2w, x0f + lr[None, None, :], y0f + lr[None, :, None], *self.intrinsics)
+        origins, directions = pixel_rays(c2w, x0f + lr[None, None, :], y0f + lr[None, :, None], k)
 
         rows = y0[:, None, None] + self.hr_offsets[None, :, None]  # (n, sP, 1)
         cols = x0[:, None, None] + self.hr_offsets[None, None, :]  # (n, 1, sP)
-        _, hr_directions = pixel_rays(c2w, cols + 0.5, rows + 0.5, *self.intrinsics)
+        _, hr_directions = pixel_rays(c2w, cols + 0.5, rows + 0.5, k)
         rgb = self._pixels(views[:, None, None], rows, cols)
         return PatchBatch(
             origins,

@@ -1,4 +1,4 @@
-"""The in-memory form of one split of a scene: images, cameras and the intrinsics they share."""
+"""The in-memory form of one split of a scene: images, cameras and their intrinsics."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class Scene:
     images:     (V, H, W, 3) uint8, already composited on ``background``.
     c2w:        (V, 4, 4) float32 camera-to-world, OpenGL convention (camera looks down -z, y up, x right).
     height, width: image size in pixels.
-    focal:      focal length in pixels (square pixels, principal point at the image centre).
+    focal:      focal length in pixels of the first view (a summary; rays use ``intrinsics``).
     near, far:  ray distance range (Euclidean, along unit-length directions).
     bbox:       (2, 3) float32 min and max corners of the scene box.
     background: RGB in [0, 1] that transparent pixels were composited on.
@@ -23,6 +23,9 @@ class Scene:
     names:      the frames' ``file_path`` as written in the transforms file.
     alpha:      (V, H, W) uint8 coverage the images were composited with, or None (opaque images). The view
                 on another background B' is ``images + (B' - background) * (1 - alpha)`` (in [0, 1] units).
+    intrinsics: (V, 4) float64 pinhole intrinsics per view, fx, fy, cx, cy in pixels (data.rays conventions);
+                None (the default) means (focal, focal, width/2, height/2) for every view, the blender cameras.
+                float64 so that intrinsics derived from them (scaled renders) match those from ``focal``.
     """
 
     images: torch.Tensor
@@ -37,6 +40,7 @@ class Scene:
     split: str
     names: list[str]
     alpha: torch.Tensor | None = None
+    intrinsics: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         views = self.images.shape[0] if self.images.dim() == 4 else -1
@@ -62,6 +66,19 @@ class Scene:
             raise ValueError(f"Scene.names has {len(self.names)} entries for {views} views")
         if not 0.0 <= self.near < self.far:
             raise ValueError(f"Scene needs 0 <= near < far, got near={self.near}, far={self.far}")
+        if self.intrinsics is None:
+            one = (float(self.focal), float(self.focal), 0.5 * self.width, 0.5 * self.height)
+            self.intrinsics = torch.tensor([one], dtype=torch.float64, device=self.images.device).expand(views, 4)
+        self.intrinsics = torch.as_tensor(self.intrinsics, dtype=torch.float64).contiguous()
+        if (
+            tuple(self.intrinsics.shape) != (views, 4)
+            or not bool(torch.isfinite(self.intrinsics).all())
+            or not bool((self.intrinsics[:, :2] > 0).all())
+        ):
+            raise ValueError(
+                f"Scene.intrinsics must be None or a float tensor of shape ({views}, 4) (fx, fy, cx, cy) with "
+                f"finite values and positive fx, fy, got shape {tuple(self.intrinsics.shape)}"
+            )
 
     @property
     def num_views(self) -> int:
@@ -78,5 +95,6 @@ class Scene:
             images=self.images.to(device),
             c2w=self.c2w.to(device),
             bbox=self.bbox.to(device),
+            intrinsics=self.intrinsics.to(device),
             alpha=None if self.alpha is None else self.alpha.to(device),
         )

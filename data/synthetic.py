@@ -202,21 +202,35 @@ def _shade(
     return colour, hit.hit.to(origins.dtype)
 
 
-def render_views(c2w: np.ndarray, resolution: int, seed: int) -> np.ndarray:
-    """(V, 4, 4) camera-to-world -> (V, R, R, 4) uint8 RGBA (straight alpha), supersampled and area-averaged."""
+def render_views(
+    c2w: np.ndarray,
+    resolution: int,
+    seed: int,
+    intrinsics: np.ndarray | None = None,
+    size: tuple[int, int] | None = None,
+) -> np.ndarray:
+    """(V, 4, 4) camera-to-world -> (V, R, R, 4) uint8 RGBA (straight alpha), supersampled and area-averaged.
+
+    With ``intrinsics`` (V, 4) fx, fy, cx, cy per view (pixels, data.rays conventions) and ``size`` (H, W), the
+    views are (V, H, W, 4) through those pinhole cameras instead of the blender field of view.
+    """
     materials = _materials(ValueNoise(seed))
-    side = resolution * SUPERSAMPLE
-    focal = 0.5 * side / math.tan(0.5 * CAMERA_ANGLE_X)
+    height, width = (resolution, resolution) if size is None else size
+    focal = 0.5 * resolution * SUPERSAMPLE / math.tan(0.5 * CAMERA_ANGLE_X)
     cameras = torch.from_numpy(np.asarray(c2w, np.float32))
     views = []
-    for camera in cameras:
-        origins, directions = (x.reshape(-1, 3) for x in camera_rays(camera, side, side, focal))
+    for index, camera in enumerate(cameras):
+        # supersampled pixel positions are SUPERSAMPLE x the image's, and so are fx, fy, cx, cy
+        k = focal if intrinsics is None else torch.tensor(intrinsics[index], dtype=torch.float64) * SUPERSAMPLE
+        rays = camera_rays(camera, height * SUPERSAMPLE, width * SUPERSAMPLE, k)
+        origins, directions = (x.reshape(-1, 3) for x in rays)
         chunks = [
             _shade(origins[i : i + RAYS_PER_CHUNK], directions[i : i + RAYS_PER_CHUNK], materials)
             for i in range(0, origins.shape[0], RAYS_PER_CHUNK)
         ]
-        colour = torch.cat([c for c, _ in chunks]).reshape(side, side, 3)
-        coverage = torch.cat([a for _, a in chunks]).reshape(side, side, 1)
+        shape = (height * SUPERSAMPLE, width * SUPERSAMPLE)
+        colour = torch.cat([c for c, _ in chunks]).reshape(*shape, 3)
+        coverage = torch.cat([a for _, a in chunks]).reshape(*shape, 1)
         premultiplied = torch.cat([colour * coverage, coverage], -1).double().numpy()
         pixel = area_downscale(premultiplied, SUPERSAMPLE)  # average premultiplied colour and coverage
         alpha = pixel[..., 3:]

@@ -45,6 +45,7 @@ from training.scenes import (
     seed_everything,
 )
 from training.trainer import EXIT_OK, Trainer
+from training.viewer import check_viewer, start_viewer
 
 EXIT_USAGE = 2  # bad config, bad scene, missing checkpoint
 
@@ -52,6 +53,8 @@ EXIT_USAGE = 2  # bad config, bad scene, missing checkpoint
 def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
     validate_config(cfg)
     check_split(cfg, group)
+    if cfg.train.viewer and group.is_main and not cfg.render_only:  # before any work: viser installed, port free
+        check_viewer(cfg.train)
     refuse_to_overwrite(cfg, paths)
     device = resolve_device(cfg.device, group.local_rank if group.active else None)
     distributed.start(group, device.type, float(cfg.train.dist_timeout))
@@ -105,7 +108,12 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
         trainer.restore(state, with_training_state=not cfg.render_only)
         print(f"loaded {paths.checkpoint} (step {trainer.step})")
     if not cfg.render_only:
-        code = trainer.fit()
+        trainer.viewer = start_viewer(cfg.train, trainer, group) if cfg.train.viewer and group.is_main else None
+        try:
+            code = trainer.fit()
+        finally:
+            if trainer.viewer is not None:
+                trainer.viewer.close()
         if code != EXIT_OK or not group.is_main:  # rank 0 alone evaluates and writes the outputs
             return code
     metrics = write_outputs(trainer, bool(cfg.render_only), data_seconds)

@@ -48,9 +48,11 @@ def orbit_cameras(c2w: torch.Tensor, count: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def render(trainer: Trainer, c2w: torch.Tensor) -> dict[str, torch.Tensor]:
+def render(trainer: Trainer, view: int) -> dict[str, torch.Tensor]:
+    """Render view ``view`` of the eval split with its own camera and intrinsics."""
     scene = trainer.eval_scene
-    return trainer.model.render_image(c2w, scene.height, scene.width, scene.focal, chunk=trainer.train_cfg.render_chunk)
+    c2w, intrinsics = scene.c2w[view], scene.intrinsics[view]
+    return trainer.model.render_image(c2w, scene.height, scene.width, intrinsics, chunk=trainer.train_cfg.render_chunk)
 
 
 @torch.no_grad()
@@ -64,7 +66,7 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
     first_rgb = None
     start = time.perf_counter()
     for view in views:
-        out = render(trainer, scene.c2w[view])
+        out = render(trainer, view)
         target = scene.images[view].float() / 255.0
         if first_rgb is None:
             first_rgb = out["rgb"].cpu().numpy()
@@ -184,10 +186,14 @@ def render_turntable(trainer: Trainer) -> Path | None:
     # at most turntable_max_side pixels a side (same field of view), a multiple of the upsample factor
     shrink = max(1, math.ceil(max(scene.height, scene.width) / trainer.train_cfg.turntable_max_side))
     height, width = (max(scale, side // shrink // scale * scale) for side in (scene.height, scene.width))
-    focal = scene.focal * width / scene.width
+    # the first view's intrinsics, scaled to the turntable's size (principal point kept where it was)
+    fx, fy, cx, cy = scene.intrinsics[0].tolist()
+    sx, sy = (width, scene.width), (height, scene.height)
+    scaled = [fx * sx[0] / sx[1], fy * sy[0] / sy[1], cx * sx[0] / sx[1], cy * sy[0] / sy[1]]
+    intrinsics = torch.tensor(scaled, dtype=torch.float64)
     frames = [
         to_uint8(
-            trainer.model.render_image(c2w, height, width, focal, chunk=trainer.train_cfg.render_chunk)["rgb"]
+            trainer.model.render_image(c2w, height, width, intrinsics, chunk=trainer.train_cfg.render_chunk)["rgb"]
             .cpu()
             .numpy()
         )

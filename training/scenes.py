@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from data import Scene, ensure_synthetic_scene, eval_split, load_blender
+from data import Scene, ensure_synthetic_scene, eval_split, load_blender, load_nerfstudio
 from data.bounds import mask_hull_box
 
 # generated scenes live in the user's cache, not inside the installed package (site-packages for a normal install)
@@ -59,7 +59,22 @@ def scene_root(data_cfg: DictConfig) -> Path:
 
 
 def load_scenes(data_cfg: DictConfig, device: torch.device) -> tuple[Scene, Scene]:
-    """(train, eval) splits on ``device``; eval is the test split when present, else val."""
+    """(train, eval) splits on ``device``; eval is the test split when present, else val (nerfstudio: its split
+    lists, else every data.eval_interval-th frame; box and near/far derived unless set, and printed)."""
+    if data_cfg.name == "nerfstudio":
+        box = data_cfg.scene_box
+        box = OmegaConf.to_container(box) if OmegaConf.is_list(box) else box
+        train, evaluation, bounds = load_nerfstudio(
+            Path(data_cfg.root).expanduser(),
+            downscale=data_cfg.downscale,
+            background=tuple(data_cfg.background),
+            near=data_cfg.near,
+            far=data_cfg.far,
+            scene_box=box,
+            eval_interval=data_cfg.eval_interval,
+        )
+        print(f"nerfstudio {bounds.describe()}; override with data.scene_box, data.near, data.far")
+        return train.to(device), evaluation.to(device)
     root = scene_root(data_cfg)
     options = dict(
         downscale=data_cfg.downscale,

@@ -1,0 +1,364 @@
+"""nerfstudio's data format (``transforms.json``, as ``ns-process-data`` writes it): reading it into Scenes.
+
+Layout: ``<root>/transforms.json`` (``root`` may also name the JSON file itself) with ``frames``, each with
+``file_path`` (relative to the JSON file's folder) and ``transform_matrix`` (4x4 camera-to-world, OpenGL
+convention like the blender scenes: the camera looks down -z, y up). Intrinsics in pixels ``fl_x``, ``fl_y``,
+``cx``, ``cy``, ``w``, ``h`` (``w``/``h`` optional: the image's size) sit at the top level (for every frame;
+as in nerfstudio, a top-level key wins over a frame's own) or in each frame. ``camera_model`` PINHOLE (the
+default), SIMPLE_PINHOLE, or OPENCV / SIMPLE_RADIAL / RADIAL with all distortion (k1..k4, p1, p2) zero: we do
+not undistort, so a distorted camera is refused (undistort the images first).
+
+What we do with the rest:
+- Poses are used as given: nerfstudio's ``applied_transform`` (3x4 or 4x4) is the transform ns-process-data
+  already applied to the poses from COLMAP's world, so it is not applied to them again. It (and
+  ``applied_scale``) maps the sparse points of ``ply_file_path`` (or ``sparse_pc.ply``), which are in COLMAP's
+  world, into the poses' world, as nerfstudio does. We do not re-orient, re-centre or re-scale the poses.
+- Splits: ``train_filenames`` and ``test_filenames`` (else ``val_filenames``) when present; else frames sorted
+  by file_path, every ``eval_interval``-th (0, 8, 16, ...) is evaluation, the rest training.
+- The scene box (the grids' extent) and near/far come from the cameras (data.bounds), or from the sparse
+  points when there are any (plyfile installed); ``scene_box``, ``near``, ``far`` override them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.blender import _check_rotation, _frame_matrix, _read_json, _worker_count
+from data.bounds import Bounds, capture_bounds
+from data.errors import SceneError
+from data.images import image_size, load_composited, write_png
+from data.scene import Scene
+
+PINHOLE_MODELS = ("PINHOLE", "SIMPLE_PINHOLE")
+DISTORTED_MODELS = ("OPENCV", "SIMPLE_RADIAL", "RADIAL")
+DISTORTION_KEYS = ("k1", "k2", "k3", "k4", "p1", "p2")
+INTRINSIC_KEYS = ("fl_x", "fl_y", "cx", "cy")
+SPLIT_KEYS = ("train_filenames", "val_filenames", "test_filenames")
+
+
+@dataclass
+class Frame:
+    """One frame: its file_path as written, image file, (4, 4) camera-to-world and (fx, fy, cx, cy)."""
+
+    name: str
+    image: Path
+    c2w: np.ndarray
+    intrinsics: tuple[float, float, float, float]
+    size: tuple[int, int] | None  # (h, w) from the JSON, or None when it gives none
+
+
+@dataclass
+class Capture:
+    """A parsed transforms.json (no pixels read): frames sorted by file_path and the splits' frame indices."""
+
+    path: Path
+    frames: list[Frame]
+    splits: dict[str, list[int]]  # "train" and the eval split ("test" or "val")
+    eval_split: str
+    applied: np.ndarray  # (4, 4) applied_transform (identity when absent)
+    applied_scale: float
+    ply: Path | None
+
+
+def transforms_file(root: str | os.PathLike) -> Path:
+    """The transforms JSON of ``root`` (a folder holding transforms.json, or the JSON file itself)."""
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise SceneError(f"nerfstudio scene {root} does not exist")
+    path = root if root.is_file() else root / "transforms.json"
+    if not path.is_file():
+        raise SceneError(f"{path} not found (a nerfstudio scene folder holds transforms.json)")
+    return path
+
+
+def _number(where: str, key: str, value, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SceneError(f"{where}: {key} must be a finite number, got {value!r}")
+    if positive and not value > 0:
+        raise SceneError(f"{where}: {key} must be positive, got {value!r}")
+    return float(value)
+
+
+def _pixels(where: str, key: str, value) -> int:
+    number = _number(where, key, value, positive=True)
+    if number != int(number):
+        raise SceneError(f"{where}: {key} must be a whole number of pixels, got {value!r}")
+    return int(number)
+
+
+def _lookup(meta: dict, frame: dict, key: str):
+    """A camera key: the top level's when present (it applies to every frame, as in nerfstudio), else the frame's."""
+    return meta[key] if key in meta else frame.get(key)
+
+
+def _check_camera_model(path: Path, meta: dict, frames: list[dict]) -> None:
+    model = meta.get("camera_model", "PINHOLE")
+    if model not in PINHOLE_MODELS + DISTORTED_MODELS:
+        raise SceneError(
+            f"{path}: camera_model {model!r} is not supported (expected PINHOLE, or OPENCV with zero distortion)"
+        )
+    for index, frame in enumerate(frames):
+        for key in DISTORTION_KEYS:
+            value = _lookup(meta, frame, key)
+            if value is None:
+                continue
+            where = path if key in meta else f"{path}: frame {index} ({frame.get('file_path')!r})"
+            if _number(str(where), key, value) != 0.0:
+                raise SceneError(
+                    f"{where}: camera_model {model} with non-zero distortion ({key}={value}): undistort the images "
+                    "first (e.g. `colmap image_undistorter`, then `ns-process-data images --skip-colmap` on the "
+                    "undistorted images) so the cameras are PINHOLE"
+                )
+
+
+def _frame(root: Path, path: Path, meta: dict, index: int, frame: dict) -> Frame:
+    if not isinstance(frame, dict):
+        raise SceneError(f"{path}: frame {index} must be an object, got {type(frame).__name__}")
+    name = frame.get("file_path")
+    if not isinstance(name, str) or not name:
+        raise SceneError(f"{path}: frame {index}: file_path must be a non-empty string, got {name!r}")
+    where = f"{path}: frame {index} ({name!r})"
+    values = []
+    for key in INTRINSIC_KEYS:
+        value = _lookup(meta, frame, key)
+        if value is None:
+            raise SceneError(f"{where}: missing {key} (give it at the top level or in every frame)")
+        values.append(_number(path if key in meta else where, key, value, positive=key.startswith("fl_")))
+    sizes = [_lookup(meta, frame, key) for key in ("h", "w")]
+    size = None
+    if any(s is not None for s in sizes):
+        if None in sizes:
+            raise SceneError(f"{where}: give both w and h or neither")
+        size = tuple(_pixels(where, key, s) for key, s in zip(("h", "w"), sizes))
+    image = root / name
+    if not image.is_file():
+        raise SceneError(f"{where}: image {image} not found")
+    return Frame(name, image, _frame_matrix(path, index, frame), tuple(values), size)
+
+
+def _normalised(name: str) -> str:
+    return os.path.normpath(name)
+
+
+def _splits(path: Path, meta: dict, frames: list[Frame], eval_interval: int) -> tuple[dict[str, list[int]], str]:
+    lists = {key: meta[key] for key in SPLIT_KEYS if key in meta}
+    if not lists:
+        if len(frames) < 2:
+            raise SceneError(f"{path}: needs at least 2 frames (one to train on, one to evaluate on)")
+        evaluation = [i for i in range(len(frames)) if i % eval_interval == 0]
+        return {"train": [i for i in range(len(frames)) if i % eval_interval], "val": evaluation}, "val"
+    eval_key = "test_filenames" if "test_filenames" in lists else "val_filenames"
+    if "train_filenames" not in lists or eval_key not in lists:
+        raise SceneError(
+            f"{path}: has {', '.join(lists)} but needs train_filenames and test_filenames or val_filenames"
+        )
+    index = {_normalised(frame.name): i for i, frame in enumerate(frames)}
+    splits = {}
+    for key in ("train_filenames", eval_key):
+        names = lists[key]
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise SceneError(f"{path}: {key} must be a non-empty list of file paths")
+        unknown = [n for n in names if _normalised(n) not in index]
+        if unknown:
+            raise SceneError(f"{path}: {key} names {len(unknown)} file(s) with no frame, e.g. {unknown[:3]}")
+        splits[key.split("_")[0]] = sorted({index[_normalised(n)] for n in names})
+    return splits, eval_key.split("_")[0]
+
+
+def _applied(path: Path, meta: dict) -> tuple[np.ndarray, float]:
+    matrix = np.eye(4)
+    if "applied_transform" in meta:
+        try:
+            given = np.asarray(meta["applied_transform"], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise SceneError(f"{path}: applied_transform is not a 3x4 or 4x4 array of numbers") from None
+        if given.shape not in ((3, 4), (4, 4)) or not np.isfinite(given).all():
+            raise SceneError(f"{path}: applied_transform must be 3x4 or 4x4 finite numbers, got shape {given.shape}")
+        if given.shape == (4, 4) and not np.allclose(given[3], [0.0, 0.0, 0.0, 1.0], atol=1e-6):
+            raise SceneError(f"{path}: applied_transform's last row must be [0, 0, 0, 1], got {given[3].tolist()}")
+        _check_rotation(f"{path}: applied_transform", given[:3, :3])
+        matrix[:3] = given[:3]
+    scale = _number(str(path), "applied_scale", meta.get("applied_scale", 1.0), positive=True)
+    return matrix, scale
+
+
+def read_capture(root: str | os.PathLike, eval_interval: int = 8) -> Capture:
+    """Parse and check a nerfstudio transforms file (every problem: :class:`SceneError` naming file and key)."""
+    if isinstance(eval_interval, bool) or not isinstance(eval_interval, int) or eval_interval < 2:
+        raise ValueError(f"read_capture: eval_interval must be an int >= 2, got {eval_interval!r}")
+    path = transforms_file(root)
+    meta = _read_json(path)
+    frames = meta.get("frames")
+    if not isinstance(frames, list) or not frames:
+        raise SceneError(f"{path}: 'frames' must be a non-empty list")
+    _check_camera_model(path, meta, frames)
+    parsed = [_frame(path.parent, path, meta, i, frame) for i, frame in enumerate(frames)]
+    order = sorted(range(len(parsed)), key=lambda i: parsed[i].name)  # nerfstudio sorts frames by file name
+    parsed = [parsed[i] for i in order]
+    splits, eval_split = _splits(path, meta, parsed, eval_interval)
+    applied, applied_scale = _applied(path, meta)
+    ply = None
+    if "ply_file_path" in meta:
+        if not isinstance(meta["ply_file_path"], str) or not (path.parent / meta["ply_file_path"]).is_file():
+            raise SceneError(f"{path}: ply_file_path {meta['ply_file_path']!r} is not a file")
+        ply = path.parent / meta["ply_file_path"]
+    elif (path.parent / "sparse_pc.ply").is_file():
+        ply = path.parent / "sparse_pc.ply"
+    return Capture(path, parsed, splits, eval_split, applied, applied_scale, ply)
+
+
+def read_points(capture: Capture) -> np.ndarray | None:
+    """(N, 3) sparse points in the poses' world, or None (no point file, or plyfile not installed)."""
+    if capture.ply is None:
+        return None
+    try:
+        from plyfile import PlyData
+    except ImportError:
+        print(f"note: {capture.ply} ignored (pip install plyfile to use it); the scene box comes from the cameras")
+        return None
+    try:
+        vertex = PlyData.read(str(capture.ply))["vertex"]
+        points = np.stack([np.asarray(vertex[axis], np.float64) for axis in "xyz"], -1)
+    except Exception as error:  # plyfile raises several types for a broken file
+        raise SceneError(f"{capture.ply}: cannot read the sparse points ({type(error).__name__}: {error})") from None
+    points = points[np.isfinite(points).all(-1)]
+    return capture.applied_scale * (points @ capture.applied[:3, :3].T + capture.applied[:3, 3])
+
+
+def nerfstudio_bounds(
+    capture: Capture, scene_box: float | Sequence[float] | None = None, near=None, far=None
+) -> Bounds:
+    """The capture's scene box and near/far (from every frame's camera, so both splits share them)."""
+    c2w = np.stack([frame.c2w for frame in capture.frames])
+    intrinsics = np.array([frame.intrinsics for frame in capture.frames])
+    sizes = [frame.size or image_size(frame.image) for frame in capture.frames]
+    try:
+        return capture_bounds(c2w, intrinsics, np.array(sizes), read_points(capture), scene_box, near, far)
+    except ValueError as error:
+        raise SceneError(f"{capture.path}: {error}") from None
+
+
+def _check_sizes(capture: Capture, indices: list[int], split: str, num_workers: int) -> tuple[int, int]:
+    frames = [capture.frames[i] for i in indices]
+    with ThreadPoolExecutor(num_workers) as pool:
+        actual = list(pool.map(lambda frame: image_size(frame.image), frames))
+    for frame, size in zip(frames, actual):
+        if frame.size is not None and frame.size != size:
+            raise SceneError(
+                f"{capture.path}: frame {frame.name!r}: image {frame.image} is {size[1]}x{size[0]} (w x h) but "
+                f"the transforms give w={frame.size[1]}, h={frame.size[0]}"
+            )
+    if len(set(actual)) > 1:
+        groups = {size: [f.name for f, s in zip(frames, actual) if s == size] for size in dict.fromkeys(actual)}
+        listing = "; ".join(f"{w}x{h}: {', '.join(names[:3])}" for (h, w), names in groups.items())
+        raise SceneError(
+            f"{capture.path}: the {split} frames have mixed image sizes (w x h) ({listing}); all frames of a split "
+            "must share one size (resize or split the capture)"
+        )
+    return actual[0]
+
+
+def load_nerfstudio_split(
+    capture: Capture,
+    split: str,
+    bounds: Bounds,
+    downscale: int = 1,
+    background: Sequence[float] = (1.0, 1.0, 1.0),
+    num_workers: int | None = None,
+) -> Scene:
+    """Split ``"train"`` or ``capture.eval_split`` as a :class:`Scene` with per-view intrinsics (scaled by
+    1/downscale: pixel positions scale, so fx, fy, cx, cy all divide), composited on ``background``."""
+    if isinstance(downscale, bool) or not isinstance(downscale, int) or downscale < 1:
+        raise ValueError(f"load_nerfstudio_split: downscale must be a positive int, got {downscale!r}")
+    background = tuple(float(c) for c in ((background,) * 3 if isinstance(background, (int, float)) else background))
+    if len(background) != 3 or not all(0.0 <= c <= 1.0 for c in background):
+        raise ValueError(f"load_nerfstudio_split: background must be 3 values in [0, 1], got {background!r}")
+    if split not in capture.splits:
+        raise SceneError(f"{capture.path}: no split {split!r} (splits: {', '.join(capture.splits)})")
+    indices = capture.splits[split]
+    workers = _worker_count(num_workers, len(indices))
+    height, width = _check_sizes(capture, indices, split, workers)
+    if height % downscale or width % downscale:
+        raise SceneError(f"{capture.path}: image size {width}x{height} is not divisible by downscale={downscale}")
+    frames = [capture.frames[i] for i in indices]
+    with ThreadPoolExecutor(workers) as pool:
+        decoded = list(pool.map(lambda frame: load_composited(frame.image, background, downscale), frames))
+    alpha, opaque = None, np.full((height // downscale, width // downscale), 255, np.uint8)
+    if any(a is not None for _, a in decoded):  # images without alpha are opaque
+        alpha = torch.from_numpy(np.stack([opaque if a is None else a for _, a in decoded]))
+    intrinsics = torch.tensor([frame.intrinsics for frame in frames], dtype=torch.float64) / downscale
+    return Scene(
+        images=torch.from_numpy(np.stack([rgb for rgb, _ in decoded])),
+        c2w=torch.from_numpy(np.stack([frame.c2w for frame in frames]).astype(np.float32)),
+        height=height // downscale,
+        width=width // downscale,
+        focal=float(intrinsics[0, 0]),
+        near=bounds.near,
+        far=bounds.far,
+        bbox=torch.from_numpy(bounds.box.astype(np.float32)),
+        background=background,
+        split=split,
+        names=[frame.name for frame in frames],
+        alpha=alpha,
+        intrinsics=intrinsics,
+    )
+
+
+def load_nerfstudio(
+    root: str | os.PathLike,
+    downscale: int = 1,
+    background: Sequence[float] = (1.0, 1.0, 1.0),
+    near: float | None = None,
+    far: float | None = None,
+    scene_box: float | Sequence[float] | None = None,
+    eval_interval: int = 8,
+    num_workers: int | None = None,
+) -> tuple[Scene, Scene, Bounds]:
+    """(train, eval, bounds) of a nerfstudio scene; ``near``, ``far``, ``scene_box`` None: derived (data.bounds)."""
+    capture = read_capture(root, eval_interval)
+    bounds = nerfstudio_bounds(capture, scene_box, near, far)
+    options = dict(bounds=bounds, downscale=downscale, background=background, num_workers=num_workers)
+    train = load_nerfstudio_split(capture, "train", **options)
+    return train, load_nerfstudio_split(capture, capture.eval_split, **options), bounds
+
+
+def write_nerfstudio(
+    root: str | os.PathLike,
+    images: Sequence[np.ndarray],
+    c2w: np.ndarray,
+    intrinsics: np.ndarray,
+    per_frame: bool = True,
+    extra: dict | None = None,
+) -> Path:
+    """Write a capture in nerfstudio layout: ``<root>/images/frame_<i>.png`` and ``<root>/transforms.json``.
+
+    images: V arrays (H, W, 3|4) uint8; c2w: (V, 4, 4); intrinsics: (V, 4) fx, fy, cx, cy. ``per_frame``: the
+    intrinsics and size in every frame, else once at the top level (the first view's). ``extra``: more top-level
+    keys (split lists, applied_transform, ...). Returns the transforms file.
+    """
+    root = Path(root)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    meta: dict = {"camera_model": "OPENCV", "k1": 0.0, "k2": 0.0, "p1": 0.0, "p2": 0.0}
+    frames = []
+    for index, (image, matrix, (fx, fy, cx, cy)) in enumerate(zip(images, c2w, np.asarray(intrinsics, np.float64))):
+        name = f"images/frame_{index:05d}.png"
+        write_png(root / name, image)
+        camera = {"fl_x": fx, "fl_y": fy, "cx": cx, "cy": cy, "w": image.shape[1], "h": image.shape[0]}
+        frame = {"file_path": name, "transform_matrix": np.asarray(matrix, np.float64).tolist()}
+        frames.append({**frame, **camera} if per_frame else frame)
+        if not per_frame and index == 0:
+            meta.update(camera)
+    meta.update(extra or {})
+    meta["frames"] = frames
+    path = root / "transforms.json"
+    path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return path

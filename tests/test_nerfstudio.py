@@ -1,0 +1,325 @@
+"""nerfstudio-format scenes (data/nerfstudio.py) and per-view intrinsics: parsing, splits, applied_transform,
+bad inputs, rays through off-centre principal points, the derived scene box, and a short training run of the
+procedural scene written in nerfstudio form (non-square images, off-centre principal points, per-frame
+intrinsics) against the same scene in blender form."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from data import Scene, SceneError, camera_rays, pixel_rays, project_to_pixels, write_blender_split
+from data.bounds import capture_bounds, mask_hull_box
+from data.nerfstudio import load_nerfstudio, read_capture, write_nerfstudio
+from data.samplers import PatchSampler, RaySampler
+from data.synthetic import CAMERA_ANGLE_X, render_views, split_cameras
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def focal_for(side: int) -> float:
+    return 0.5 * side / math.tan(0.5 * CAMERA_ANGLE_X)
+
+
+def odd_intrinsics(count: int, height: int, width: int, seed: int = 0) -> np.ndarray:
+    """Per-frame fx, fy (fy != fx), principal points off the centre by up to 3 px."""
+    rng = np.random.default_rng(seed)
+    fx = focal_for(min(height, width) + 4) * rng.uniform(0.95, 1.05, count)
+    return np.stack([fx, fx * 1.03, width / 2 + rng.uniform(-3, 3, count), height / 2 + rng.uniform(-3, 3, count)], -1)
+
+
+def write_capture(root: Path, count: int = 9, size=(12, 16), per_frame=True, extra=None, seed=0) -> np.ndarray:
+    """A small procedural capture in nerfstudio form; returns its (count, 4) intrinsics (frame order)."""
+    c2w = split_cameras(seed, count, 1, 0)["train"]
+    intrinsics = odd_intrinsics(count, *size, seed)
+    if not per_frame:
+        intrinsics[:] = intrinsics[0]
+    write_nerfstudio(root, list(render_views(c2w, 0, seed, intrinsics, size)), c2w, intrinsics, per_frame, extra)
+    return intrinsics
+
+
+def edit(root: Path, change) -> None:
+    path = root / "transforms.json"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory) -> tuple[Path, np.ndarray]:
+    root = tmp_path_factory.mktemp("capture")
+    return root, write_capture(root)
+
+
+# ---- rays with per-view intrinsics --------------------------------------------------------------------------
+
+
+def test_the_principal_point_gives_the_optical_axis_and_projection_inverts_rays(gen):
+    c2w = torch.from_numpy(split_cameras(1, 5, 1, 0)["train"]).double()
+    k = torch.tensor(odd_intrinsics(5, 20, 30), dtype=torch.float64)
+    _, axis = pixel_rays(c2w, k[:, 2], k[:, 3], k)
+    assert torch.allclose(axis, -c2w[:, :3, 2], atol=1e-12)  # the camera looks down -z
+    u, v = torch.rand(5, 7, generator=gen, dtype=torch.float64) * 30, torch.rand(5, 7, generator=gen) * 20
+    _, directions = pixel_rays(c2w[:, None], u, v.double(), k[:, None])
+    uv = project_to_pixels(c2w[:, None], directions, k[:, None])
+    assert torch.allclose(uv, torch.stack([u, v.double()], -1), atol=1e-9)
+    # a whole image: ray (row i, column j) passes through pixel centre (j + 0.5, i + 0.5) of a non-square view
+    _, grid = camera_rays(c2w[2], 20, 30, k[2])
+    uv = project_to_pixels(c2w[2], grid, k[2])
+    assert torch.allclose(uv[3, 11], torch.tensor([11.5, 3.5], dtype=torch.float64), atol=1e-9)
+
+
+def test_a_focal_length_means_a_centred_principal_point():
+    c2w = torch.from_numpy(split_cameras(2, 2, 1, 0)["train"]).float()
+    f = focal_for(24)
+    centred = torch.tensor([f, f, 12.0, 8.0], dtype=torch.float64)
+    for a, b in zip(camera_rays(c2w, 16, 24, f, 2), camera_rays(c2w, 16, 24, centred, 2)):
+        assert torch.equal(a, b)
+    scene = Scene(
+        torch.zeros(2, 16, 24, 3, dtype=torch.uint8),
+        c2w,
+        16,
+        24,
+        f,
+        2.0,
+        6.0,
+        torch.ones(2, 3),
+        (1,) * 3,
+        "x",
+        ["a", "b"],
+    )
+    assert scene.intrinsics.tolist() == [[f, f, 12.0, 8.0]] * 2
+
+
+def test_samplers_use_each_views_intrinsics(capture):
+    root, _ = capture
+    train, _, _ = load_nerfstudio(root)
+    batch = RaySampler(train, 64, torch.Generator().manual_seed(0)).sample()
+    k = train.intrinsics[batch.views]
+    uv = project_to_pixels(train.c2w[batch.views].double(), batch.directions.double(), k)
+    expected = batch.pixels.flip(-1).double() + 0.5  # (row, column) -> (u, v) of the pixel centre
+    assert torch.allclose(uv, expected, atol=1e-3)
+    patches = PatchSampler(train, 2, 2, 3, torch.Generator().manual_seed(0)).sample()
+    k = train.intrinsics[patches.views][:, None, None]
+    uv = project_to_pixels(train.c2w[patches.views][:, None, None].double(), patches.hr_directions.double(), k)
+    y0, x0 = patches.top_left[:, 0, None, None].double(), patches.top_left[:, 1, None, None].double()
+    assert torch.allclose(uv[..., 0], x0 + torch.arange(4).double()[None, None, :] + 0.5, atol=1e-3)
+    assert torch.allclose(uv[..., 1], y0 + torch.arange(4).double()[None, :, None] + 0.5, atol=1e-3)
+
+
+# ---- the loader ---------------------------------------------------------------------------------------------
+
+
+def test_per_frame_intrinsics_images_and_default_split(capture):
+    root, intrinsics = capture
+    train, evaluation, bounds = load_nerfstudio(root)
+    assert (train.height, train.width) == (12, 16) and train.images.shape == (7, 12, 16, 3)
+    assert evaluation.split == "val" and evaluation.names == ["images/frame_00000.png", "images/frame_00008.png"]
+    assert torch.allclose(evaluation.intrinsics, torch.tensor(intrinsics[[0, 8]]))
+    assert torch.allclose(train.intrinsics, torch.tensor(intrinsics[1:8]))
+    assert train.alpha is not None and train.near == bounds.near and torch.equal(train.bbox, evaluation.bbox)
+    half = load_nerfstudio(root, downscale=2)[0]
+    assert half.images.shape == (7, 6, 8, 3) and torch.allclose(half.intrinsics, train.intrinsics / 2)
+
+
+def test_global_intrinsics_and_split_lists(tmp_path):
+    intrinsics = write_capture(tmp_path, count=4, per_frame=False)
+    names = [f"images/frame_{i:05d}.png" for i in range(4)]
+    edit(tmp_path, lambda m: m.update(train_filenames=names[1:], val_filenames=["./" + names[0]]))
+    train, evaluation, _ = load_nerfstudio(tmp_path)
+    assert train.names == names[1:] and evaluation.names == names[:1] and evaluation.split == "val"
+    assert torch.allclose(train.intrinsics, torch.tensor(intrinsics[1:]))
+    edit(tmp_path, lambda m: m.update(test_filenames=names[2:3]))
+    assert load_nerfstudio(tmp_path)[1].names == names[2:3]  # test wins over val, as for blender scenes
+    edit(tmp_path, lambda m: m["frames"][0].update(fl_x=1.0))  # the top-level key wins, as in nerfstudio
+    assert torch.allclose(load_nerfstudio(tmp_path)[0].intrinsics, torch.tensor(intrinsics[1:]))
+
+
+def test_applied_transform_maps_the_sparse_points_not_the_poses(tmp_path):
+    pytest.importorskip("plyfile")
+    from plyfile import PlyData, PlyElement
+
+    write_capture(tmp_path, count=4)
+    points = np.random.default_rng(0).uniform(-0.5, 0.5, (200, 3))
+    applied = np.array([[0.0, 1.0, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0]])  # ns-process-data's
+    colmap = (points - applied[:, 3]) @ applied[:, :3]  # the points as COLMAP had them (applied[:, :3] orthogonal)
+    vertices = np.array([tuple(p) for p in colmap], dtype=[("x", "f8"), ("y", "f8"), ("z", "f8")])
+    PlyData([PlyElement.describe(vertices, "vertex")]).write(str(tmp_path / "sparse_pc.ply"))
+    before = read_capture(tmp_path).frames[0].c2w
+    edit(tmp_path, lambda m: m.update(applied_transform=applied.tolist()))
+    capture = read_capture(tmp_path)
+    assert np.array_equal(capture.frames[0].c2w, before)  # poses already carry it
+    train, _, bounds = load_nerfstudio(tmp_path)
+    assert "200 sparse points" in bounds.source
+    low, high = np.percentile(points, [1, 99], axis=0)
+    assert np.allclose(bounds.box, [low - 0.1 * (high - low), high + 0.1 * (high - low)])
+    box = load_nerfstudio(tmp_path, scene_box=[-1, -2, -3, 1, 2, 3], near=0.5, far=9.0)[2]
+    assert box.source == "data.scene_box" and box.box.tolist() == [[-1, -2, -3], [1, 2, 3]] and box.far == 9.0
+
+
+def test_the_box_from_the_cameras_holds_the_object(capture):
+    _, _, bounds = load_nerfstudio(capture[0])
+    # the procedural scene: x, y within the pedestal's +-1.2, z from -0.5 to the sphere's top 0.6
+    assert (bounds.box[0] <= [-1.2, -1.2, -0.5]).all() and (bounds.box[1] >= [1.2, 1.2, 0.6]).all()
+    assert (bounds.box[1] - bounds.box[0] < 4.0).all() and 0.5 < bounds.near < 3.5 and 4.0 < bounds.far < 8.0
+    parallel = np.tile(np.eye(4), (3, 1, 1))
+    parallel[:, 0, 3] = [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match=r"forward-facing capture\): set data.scene_box"):
+        capture_bounds(parallel, np.array([[10.0, 10.0, 8.0, 8.0]] * 3), np.array([[16, 16]] * 3))
+
+
+def test_mask_hull_uses_the_views_intrinsics(capture):
+    train, _, _ = load_nerfstudio(capture[0])
+    box = mask_hull_box(train, resolution=48)
+    assert (box[0] <= torch.tensor([-1.2, -1.2, -0.5]) + 0.1).all()
+    assert (box[1] >= torch.tensor([1.2, 1.2, 0.6]) - 0.1).all()
+
+
+def _drop_fl_x(meta):
+    del meta["frames"][2]["fl_x"]
+
+
+BAD_INPUTS = [
+    (lambda m: m.update(camera_model="OPENCV_FISHEYE"), "camera_model 'OPENCV_FISHEYE' is not supported"),
+    (lambda m: m.update(k1=0.1), "camera_model OPENCV with non-zero distortion .k1=0.1.: undistort"),
+    (lambda m: (m.pop("p2"), m["frames"][1].update(p2=-0.01)), "frame 1 .*non-zero distortion .p2=-0.01."),
+    (_drop_fl_x, "frame 2 .'images/frame_00002.png'.: missing fl_x"),
+    (lambda m: m["frames"][0].update(fl_y=-3), "fl_y must be positive"),
+    (lambda m: m["frames"][0].update(cx="a"), "cx must be a finite number"),
+    (
+        lambda m: m["frames"][3].update(w=17),
+        "frame 'images/frame_00003.png'.*16x12 .w x h. but the transforms give w=17",
+    ),
+    (lambda m: m["frames"][0].update(transform_matrix=[[1, 0], [0, 1]]), "transform_matrix must be 4x4"),
+    (lambda m: m["frames"][0].update(file_path="images/none.png"), "image .*none.png not found"),
+    (lambda m: m.update(frames=[]), "'frames' must be a non-empty list"),
+    (lambda m: m.update(applied_transform=[[1, 0, 0]]), "applied_transform must be 3x4 or 4x4"),
+    (lambda m: m.update(applied_scale=0), "applied_scale must be positive"),
+    (lambda m: m.update(train_filenames=["images/frame_00001.png"]), "needs train_filenames and test_filenames"),
+    (
+        lambda m: m.update(train_filenames=["images/x.png"], val_filenames=["images/frame_00000.png"]),
+        r"train_filenames names 1 file\(s\) with no frame, e.g. \['images/x.png'\]",
+    ),
+    (lambda m: m.update(ply_file_path="missing.ply"), "ply_file_path 'missing.ply' is not a file"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD_INPUTS, ids=[m[:30] for _, m in BAD_INPUTS])
+def test_bad_input_names_the_file_and_key(tmp_path, change, message):
+    write_capture(tmp_path, count=5)
+    edit(tmp_path, change)
+    with pytest.raises(SceneError, match=message) as error:
+        load_nerfstudio(tmp_path)
+    assert str(tmp_path) in str(error.value)
+
+
+def test_mixed_image_sizes_name_the_frames(tmp_path):
+    write_capture(tmp_path, count=5)
+    small = write_capture(tmp_path / "other", count=2, size=(10, 16))
+    (tmp_path / "images" / "frame_00003.png").write_bytes((tmp_path / "other/images/frame_00001.png").read_bytes())
+    edit(tmp_path, lambda m: m["frames"][3].update(h=10, fl_x=small[1, 0]))
+    with pytest.raises(
+        SceneError, match=r"mixed image sizes .*16x12: images/frame_00001.png.*16x10: images/frame_00003"
+    ):
+        load_nerfstudio(tmp_path)
+    with pytest.raises(SceneError, match="transforms.json not found"):
+        load_nerfstudio(tmp_path / "images")
+    (tmp_path / "transforms.json").write_text("{")
+    with pytest.raises(SceneError, match="malformed JSON"):
+        load_nerfstudio(tmp_path)
+
+
+# ---- training: the same scene in blender and in nerfstudio form -----------------------------------------------
+
+TRAIN_ARGS = [
+    "device=cpu",
+    "train.iters=400",
+    "model.resolution_start=24",
+    "model.resolution_end=40",
+    "model.grow_at=[0.2]",
+    "model.feature_dim=8",
+    "model.decoder_hidden=16",
+    "model.max_samples=96",
+    "model.tv_samples=4096",
+    "train.patch_size=6",
+    "train.patches_per_batch=12",
+    "train.log_every=100",
+    "train.turntable_frames=0",
+    "train.checkpoint_every=0",
+    "data.scene_box=1.5",
+    "data.near=2.0",
+    "data.far=6.0",
+]
+
+
+def train_psnr(run_dir: Path, data: list[str]) -> float:
+    result = subprocess.run(
+        [sys.executable, "train.py", *data, *TRAIN_ARGS, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads((run_dir / "metrics.json").read_text())["psnr"]
+
+
+def test_nerfstudio_form_trains_like_the_blender_form(tmp_path):
+    """Same procedural scene and cameras at 20x28 pixels: the blender form has one centred pinhole (fx = fy from
+    camera_angle_x), the nerfstudio form per-frame fx != fy and principal points up to 3 px off centre (the same
+    field of view on average, so both show the same content). Wrong intrinsics anywhere (rays, evaluation) would
+    cost dB."""
+    size = (20, 28)
+    cameras = split_cameras(3, 24, 1, 6)
+    train_c2w, test_c2w = cameras["train"], cameras["test"]
+    all_c2w = np.concatenate([train_c2w, test_c2w])
+    focal = focal_for(24)
+    centred = np.tile([focal, focal, size[1] / 2, size[0] / 2], (len(all_c2w), 1))
+    blender = tmp_path / "blender"
+    angle = 2.0 * math.atan(0.5 * size[1] / focal)
+    views = list(render_views(all_c2w, 0, 3, centred, size))
+    write_blender_split(blender, "train", views[: len(train_c2w)], train_c2w, angle)
+    write_blender_split(blender, "test", views[len(train_c2w) :], test_c2w, angle)
+    intrinsics = odd_intrinsics(len(all_c2w), *size, seed=3)
+    intrinsics[:, :2] = focal * intrinsics[:, :2] / intrinsics[:, :2].mean()  # the blender focal on average
+    names = [f"images/frame_{i:05d}.png" for i in range(len(all_c2w))]
+    split = {"train_filenames": names[: len(train_c2w)], "test_filenames": names[len(train_c2w) :]}
+    images = list(render_views(all_c2w, 0, 3, intrinsics, size))
+    write_nerfstudio(tmp_path / "ns", images, all_c2w, intrinsics, extra=split)
+    psnr_blender = train_psnr(tmp_path / "run_blender", ["data=blender", f"data.root={blender}"])
+    psnr_ns = train_psnr(tmp_path / "run_ns", ["data=nerfstudio", f"data.root={tmp_path / 'ns'}"])
+    print(f"PSNR blender form {psnr_blender:.2f} dB, nerfstudio form {psnr_ns:.2f} dB")
+    assert psnr_blender > 17.0
+    assert abs(psnr_ns - psnr_blender) < 0.3, (psnr_blender, psnr_ns)
+
+
+def test_nerfstudio_config_composes_and_validates(tmp_path, capture):
+    from hydra import compose, initialize_config_dir
+
+    from training.config import ConfigError, validate_config
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=["data=nerfstudio", f"data.root={capture[0]}", "device=cpu"])
+    assert cfg.data.near is None and cfg.data.scene_box is None and cfg.data.eval_interval == 8
+    validate_config(cfg)
+    for key, value, message in [
+        ("root", str(tmp_path), "contains no transforms.json"),
+        ("root", None, "required for data.name=nerfstudio"),
+        ("scene_box", [1, 2], "must be null, a half size or 6 numbers"),
+        ("scene_box", -1.0, "positive half size"),
+        ("far", 0.5, "data.far: must be > data.near"),
+        ("eval_interval", 1, "data.eval_interval: must be >= 2"),
+    ]:
+        bad = cfg.copy()
+        bad.data[key] = value
+        if key == "far":
+            bad.data.near = 1.0
+        with pytest.raises(ConfigError, match=message):
+            validate_config(bad)
