@@ -2,14 +2,17 @@
 # One GPU session in one command: install the pure-Python wheels, build the extension for Hopper,
 # then run the requested stages, logging each under $OUT (default: ./gpu_out).
 #
-#   bench/gpu_session.sh [tests] [grid-tests] [bench] [bench-grid] [train] [lego] [lego-in-order] [lego-torch] [profile] [grid-channels]
+#   bench/gpu_session.sh [tests] [grid-tests] [op-tests] [bench] [bench-grid] [bench-render] [train] [lego] [lego-in-order]
+#                        [lego-torch] [profile] [grid-channels] [variants]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate.py only
+# op-tests:   the training-step ops' tests (volume_render, sparse_adam_step); bench-render: their benchmarks
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md; bench-grid: the grid op only
 # train:      the default `python train.py` (built-in scene), custom ops then ops=torch, timed
 # lego:       the shipped blender experiment on $LEGO (default ../shared/data/lego_400 or ./lego_400)
 # lego-torch: the same with ops=torch; lego-in-order: with CUDA_EXT_GRID_REORDER=off
-# profile:    300 lego steps with train.profile=true (where a step's time goes)
+# profile:    1000 lego steps at the final grid with train.profile=true (where a steady-state step's time goes)
+# variants:   bench/quality_runs.py, one run at a time (timed alone), over $VARIANTS ("NAME=OVERRIDES;NAME=...")
 # grid-channels: the grid op against F.grid_sample at each of $GRID_CHANNELS (default 1,3,4,7,12,16,24,32)
 #                channels -> $OUT/grid_channels.json, .md
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
@@ -55,7 +58,7 @@ python3 -c "import cuda_ext, torch; assert cuda_ext.has_cuda_kernels(), 'no CUDA
 
 LEGO=${LEGO:-}
 if [ -z "$LEGO" ]; then
-  for candidate in ../shared/data/lego_400 shared/data/lego_400 lego_400; do
+  for candidate in ../shared/data/lego_400 shared/data/lego_400 lego_400 .lego_400; do
     [ -d "$candidate" ] && LEGO=$candidate && break
   done
 fi
@@ -64,6 +67,11 @@ for s in "${stages[@]}"; do
   case $s in
     tests) stage tests python3 -m pytest -q -rs --durations=15 ;;
     grid-tests) stage grid_tests python3 -m pytest -q -rs tests/test_grid_interpolate.py ;;
+    op-tests) stage op_tests python3 -m pytest -q -rs tests/test_render.py tests/test_sparse_adam.py ;;
+    bench-render)
+      stage bench_render python3 bench/bench_ops.py --device cuda --size full --ops volume_render \
+        --json "$OUT/bench_render.json" --markdown "$OUT/bench_render.md"
+      stage bench_adam python3 bench/bench_sparse_adam.py ;;
     bench) stage bench python3 bench/bench_ops.py --device cuda --size full --json "$OUT/bench.json" --markdown "$OUT/bench.md" ;;
     bench-grid) stage bench_grid python3 bench/bench_ops.py --device cuda --size full --ops grid \
       --json "$OUT/bench_grid.json" --markdown "$OUT/bench_grid.md" ;;
@@ -77,7 +85,13 @@ for s in "${stages[@]}"; do
     grid-channels) stage grid_channels python3 bench/bench_ops.py --device cuda --size full --ops grid \
       --variants custom,custom-in-order,builtin --grid-channels "${GRID_CHANNELS:-1,3,4,7,12,16,24,32}" --budget-s 1 \
       --json "$OUT/grid_channels.json" --markdown "$OUT/grid_channels.md" ;;
-    profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=300 hydra.run.dir="$OUT/profile" ;;
+    profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=1000 \
+      'model.grow_at=[]' train.eval_every=0 train.turntable_frames=0 hydra.run.dir="$OUT/profile" ;;
+    variants)
+      args=(); IFS=';' read -ra specs <<<"${VARIANTS:-base=}"
+      for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
+      stage variants python3 bench/quality_runs.py --data "$LEGO" --parallel 1 --runs "$OUT/variants" \
+        --json "$OUT/variants.json" "${args[@]}" ;;
     *) log "unknown stage $s"; failures=$((failures + 1)) ;;
   esac
 done
@@ -87,4 +101,5 @@ find "$OUT" \( -name "*.pt" -o -name "*.mp4" \) -delete
 find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -delete  # three views per run come back
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
+for f in variants.json bench_render.md profile/profile.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

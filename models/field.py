@@ -31,6 +31,22 @@ def to_unit(points: torch.Tensor, bbox: torch.Tensor) -> torch.Tensor:
     return (points - bbox[0]) * (2.0 / (bbox[1] - bbox[0])) - 1.0
 
 
+def corner_rows(unit_points: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    """(N, 3) points in [-1, 1] -> (8N,) flat vertex indices (rows of the (R0*R1*R2, C) view) of the 8 corners of
+    each point's cell in a grid of ``shape``: the only rows a trilinear lookup of those points reads, so the only
+    ones its gradient can reach (points outside clamp to the border cell, as the lookup does)."""
+    r0, r1, r2 = shape
+    cells = [
+        ((unit_points[:, a] + 1.0) * (0.5 * (size - 1))).floor().clamp(0, size - 2).long()
+        for a, size in enumerate((r0, r1, r2))
+    ]
+    base = (cells[0] * r1 + cells[1]) * r2 + cells[2]
+    offsets = torch.tensor(
+        [di * r1 * r2 + dj * r2 + dk for di in (0, 1) for dj in (0, 1) for dk in (0, 1)], device=base.device
+    )
+    return (base[:, None] + offsets).reshape(-1)
+
+
 def resample(grid: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     """Trilinear resample (align_corners=True) of a channels-last (R0, R1, R2, C) grid to ``shape`` + (C,)."""
     if tuple(grid.shape[:3]) == tuple(shape):
@@ -85,15 +101,18 @@ class VoxelGrid(nn.Module):
         """Replace the parameter by its trilinear resample at ``shape`` (the field is kept, up to resampling)."""
         self.grid = nn.Parameter(resample(self.grid.detach(), shape))
 
-    def total_variation(self, num_samples: int) -> torch.Tensor:
+    def total_variation(self, num_samples: int, touched: torch.Tensor | None = None) -> torch.Tensor:
         """Mean squared difference between neighbouring voxels, summed over the 3 axes (scalar).
 
         ``num_samples`` > 0 estimates it on that many random voxels (and their +1 neighbours), which keeps the
         cost and the gradient's footprint small on big grids; 0 (or more samples than voxels) uses the whole grid.
+        ``touched``: optional (R0*R1*R2,) bool mask in which the rows the estimate reads are set (sparse Adam).
         """
         grid = self.grid
         r0, r1, r2 = self.shape
         if num_samples <= 0 or num_samples >= (r0 - 1) * (r1 - 1) * (r2 - 1):
+            if touched is not None:
+                touched.fill_(True)
             return sum((torch.diff(grid, dim=axis) ** 2).mean() for axis in range(3))
         device = grid.device
         i = torch.randint(r0 - 1, (num_samples,), device=device)
@@ -102,6 +121,8 @@ class VoxelGrid(nn.Module):
         centre = (i * r1 + j) * r2 + k
         # one gather of each voxel and its +1 neighbour along every axis: a single grid-sized gradient in backward
         index = torch.stack([centre, centre + r1 * r2, centre + r2, centre + 1])
+        if touched is not None:
+            touched[index.reshape(-1)] = True
         values = grid.reshape(-1, grid.shape[3])[index.reshape(-1)].reshape(4, num_samples, -1)
         return ((values[1:] - values[:1]) ** 2).mean(dim=(1, 2)).sum()
 
@@ -166,6 +187,34 @@ class OccupancyGrid(nn.Module):
         )
 
 
+class TouchedRows:
+    """The rows of the (R0*R1*R2, C) grid views that a training step's lookups and TV estimate read: the only
+    rows whose gradient can be non-zero, so the only ones a sparse Adam step needs. Both grids share one shape,
+    so one (R0*R1*R2,) bool mask serves both. Off (``enabled`` False) unless the optimiser asks for it."""
+
+    def __init__(self):
+        self.enabled = False
+        self._mask: torch.Tensor | None = None
+
+    def mask(self, shape: tuple[int, int, int], device: torch.device | None = None) -> torch.Tensor:
+        """The (R0*R1*R2,) mask for a grid of ``shape`` (a fresh, empty one after the grid changed shape)."""
+        rows = shape[0] * shape[1] * shape[2]
+        if self._mask is None or self._mask.numel() != rows or (device is not None and self._mask.device != device):
+            self._mask = torch.zeros(rows, dtype=torch.bool, device=device)
+        return self._mask
+
+    def mark_points(self, unit_points: torch.Tensor, shape: tuple[int, int, int]) -> None:
+        """Mark the 8 corner rows of each of the (N, 3) points in [-1, 1] (:func:`corner_rows`)."""
+        self.mask(shape, unit_points.device)[corner_rows(unit_points, shape)] = True
+
+    def take(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """(K,) int64 sorted rows marked since the last call, and forget them (one host sync, for K)."""
+        mask = self.mask(shape)
+        rows = mask.nonzero().squeeze(1)
+        mask.zero_()
+        return rows
+
+
 def optical_depth(raw_density: torch.Tensor, shift: float, step_scale: float) -> torch.Tensor:
     """Optical depth of one sample, ``softplus(raw + shift) * step_scale`` (alpha = 1 - exp(-that))."""
     return F.softplus(raw_density + shift) * step_scale
@@ -175,10 +224,12 @@ __all__ = [
     "grid_shape",
     "voxel_size",
     "to_unit",
+    "corner_rows",
     "resample",
     "resample_box",
     "VoxelGrid",
     "OccupancyGrid",
+    "TouchedRows",
     "optical_depth",
 ]
 

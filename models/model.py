@@ -27,6 +27,7 @@ from models.config import ModelConfig, parse_model_config
 from models.decoder import DIFFUSE_CHANNELS, Decoder, SampleDecoder
 from models.field import (
     OccupancyGrid,
+    TouchedRows,
     VoxelGrid,
     grid_shape,
     optical_depth,
@@ -37,14 +38,12 @@ from models.field import (
 )
 from models.ops import OpSet
 from models.render import (
-    PackedSamples,
     check_rays,
     checked_box,
-    compositing_weights,
+    exclusive_segment_cumsum,
     num_samples_per_ray,
     pack,
     ray_box_intersect,
-    transmittance_above,
     uniform_samples,
 )
 
@@ -93,6 +92,7 @@ class VoxelNeRF(nn.Module):
         inputs = c.feature_dim if c.shading == "per_sample" else c.feature_dim - DIFFUSE_CHANNELS
         self.decoder = decoder(inputs, c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
+        self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
 
     # the schedule's state travels with the weights: state_dict "_extra_state" = (resolution, shrunk) int64
     def get_extra_state(self) -> torch.Tensor:
@@ -234,10 +234,11 @@ class VoxelNeRF(nn.Module):
         if self.progress > c.tv_until:
             return zero
         total = zero
+        touched = self.touched.mask(self.grid_shape) if self.touched.enabled else None
         if c.tv_density > 0:
-            total = total + c.tv_density * self.density.total_variation(c.tv_samples)
+            total = total + c.tv_density * self.density.total_variation(c.tv_samples, touched)
         if c.tv_features > 0:
-            total = total + c.tv_features * self.features.total_variation(c.tv_samples)
+            total = total + c.tv_features * self.features.total_variation(c.tv_samples, touched)
         return total
 
     # ------------------------------------------------------------------ rendering
@@ -260,25 +261,28 @@ class VoxelNeRF(nn.Module):
         samples = pack(valid, t, points)
 
         step_scale = step / self.base_voxel
-        if c.early_termination > 0 and len(samples) > 0:
+        keep = None  # (N,) which samples are shaded (None: all)
+        if (c.early_termination > 0 or c.weight_threshold > 0) and len(samples) > 0:
+            # one no-grad pass: drop samples behind an opaque prefix (early termination; the survivors keep their
+            # transmittance) and skip the colour of samples that barely show (DVGO's fast_color_thres)
             with torch.no_grad():
-                depth_no_grad = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
-                samples = samples.select(transmittance_above(depth_no_grad, samples.ray, num_rays, c.early_termination))
-
+                depth = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
+                above = exclusive_segment_cumsum(depth, samples.ray, num_rays)
+                shows = torch.exp(-above) * -torch.expm1(-depth) > c.weight_threshold
+                if c.early_termination > 0:
+                    alive = (above < -math.log(c.early_termination)).nonzero().squeeze(1)
+                    samples, shows = samples.take(alive), shows[alive]
+                keep = shows.nonzero().squeeze(1) if c.weight_threshold > 0 else None
+        if self.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
+            self.touched.mark_points(samples.points, self.grid_shape)
         sigma_delta = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
-        shaded = samples
-        if c.weight_threshold > 0 and len(samples) > 0:
-            # samples that barely show need no colour (DVGO's fast_color_thres): skip their feature lookups
-            with torch.no_grad():
-                weights = compositing_weights(sigma_delta, samples.ray, num_rays)
-            keep = (weights > c.weight_threshold).nonzero().squeeze(1)
-            shaded = PackedSamples(samples.ray[keep], samples.t[keep], samples.points[keep])
+        shaded = samples if keep is None else samples.take(keep)
         feats = self.features(shaded.points, self.ops)
         if self.per_sample:
             values = self.decoder(feats, directions[shaded.ray])
         else:
             values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
-        if shaded is not samples:  # skipped samples still attenuate the ray; their colour is zero
+        if keep is not None:  # skipped samples still attenuate the ray; their colour is zero
             values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
         offsets = torch.searchsorted(samples.ray, torch.arange(num_rays + 1, device=samples.ray.device))
         colour, opacity, depth = self.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
@@ -332,17 +336,14 @@ class VoxelNeRF(nn.Module):
         with ``batch.hr_directions`` (n,sP,sP,3). ``background``: optional (n,sP,sP,3) colours.
         """
         n, p = batch.origins.shape[:2]
-        if batch.origins.shape != (n, p, p, 3) or batch.directions.shape != batch.origins.shape:
-            raise ValueError(
-                f"render_patches: origins/directions must be (n, P, P, 3), got {tuple(batch.origins.shape)}"
-            )
         side = p * self.upsample
-        if batch.hr_directions.shape != (n, side, side, 3):
-            raise ValueError(
-                f"render_patches: hr_directions must be (n, sP, sP, 3) = {(n, side, side, 3)} "
-                f"for upsample={self.upsample}, "
-                f"got {tuple(batch.hr_directions.shape)}"
-            )
+        for name, got, want in (
+            ("origins", batch.origins.shape, (n, p, p, 3)),
+            ("directions", batch.directions.shape, (n, p, p, 3)),
+            ("hr_directions", batch.hr_directions.shape, (n, side, side, 3)),
+        ):
+            if tuple(got) != want:
+                raise ValueError(f"render_patches: {name} must be {want} (upsample={self.upsample}), got {tuple(got)}")
         jitter = batch.jitter if self.training and batch.jitter is not None else self.training
         out = self.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=jitter)
         low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
@@ -363,9 +364,10 @@ class VoxelNeRF(nn.Module):
 
     @torch.no_grad()
     def render_image(
-        self, c2w: torch.Tensor, height: int, width: int, focal: float, chunk: int = 8192
+        self, c2w: torch.Tensor, height: int, width: int, focal: float | torch.Tensor, chunk: int = 8192
     ) -> dict[str, torch.Tensor]:
-        """Render a full view (no jitter): dict(rgb (H,W,3) in [0,1], depth (H,W), opacity (H,W)).
+        """Render a full view (no jitter): dict(rgb (H,W,3) in [0,1], depth (H,W), opacity (H,W)). ``focal``: a focal
+        length in pixels (principal point at the centre) or the view's (4,) intrinsics fx, fy, cx, cy (data.rays).
 
         With upsample s > 1, rays are marched at (H/s, W/s) (H and W must be divisible by s), the composited
         channels (depth included) upsampled to (H, W) and decoded per pixel.

@@ -80,7 +80,10 @@ class PackedSamples:
 
     def select(self, keep: torch.Tensor) -> PackedSamples:
         """The samples where the (N,) bool ``keep`` is True (order kept; one host sync for the count)."""
-        index = keep.nonzero().squeeze(1)
+        return self.take(keep.nonzero().squeeze(1))
+
+    def take(self, index: torch.Tensor) -> PackedSamples:
+        """The samples at the (K,) increasing ``index`` (order kept)."""
         return PackedSamples(self.ray[index], self.t[index], self.points[index])
 
     def __len__(self) -> int:

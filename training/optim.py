@@ -2,7 +2,8 @@
 
 Dense Adam over a 256^3 x 13 grid moves about 6 GB per step (param, grad and two moments read, three written)
 although a batch touches a few percent of the voxels. :class:`SparseGridAdam` finds the rows (voxels) whose
-gradient is non-zero and hands only those to a fused step (``ops.sparse_adam_step``: our kernel, or its PyTorch
+gradient can be non-zero (the model's list of rows its lookups read, or a scan of the gradient) and hands only
+those to a fused step (``ops.sparse_adam_step``: our kernel, or its PyTorch
 reference). Semantics, as DirectVoxGO's and Plenoxels' masked Adam: a voxel no ray touched this step keeps its
 value *and* its moments (momentum does not drift it, its moments do not decay); on a voxel touched at every step
 the result is dense Adam's. Other groups (the decoder) take every row: dense Adam.
@@ -24,10 +25,19 @@ class SparseGridAdam(torch.optim.Optimizer):
             param_groups), every other group steps densely. A parameter is seen as rows of its last dimension: a
             channels-last grid (R0, R1, R2, C) as (R0*R1*R2, C) voxels.
         step_fn: ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)``.
+        rows_fn: optional ``() -> (K,) int64`` rows of the ``grids`` group to step this time, shared by its
+            parameters (VoxelNeRF.take_touched_rows: the rows the step's lookups read); None: the rows whose
+            gradient is non-zero, found by scanning each gradient (reads all of it).
     """
 
     def __init__(
-        self, params, step_fn: Callable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+        self,
+        params,
+        step_fn: Callable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        rows_fn: Callable[[], torch.Tensor] | None = None,
     ):
         if not 0.0 <= lr:
             raise ValueError(f"lr: must be >= 0, got {lr}")
@@ -37,13 +47,17 @@ class SparseGridAdam(torch.optim.Optimizer):
             raise ValueError(f"eps: must be > 0, got {eps}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
         self.step_fn = step_fn
+        self.rows_fn = rows_fn
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("closure: SparseGridAdam does not re-evaluate the loss")
+        listed = None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            if group.get("name") == "grids" and self.rows_fn is not None:
+                listed = self.rows_fn()
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -55,7 +69,9 @@ class SparseGridAdam(torch.optim.Optimizer):
                 state["step"] += 1
                 columns = param.shape[-1] if param.dim() > 0 else 1
                 grad = param.grad.reshape(-1, columns)
-                if group.get("name") == "grids":
+                if group.get("name") == "grids" and listed is not None:
+                    rows = listed
+                elif group.get("name") == "grids":
                     rows = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # one host sync: the count
                 else:
                     rows = torch.arange(grad.shape[0], device=grad.device)

@@ -98,6 +98,7 @@ class Trainer:
         self.checkpoint_seconds = 0.0  # kept out of train_seconds, reported beside it
         self.last_saved_step: int | None = None
         self.pending_writes: list = []  # (path, future) of the render writes in flight
+        self.viewer = None  # training.viewer.Viewer with train.viewer=true (set by training.app)
 
     # ---------------------------------------------------------------- building blocks
     def _check_image_sizes(self) -> None:
@@ -131,7 +132,12 @@ class Trainer:
             group["initial_lr"] = group["lr"]
         eps = float(self.train_cfg.get("adam_eps", 1e-8))
         if self.train_cfg.get("sparse_adam", False):
-            return SparseGridAdam(groups, self.ops.sparse_adam_step, betas=ADAM_BETAS, eps=eps)
+            # one process: the model lists the rows its lookups read; under torchrun the averaged gradients are
+            # non-zero on every rank's rows, so the optimiser scans them
+            self.model.touched.enabled = not self.group.active
+            model = self.model
+            rows_fn = (lambda: model.touched.take(model.grid_shape)) if model.touched.enabled else None
+            return SparseGridAdam(groups, self.ops.sparse_adam_step, betas=ADAM_BETAS, eps=eps, rows_fn=rows_fn)
         return torch.optim.Adam(groups, betas=ADAM_BETAS, eps=eps, fused=self.device.type == "cuda")
 
     def _rebuild_optimizer(self) -> None:
@@ -292,6 +298,9 @@ class Trainer:
                 if pause:
                     segment_start = window_start = time.perf_counter()
                     window_rays, window_samples = self.rays_done, self.samples_done
+                if self.viewer is not None:  # bounded per-step work; the time paused there is not training time
+                    paused = self.viewer.on_step(self, lambda: guard.requested)
+                    segment_start, window_start = segment_start + paused, window_start + paused
             else:
                 sync(self.device)
                 self.train_seconds += time.perf_counter() - segment_start
