@@ -101,6 +101,7 @@ class TrainConfig:
     adam_eps: float = 1.0e-8
     opacity_loss: float = 0.0
     sparse_adam: bool = False
+    tf32: bool = True  # CUDA matmuls (the decoder) on TF32 tensor cores
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0
     dist_grad_sync: str = "touched"  # touched | dense (training.distributed)

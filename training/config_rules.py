@@ -181,7 +181,14 @@ def _check_train(cfg: DictConfig) -> None:
         _check_int(cfg, key, minimum=1, rule="> 0")
     for key in ("train.checkpoint_every", "train.eval_every", "train.eval_views", "train.turntable_frames"):
         _check_int(cfg, key, minimum=0)
-    for key in ("train.resume", "train.profile", "train.overwrite", "train.random_background", "train.sparse_adam"):
+    for key in (
+        "train.resume",
+        "train.profile",
+        "train.overwrite",
+        "train.random_background",
+        "train.sparse_adam",
+        "train.tf32",
+    ):
         _check_bool(cfg, key)
     _check_viewer(cfg)
     eps = _get(cfg, "train.adam_eps")

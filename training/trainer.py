@@ -72,6 +72,8 @@ class Trainer:
         self.train_scene, self.eval_scene = train_scene, eval_scene
         self.iters = int(cfg.train.iters)
         self.profiler = StepProfiler(device, bool(cfg.train.profile))
+        if device.type == "cuda":  # the per-sample decoder's matmuls dominate a step in fp32 (bench/README.md)
+            torch.backends.cuda.matmul.allow_tf32 = bool(cfg.train.get("tf32", True))
         self.ops = ops
         model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
         self.model = VoxelNeRF(
