@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 DIR_ENCODING = re.compile(r"^(none|sh[0-3]|pe[0-9]+)$")
 GELU_MODES = ("none", "tanh")
 SHADING_MODES = ("deferred", "per_sample")
+DECODER_PRECISIONS = ("float32", "bfloat16")
 
 
 @dataclass
@@ -44,6 +45,7 @@ class ModelConfig:
     decoder_layers: int = 2
     dir_encoding: str = "sh2"
     gelu_approximate: str = "none"
+    decoder_precision: str = "float32"  # bfloat16: the MLP under CUDA autocast (CPU stays float32)
     upsample: int = 2
     step_ratio: float = 1.0
     max_samples: int = 512
@@ -112,6 +114,8 @@ def check_model_config(c: ModelConfig) -> None:
         )
     if c.gelu_approximate not in GELU_MODES:
         raise ValueError(f"model.gelu_approximate: expected 'none' or 'tanh', got {c.gelu_approximate!r}")
+    if c.decoder_precision not in DECODER_PRECISIONS:
+        raise ValueError(f"model.decoder_precision: expected 'float32' or 'bfloat16', got {c.decoder_precision!r}")
     if c.shading not in SHADING_MODES:
         raise ValueError(f"model.shading: expected 'deferred' or 'per_sample', got {c.shading!r}")
     for item in c.grow_at:

@@ -100,9 +100,21 @@ class _ShadingMLP(nn.Module):
     """The MLP both decoders share: GELU layers (``ops.gelu``) and a last layer that starts at zero, so a
     decoder starts as the identity on the diffuse colour. Subclasses say what goes in and how it is used."""
 
-    def __init__(self, inputs: int, hidden: int, layers: int, dir_encoding: str, gelu_approximate: str, ops: OpSet):
+    def __init__(
+        self,
+        inputs: int,
+        hidden: int,
+        layers: int,
+        dir_encoding: str,
+        gelu_approximate: str,
+        ops: OpSet,
+        precision: str = "float32",
+    ):
         super().__init__()
         self.ops = ops
+        # "bfloat16": the layers run under CUDA autocast (bf16 tensor cores, half the activation traffic; the
+        # weights, their gradients and the output stay float32); on the CPU the MLP stays float32
+        self.precision = precision
         self.gelu_approximate = gelu_approximate
         self.encoding = DirectionEncoding(dir_encoding)
         widths = [inputs + self.encoding.dim] + [hidden] * layers
@@ -112,11 +124,12 @@ class _ShadingMLP(nn.Module):
         nn.init.zeros_(self.out.bias)
 
     def residual(self, inputs: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
-        """(N, inputs), (N, 3) unit directions -> (N, 3)."""
+        """(N, inputs), (N, 3) unit directions -> (N, 3) float32."""
         x = torch.cat([inputs, self.encoding(directions)], dim=-1)
-        for layer in self.hidden:
-            x = self.ops.gelu(layer(x), self.gelu_approximate)
-        return self.out(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.precision == "bfloat16" and x.is_cuda):
+            for layer in self.hidden:
+                x = self.ops.gelu(layer(x), self.gelu_approximate)
+            return self.out(x).float()
 
 
 class SampleDecoder(_ShadingMLP):
@@ -141,9 +154,16 @@ class Decoder(_ShadingMLP):
     """
 
     def __init__(
-        self, feature_dim: int, hidden: int, layers: int, dir_encoding: str, gelu_approximate: str, ops: OpSet
+        self,
+        feature_dim: int,
+        hidden: int,
+        layers: int,
+        dir_encoding: str,
+        gelu_approximate: str,
+        ops: OpSet,
+        precision: str = "float32",
     ):
-        super().__init__(DIFFUSE_CHANNELS + feature_dim, hidden, layers, dir_encoding, gelu_approximate, ops)
+        super().__init__(DIFFUSE_CHANNELS + feature_dim, hidden, layers, dir_encoding, gelu_approximate, ops, precision)
 
     def forward(
         self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor

@@ -82,15 +82,14 @@ class VoxelNeRF(nn.Module):
         self._resolution = self.resolution_at(0, 1)
         self.shrunk = False
         shape = self.shape_at(self._resolution)
-        # density in units of the final grid's voxel (in the scene box), so the field's meaning does not change
-        # as the grid grows or its box shrinks
+        # density in units of the final grid's voxel (scene box): its meaning survives growth and shrinking
         self.base_voxel = voxel_size(self.initial_extent, grid_shape(self.initial_extent, c.resolution_end))
         self.density = VoxelGrid(shape, 1)
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)
-        decoder = SampleDecoder if c.shading == "per_sample" else Decoder  # per sample: all channels in
-        inputs = c.feature_dim if c.shading == "per_sample" else c.feature_dim - DIFFUSE_CHANNELS
-        self.decoder = decoder(inputs, c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops)
+        mlp = (c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops, c.decoder_precision)
+        per_sample = c.shading == "per_sample"  # per sample: every feature channel in
+        self.decoder = SampleDecoder(c.feature_dim, *mlp) if per_sample else Decoder(c.feature_dim - 3, *mlp)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
+import sys
 import tempfile
 import threading
 import warnings
@@ -66,6 +68,93 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
             pass
         raise
     _fsync_directory(path.parent)  # makes the rename itself durable
+
+
+STEP_NAME = re.compile(r"step_(\d+)\.pt")
+
+
+def step_checkpoint_name(step: int) -> str:
+    """The file name of a kept periodic checkpoint: ``step_002000.pt`` (zero-padded, so names sort by step)."""
+    return f"step_{step:06d}.pt"
+
+
+def step_checkpoints(folder: str | os.PathLike) -> dict[int, Path]:
+    """The kept periodic checkpoints in ``folder``: {step: path} of its ``step_<step>.pt`` files."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        match = STEP_NAME.fullmatch(path.name)
+        if match and path.is_file():
+            found[int(match.group(1))] = path
+    return found
+
+
+class StepCheckpoints:
+    """``train.keep_checkpoints`` > 1: each periodic checkpoint is also kept as ``step_<step>.pt`` beside
+    ``last.pt``, and only the newest ``keep - 1`` of them stay.
+
+    :meth:`save` writes the step file atomically (:func:`save_checkpoint`), then points ``last.pt`` at the same
+    bytes (a hard link renamed over it, atomic; where links are not supported, a second atomic write), and only
+    then deletes the step files beyond the newest ``keep - 1``: a finished checkpoint is never deleted or
+    replaced before the new one is whole, and a failed write leaves ``last.pt`` as it was. Step files are the
+    run's own when this process wrote them or, on resume, when their step is at most the restored one
+    (``adopt_upto``); others (a run that ``train.overwrite=true`` replaced) are deleted after the first save.
+    """
+
+    def __init__(self, folder: str | os.PathLike, keep: int, adopt_upto: int | None = None):
+        if keep < 2:
+            raise ValueError(f"keep must be >= 2 (last.pt and at least one step file), got {keep}")
+        self.folder, self.keep, self.adopt_upto = Path(folder), keep, adopt_upto
+        self.written: set[int] = set()
+        for stale in self.folder.glob(".step_*.pt.*.tmp") if self.folder.is_dir() else ():  # a killed save's
+            stale.unlink(missing_ok=True)
+
+    def save(self, last: str | os.PathLike, state: dict, step: int) -> Path:
+        """Write ``state`` as step ``step``'s file and as ``last``; prune the older step files. Returns the path."""
+        path = self.folder / step_checkpoint_name(step)
+        save_checkpoint(path, state)
+        self.written.add(step)
+        _link_or_write(path, Path(last), state)
+        self.prune()
+        return path
+
+    def prune(self) -> list[Path]:
+        """Delete the step files beyond the run's newest ``keep - 1`` (and other runs'); returns those deleted."""
+        found = step_checkpoints(self.folder)
+        own = sorted(s for s in found if s in self.written or (self.adopt_upto is not None and s <= self.adopt_upto))
+        kept = set(own[-(self.keep - 1) :])
+        removed = []
+        for step, path in sorted(found.items()):
+            if step in kept:
+                continue
+            try:
+                path.unlink()
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+            except OSError as error:  # the new checkpoint is safe: a file that stays is not worth stopping for
+                print(f"warning: cannot delete the old checkpoint {path}: {error}", file=sys.stderr)
+        return removed
+
+
+def _link_or_write(source: Path, path: Path, state: dict) -> None:
+    """Make ``path`` hold ``source``'s checkpoint atomically: a hard link under a temporary name renamed over
+    ``path``, or (a file system without hard links) :func:`save_checkpoint` of ``state`` again."""
+    temporary = path.parent / f".{path.name}.{os.getpid()}.link.tmp"  # remove_stale_temporaries' pattern
+    try:
+        temporary.unlink(missing_ok=True)
+        os.link(source, temporary)
+    except OSError:
+        save_checkpoint(path, state)
+        return
+    try:
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
 
 
 def remove_stale_temporaries(path: str | os.PathLike) -> int:

@@ -91,8 +91,10 @@ class TrainConfig:
     patches_per_batch: int = 16
     log_every: int = 25
     checkpoint_every: int = 500
+    keep_checkpoints: int = 1  # last.pt plus the newest keep_checkpoints - 1 periodic step_<step>.pt files
     eval_every: int = 0
     eval_views: int = 4
+    eval_final_views: int = 0  # 0: every eval view; K: K views spread evenly over the eval split
     resume: bool = False
     profile: bool = False
     render_chunk: int = 8192

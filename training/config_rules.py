@@ -177,9 +177,16 @@ def _check_train(cfg: DictConfig) -> None:
         "train.log_every",
         "train.render_chunk",
         "train.turntable_max_side",
+        "train.keep_checkpoints",
     ):
         _check_int(cfg, key, minimum=1, rule="> 0")
-    for key in ("train.checkpoint_every", "train.eval_every", "train.eval_views", "train.turntable_frames"):
+    for key in (
+        "train.checkpoint_every",
+        "train.eval_every",
+        "train.eval_views",
+        "train.eval_final_views",
+        "train.turntable_frames",
+    ):
         _check_int(cfg, key, minimum=0)
     for key in (
         "train.resume",
@@ -280,7 +287,8 @@ def validate_config(cfg: DictConfig | Mapping) -> None:
     synthetic|blender|nerfstudio, ``data.root`` an existing folder with transforms_*.json when data.name=blender
     (transforms.json for nerfstudio, with its data.scene_box / near / far null or usable),
     ``data.downscale`` an integer >= 1 (and the synthetic scene's sizes), ``render_only`` a bool, and the
-    trainer's counts (``train.batch_rays`` etc. > 0, ``train.checkpoint_every`` etc. >= 0) and flags.
+    trainer's counts (``train.batch_rays``, ``train.keep_checkpoints`` etc. > 0, ``train.checkpoint_every``,
+    ``train.eval_final_views`` etc. >= 0) and flags.
     """
     if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(dict(cfg))

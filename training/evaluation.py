@@ -21,8 +21,8 @@ from training.metrics import psnr, ssim
 from training.run_dir import RunError, write_error, write_json
 from training.scenes import describe_device
 from training.visualize import (
-    colorize_depth,
     comparison_image,
+    depth_with_legend,
     plot_curve,
     to_uint8,
     write_turntable,
@@ -95,7 +95,7 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
             for name, image in (
                 ("pred", to_uint8(pred)),
                 ("compare", comparison_image(gt, pred)),
-                ("depth", colorize_depth(depth, scene.near, scene.far)),
+                ("depth", depth_with_legend(depth, scene.near, scene.far)),
             ):
                 path = f"{stem}_{name}.png"
                 trainer.pending_writes.append((path, writer.submit(iio.imwrite, path, image)))
@@ -119,14 +119,34 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
     }
 
 
+def spread_views(num_views: int, count: int) -> list[int]:
+    """``count`` view indices spread evenly over ``0 .. num_views - 1``: ``linspace(0, num_views - 1, count)``
+    rounded, so the first and the last view are always in (one view: the first). ``count >= num_views``: all."""
+    if count >= num_views:
+        return list(range(num_views))
+    return sorted(set(np.linspace(0, num_views - 1, count).round().astype(int).tolist()))
+
+
+def final_views(trainer: Trainer) -> list[int]:
+    """The eval views the final evaluation renders: ``train.eval_final_views`` of them spread evenly over the
+    eval split (:func:`spread_views`), or every one when it is 0 or at least the split's size (with a note)."""
+    total, count = trainer.eval_scene.num_views, int(trainer.train_cfg.get("eval_final_views", 0))
+    if count > total:
+        print(
+            f"note: train.eval_final_views={count} but the {trainer.eval_scene.split} split has {total} views: "
+            "evaluating all of them"
+        )
+    return spread_views(total, count) if count > 0 else list(range(total))
+
+
 def periodic_eval(trainer: Trainer) -> None:
     """Held-out PSNR / SSIM on ``train.eval_views`` views spread over the eval split, during training: appended to
     the trainer's eval history, logged to TensorBoard with the first view's image, and printed."""
     count = min(trainer.train_cfg.eval_views, trainer.eval_scene.num_views)
     if count == 0:
         return
-    views = np.linspace(0, trainer.eval_scene.num_views - 1, count).round().astype(int).tolist()
-    result = evaluate(trainer, sorted(set(views)), write_images=False)
+    views = spread_views(trainer.eval_scene.num_views, count)
+    result = evaluate(trainer, views, write_images=False)
     entry = {
         "step": trainer.step,
         "train_seconds": trainer.train_seconds,
@@ -145,7 +165,8 @@ def periodic_eval(trainer: Trainer) -> None:
 
 
 def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> dict:
-    """Final evaluation on every eval view, renders, turntable, curve and metrics.json; returns the metrics.
+    """Final evaluation (every eval view, or ``train.eval_final_views`` of them: :func:`final_views`), renders,
+    turntable, curve and metrics.json; returns the metrics.
 
     Every file write is checked: a failed one (disk full, a folder in the way) stops the run with a
     RunError naming the file, instead of leaving unreadable images behind an exit code of 0."""
@@ -153,7 +174,7 @@ def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> d
     try:
         trainer.paths.renders.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(max_workers=4) as writer:
-            result = evaluate(trainer, list(range(trainer.eval_scene.num_views)), write_images=True, writer=writer)
+            result = evaluate(trainer, final_views(trainer), write_images=True, writer=writer)
             files_start = time.perf_counter()
             render_turntable(trainer)
             if len(trainer.history["step"]) >= 1:
@@ -164,6 +185,15 @@ def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> d
                     title="training PSNR (batch)",
                     ylabel="PSNR (dB)",
                     xlabel="step",
+                )
+            if trainer.eval_history:  # the periodic held-out evaluations against training time
+                plot_curve(
+                    [entry["train_seconds"] for entry in trainer.eval_history],
+                    [entry["psnr"] for entry in trainer.eval_history],
+                    trainer.paths.renders / "heldout_curve.png",
+                    title=f"held-out PSNR ({trainer.train_cfg.eval_views} views) against training time",
+                    ylabel="PSNR (dB)",
+                    xlabel="training seconds",
                 )
         for path, future in trainer.pending_writes:
             if future.exception() is not None:
@@ -224,7 +254,9 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         "resolution": [trainer.eval_scene.height, trainer.eval_scene.width],
         "data": trainer.cfg.data.name,
         "eval_split": trainer.eval_scene.split,
-        "eval_views": trainer.eval_scene.num_views,
+        "eval_views": len(result["per_view"]),  # how many views the final evaluation used (train.eval_final_views)
+        "evaluated_views": [v["view"] for v in result["per_view"]],  # which: indices into the eval split
+        "eval_split_views": trainer.eval_scene.num_views,  # the eval split's size
         "train_views": trainer.train_scene.num_views,
         "grid_shape": list(trainer.model.grid_shape),
         "grid_box": trainer.model.bbox.tolist(),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from training.checkpoint import CheckpointError, load_checkpoint
+from training.checkpoint import CheckpointError, load_checkpoint, step_checkpoints
 
 
 class RunError(RuntimeError):
@@ -43,7 +43,12 @@ class RunPaths:
 
     @property
     def checkpoint(self) -> Path:
-        return self.root / "checkpoints" / "last.pt"
+        return self.checkpoints / "last.pt"
+
+    @property
+    def checkpoints(self) -> Path:
+        """The folder of last.pt and, with train.keep_checkpoints > 1, the kept step_<step>.pt files."""
+        return self.root / "checkpoints"
 
     @property
     def metrics(self) -> Path:
@@ -99,6 +104,7 @@ def refuse_to_overwrite(cfg: DictConfig, paths: RunPaths) -> None:
     if cfg.render_only or cfg.train.resume or cfg.train.get("overwrite", False):
         return
     existing = [p for p in (paths.checkpoint, paths.metrics) if p.exists()]
+    existing += [path for _, path in sorted(step_checkpoints(paths.checkpoints).items())][-1:]  # kept ones too
     if existing:
         names = " and ".join(str(p.relative_to(paths.root)) for p in existing)
         raise RunError(

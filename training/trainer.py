@@ -16,10 +16,7 @@ from data import PatchSampler, RaySampler, Scene
 from models.model import VoxelNeRF
 from models.ops import OpSet
 from training import evaluation
-from training.checkpoint import (
-    InterruptGuard,
-    save_checkpoint,
-)
+from training.checkpoint import InterruptGuard, StepCheckpoints, save_checkpoint
 from training.config import ConfigError
 from training.distributed import Group
 from training.evaluation import sync
@@ -99,6 +96,7 @@ class Trainer:
         self.samples_done = 0
         self.checkpoint_seconds = 0.0  # kept out of train_seconds, reported beside it
         self.last_saved_step: int | None = None
+        self.step_checkpoints: StepCheckpoints | None = None  # train.keep_checkpoints > 1: built at the first save
         self.pending_writes: list = []  # (path, future) of the render writes in flight
         self.viewer = None  # training.viewer.Viewer with train.viewer=true (set by training.app)
 
@@ -281,7 +279,7 @@ class Trainer:
                     self.train_seconds += time.perf_counter() - segment_start
                     pause = True
                 if periodic_checkpoint or stop:
-                    if not self._save_if_finite(loss):
+                    if not self._save_if_finite(loss, periodic=bool(periodic_checkpoint)):
                         code = self._diverged(step, loss.item())
                         break
                 if stop:
@@ -342,22 +340,23 @@ class Trainer:
     def _parameters_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
-    def _save_if_finite(self, loss: torch.Tensor) -> bool:
+    def _save_if_finite(self, loss: torch.Tensor, periodic: bool = False) -> bool:
         """Save a checkpoint unless the loss or the parameters went NaN / inf (then keep the previous one)."""
         if not (bool(torch.isfinite(loss)) and self._parameters_finite()):
             return False
-        self.save()
+        self.save(periodic)
         return True
 
-    def save(self) -> None:
+    def save(self, periodic: bool = False) -> None:
         """Write the checkpoint atomically; a write error (disk full, read-only, I/O) becomes a RunError that
-        says the previous checkpoint is kept (the atomic save never touches it). Rank 0 alone writes."""
+        says the previous checkpoint is kept (the atomic save never touches it). Rank 0 alone writes. A periodic
+        save with ``train.keep_checkpoints`` > 1 also keeps a step_<step>.pt copy (training.checkpoint)."""
         if not self.group.is_main:
             self.last_saved_step = self.step
             return
         start = time.perf_counter()
         try:
-            self._write_checkpoint()
+            self._write_checkpoint(periodic)
         except (OSError, RuntimeError) as error:
             kept = (
                 f"the previous checkpoint (step {self.last_saved_step}) is kept"
@@ -370,8 +369,13 @@ class Trainer:
         self.last_saved_step = self.step
         self.checkpoint_seconds += time.perf_counter() - start
 
-    def _write_checkpoint(self) -> None:
-        save_checkpoint(self.paths.checkpoint, trainer_state(self))
+    def _write_checkpoint(self, periodic: bool = False) -> None:
+        keep = int(self.train_cfg.get("keep_checkpoints", 1))
+        if not (periodic and keep > 1):
+            return save_checkpoint(self.paths.checkpoint, trainer_state(self))
+        if self.step_checkpoints is None:  # on resume, the step files up to the restored step are this run's
+            self.step_checkpoints = StepCheckpoints(self.paths.checkpoints, keep, adopt_upto=self.last_saved_step)
+        self.step_checkpoints.save(self.paths.checkpoint, trainer_state(self), self.step)
 
     def restore(self, state: dict, with_training_state: bool) -> None:
         """Load a checkpoint (training.resume.restore_trainer)."""

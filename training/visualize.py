@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -30,6 +31,9 @@ _TURBO_COEFFS = np.array(
 )
 
 _INVALID_COLOR = np.zeros(3, np.uint8)  # depth pixels that are NaN or infinite are painted black
+# error_map's scale when no vmax is given: channel-mean |gt - pred| of 0.25 (a quarter of the colour range) and
+# above is dark red. Fixed, not the image's maximum, so the maps of different views and runs are comparable.
+DEFAULT_ERROR_VMAX = 0.25
 
 
 def _to_numpy(name: str, array) -> np.ndarray:
@@ -102,25 +106,22 @@ def error_map(gt, pred, vmax: float | None = None) -> np.ndarray:
     """Colour-mapped absolute error, (H, W, 3) uint8.
 
     gt, pred: (H, W, 3) float in [0, 1] or uint8. The per-pixel error is the channel mean of
-    ``|gt - pred|``, shown with Turbo from 0 (dark blue) to ``vmax`` (dark red); ``vmax=None`` uses this
-    image's largest error, pass a fixed value to compare images with each other.
+    ``|gt - pred|`` (in [0, 1], 1 = the whole colour range), shown with Turbo from 0 (dark blue) to ``vmax``
+    (dark red; larger errors are clipped to it). ``vmax=None`` means ``DEFAULT_ERROR_VMAX`` (0.25), a fixed
+    scale, never the image's own maximum, so error maps of different views and runs can be compared.
     """
     gt = _to_unit_float("gt", gt)
     pred = _to_unit_float("pred", pred)
     if gt.shape != pred.shape:
         raise ValueError(f"gt and pred must have the same shape, got {gt.shape} and {pred.shape}")
-    error = np.abs(gt - pred).mean(axis=-1)
-    if vmax is None:
-        vmax = max(float(error.max()), 1e-12)
+    return to_uint8(turbo(np.abs(gt - pred).mean(axis=-1) / _error_vmax(vmax)))
+
+
+def _error_vmax(vmax: float | None) -> float:
+    vmax = DEFAULT_ERROR_VMAX if vmax is None else float(vmax)
     if not (math.isfinite(vmax) and vmax > 0):
         raise ValueError(f"vmax must be a finite number > 0, got {vmax}")
-    return to_uint8(turbo(error / vmax))
-
-
-def comparison_image(gt, pred, vmax: float | None = None) -> np.ndarray:
-    """Side-by-side ``gt | pred | error map``: (H, 3W, 3) uint8 from two (H, W, 3) images (float or uint8)."""
-    errors = error_map(gt, pred, vmax)  # validates shapes first
-    return np.concatenate([to_uint8(_to_unit_float("gt", gt)), to_uint8(_to_unit_float("pred", pred)), errors], axis=1)
+    return vmax
 
 
 def ffmpeg_available() -> bool:
@@ -304,3 +305,95 @@ def plot_curve(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     iio.imwrite(path, canvas.round().astype(np.uint8), extension=".png")
+
+
+# ---------------------------------------------------------------------------------------- labelled panels
+
+_PAD = 4  # pixels: around titles, between panels, after the colour bar's labels
+_LINE_HEIGHT = _text_mask("Ag|p(0.9)").shape[0]  # pixels of a line of text
+_BAR_WIDTH = 12  # pixels of colour in a colour bar
+_TICK_LENGTH = 3
+
+
+@dataclass(frozen=True)
+class PanelLayout:
+    """Where a titled row of (H, W) panels sits in the (rows, columns) image ``shape``: each panel's title, column
+    span [start, stop) (title centred in rows [0, title_height)) and top-left (row, column); the colour bar's top-left
+    (H rows by ``_BAR_WIDTH`` columns, top row the high end, bottom row the low) and (row in the bar, label) ticks."""
+
+    shape: tuple[int, int]
+    title_height: int
+    titles: tuple[str, ...]
+    columns: tuple[tuple[int, int], ...]
+    panels: tuple[tuple[int, int], ...]
+    bar: tuple[int, int] | None
+    ticks: tuple[tuple[int, str], ...]
+
+
+def _bar_ticks(low: float, high: float, height: int) -> tuple[tuple[int, str], ...]:
+    """(row, label) ticks of a ``height``-pixel bar, row 0 showing ``high``: both ends, and round values between
+    them where they keep clear of the other labels."""
+    gap = _LINE_HEIGHT + 2
+    ticks: list[tuple[int, str]] = []
+    for value in (high, low, *nice_ticks(low, high, max(1, min(5, height // (2 * gap))))[0]):
+        row = int(round((high - value) / (high - low) * (height - 1)))
+        if len(ticks) < 2 or all(abs(row - kept) >= gap for kept, _ in ticks):
+            ticks.append((row, f"{value:.4g}"))
+    return tuple(ticks)
+
+
+def _row_layout(height: int, width: int, titles: Sequence[str], bar_range: tuple[float, float] | None) -> PanelLayout:
+    """Layout of titled (height, width) panels side by side, a colour bar for ``bar_range`` (low, high) after them."""
+    title_height = _LINE_HEIGHT + 2 * _PAD
+    columns, panels, x = [], [], 0
+    for title in titles:
+        column_width = max(width, _text_mask(title).shape[1] + 2 * _PAD)
+        columns.append((x, x + column_width))
+        panels.append((title_height, x + (column_width - width) // 2))
+        x += column_width + _PAD
+    bar, ticks = None, ()
+    if bar_range is not None:
+        bar, ticks = (title_height, x + _PAD), _bar_ticks(*bar_range, height)
+        x = bar[1] + _BAR_WIDTH + _TICK_LENGTH + 2 + max(_text_mask(label).shape[1] for _, label in ticks) + _PAD
+    shape = (title_height + height + _LINE_HEIGHT // 2 + 1, x)  # room below for the bar's low-end label
+    return PanelLayout(shape, title_height, tuple(titles), tuple(columns), tuple(panels), bar, ticks)
+
+
+def _draw_row(panels: Sequence[np.ndarray], layout: PanelLayout) -> np.ndarray:
+    """Panels, each (H, W, 3) uint8, drawn on white into ``layout`` with their titles and colour bar: (H', W', 3)."""
+    height, width = panels[0].shape[:2]
+    canvas = np.broadcast_to(_PLOT_BACKGROUND, (*layout.shape, 3)).copy()
+    for panel, title, (row, col), (start, stop) in zip(panels, layout.titles, layout.panels, layout.columns):
+        canvas[row : row + height, col : col + width] = panel
+        _draw_text(canvas, title, (start + stop) / 2, layout.title_height / 2)
+    if layout.bar is not None:
+        row, col = layout.bar
+        colors = to_uint8(turbo(1.0 - np.arange(height) / max(height - 1, 1)))  # top row: Turbo(1), the high end
+        canvas[row : row + height, col : col + _BAR_WIDTH] = colors[:, None]
+        for tick_row, label in layout.ticks:
+            canvas[row + tick_row, col + _BAR_WIDTH : col + _BAR_WIDTH + _TICK_LENGTH] = _PLOT_INK
+            _draw_text(canvas, label, col + _BAR_WIDTH + _TICK_LENGTH + 2, row + tick_row, align="left")
+    return canvas.round().astype(np.uint8)
+
+
+def comparison_layout(height: int, width: int, vmax: float | None = None) -> PanelLayout:
+    """Where ``comparison_image`` puts the panels, titles and colour bar for (height, width) images."""
+    vmax = _error_vmax(vmax)
+    titles = ["ground truth", "prediction", f"error |gt - pred| (0 .. {vmax:.4g})"]
+    return _row_layout(height, width, titles, (0.0, vmax))
+
+
+def comparison_image(gt, pred, vmax: float | None = None) -> np.ndarray:
+    """Titled ``ground truth | prediction | error`` panels and a colour bar, (H', W', 3) uint8, from (H, W, 3) gt and
+    pred (float in [0, 1] or uint8). The error panel is ``error_map(gt, pred, vmax)``: on the fixed scale 0 .. vmax
+    (default ``DEFAULT_ERROR_VMAX`` = 0.25) stated in its title and bar. ``comparison_layout`` says where parts are."""
+    errors = error_map(gt, pred, vmax)  # validates shapes and vmax first
+    images = [to_uint8(_to_unit_float("gt", gt)), to_uint8(_to_unit_float("pred", pred)), errors]
+    return _draw_row(images, comparison_layout(*errors.shape[:2], vmax))
+
+
+def depth_with_legend(depth, near: float, far: float) -> np.ndarray:
+    """``colorize_depth(depth, near, far)`` titled, with a colour bar labelled from ``near`` to ``far`` in scene
+    units: (H', W', 3) uint8 from (H, W) or (H, W, 1) depth. Black pixels: no depth (NaN or infinite)."""
+    colors = colorize_depth(depth, near, far)
+    return _draw_row([colors], _row_layout(*colors.shape[:2], ["depth (scene units)"], (float(near), float(far))))
