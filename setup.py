@@ -87,10 +87,11 @@ setup(
     install_requires=["torch>=2.4", "numpy", "hydra-core>=1.3", "tqdm", "imageio>=2.9", "pillow"],
     extras_require={
         # the optional extras' tests run in CI too (TensorBoard events, MP4, mesh export)
-        "test": ["pytest", "tensorboard", "imageio-ffmpeg", "pymcubes", "plyfile"],
+        "test": ["pytest", "tensorboard", "imageio-ffmpeg", "pymcubes", "plyfile", "viser>=1.0"],
         "lint": ["ruff==0.17.5", "clang-format==23.1.3"],
         "tensorboard": ["tensorboard"],
         "video": ["imageio-ffmpeg"],
         "mesh": ["pymcubes", "plyfile"],
+        "viewer": ["viser>=1.0"],
     },
 )

@@ -46,6 +46,7 @@ class HeadlessChromium:
         flags = [
             "--headless",
             "--no-sandbox",  # CI runs as root
+            "--disable-dev-shm-usage",  # containers' /dev/shm is often 64 MB
             "--use-angle=swiftshader",  # WebGL (viser's canvas) in software
             "--enable-unsafe-swiftshader",
             "--no-first-run",
@@ -68,11 +69,19 @@ class HeadlessChromium:
                     port = int(file.read().split()[0])
             except (OSError, ValueError, IndexError):
                 time.sleep(0.05)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=timeout) as response:
-            pages = [t for t in json.load(response) if t.get("type") == "page"]
-        self.socket = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=timeout)
-        self._id = 0
-        self.call("Page.enable")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=timeout) as response:
+                pages = [t for t in json.load(response) if t.get("type") == "page"]
+            self.socket = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=timeout)
+            self._id = 0
+            self.call("Page.enable", timeout=timeout)
+            # the page's viewport (and so the screenshot) is exactly width x height, whatever the window's frame
+            self.call(
+                "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False
+            )
+        except Exception:
+            self.close()
+            raise
 
     def call(self, method: str, timeout: float = 30.0, **params) -> dict:
         """Send one DevTools command and return its result (events in between are dropped)."""
@@ -89,16 +98,25 @@ class HeadlessChromium:
     def open(self, url: str) -> None:
         self.call("Page.navigate", url=url)
 
-    def screenshot(self, path: str | os.PathLike) -> None:
-        """Write the page as it is now to a PNG file."""
-        data = self.call("Page.captureScreenshot", format="png")["data"]
-        with open(path, "wb") as file:
-            file.write(base64.b64decode(data))
+    def evaluate(self, expression: str, timeout: float = 30.0):
+        """The value of a JavaScript expression in the page (None when it has none, e.g. a DOM node)."""
+        return self.call("Runtime.evaluate", timeout=timeout, expression=expression, returnByValue=True)["result"].get(
+            "value"
+        )
+
+    def screenshot(self, path: str | os.PathLike | None = None) -> bytes:
+        """The page as it is now, as PNG bytes (also written to ``path`` when given)."""
+        data = base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
+        if path is not None:
+            with open(path, "wb") as file:
+                file.write(data)
+        return data
 
     def close(self) -> None:
         socket = getattr(self, "socket", None)
         if socket is not None:
             socket.close()
+            self.socket = None
         if self.process.poll() is None:
             self.process.terminate()
             try:

@@ -125,7 +125,7 @@ def test_the_turntable_is_an_mp4_that_reads_back(finished_run):
     import imageio.v3 as iio
 
     frames = iio.imread(finished_run / "renders" / "turntable.mp4")
-    assert frames.shape == (3, 16, 16, 3) and frames.dtype.name == "uint8"
+    assert frames.shape == (3, 16, 32, 3) and frames.dtype.name == "uint8"  # RGB | depth
 
 
 def test_render_only_reproduces_the_evaluation(finished_run):

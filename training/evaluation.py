@@ -21,6 +21,7 @@ from training.metrics import psnr, ssim
 from training.run_dir import RunError, write_error, write_json
 from training.scenes import describe_device
 from training.visualize import (
+    colorize_depth,
     comparison_image,
     depth_with_legend,
     plot_curve,
@@ -206,8 +207,17 @@ def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> d
     return metrics
 
 
+def rgb_depth_frame(out: dict[str, torch.Tensor], near: float, far: float) -> np.ndarray:
+    """A render's (H, W) maps -> one (H, 2W, 3) uint8 video frame: RGB | depth coloured over [near, far] (black
+    where the opacity is below 0.5, as the evaluation's depth maps)."""
+    depth = out["depth"].float().cpu().numpy()
+    depth[out["opacity"].float().cpu().numpy() < 0.5] = np.nan
+    return np.concatenate([to_uint8(out["rgb"].cpu().numpy()), colorize_depth(depth, near, far)], axis=1)
+
+
 @torch.no_grad()
 def render_turntable(trainer: Trainer) -> Path | None:
+    """The turntable video (RGB | depth) around the evaluation cameras' mean radius and elevation."""
     count = trainer.train_cfg.turntable_frames
     if count == 0:
         return None
@@ -221,12 +231,10 @@ def render_turntable(trainer: Trainer) -> Path | None:
     sx, sy = (width, scene.width), (height, scene.height)
     scaled = [fx * sx[0] / sx[1], fy * sy[0] / sy[1], cx * sx[0] / sx[1], cy * sy[0] / sy[1]]
     intrinsics = torch.tensor(scaled, dtype=torch.float64)
+    chunk = trainer.train_cfg.render_chunk
+    model = trainer.model
     frames = [
-        to_uint8(
-            trainer.model.render_image(c2w, height, width, intrinsics, chunk=trainer.train_cfg.render_chunk)["rgb"]
-            .cpu()
-            .numpy()
-        )
+        rgb_depth_frame(model.render_image(c2w, height, width, intrinsics, chunk), scene.near, scene.far)
         for c2w in orbit_cameras(scene.c2w, count)
     ]
     return write_turntable(frames, trainer.paths.renders / "turntable.mp4", fps=20.0)

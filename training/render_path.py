@@ -33,10 +33,11 @@ import torch
 from omegaconf import OmegaConf
 
 from data.cameras import look_at, orbit_positions
+from training.evaluation import rgb_depth_frame
 from training.export import ExportError, load_run
 from training.scenes import load_scenes, resolve_device
 from training.view import fast_ops
-from training.visualize import colorize_depth, to_uint8, write_turntable
+from training.visualize import write_turntable
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -100,16 +101,14 @@ def eval_path(data_cfg: dict, size: int):
 def render_frames(model, c2w: np.ndarray, intrinsics: np.ndarray, shape: tuple[int, int], chunk: int) -> list:
     """(H, 2W, 3) uint8 frames: RGB | depth over [near, far]."""
     device = model.bbox.device
-    frames = []
-    for camera, k in zip(c2w, intrinsics):
-        k = torch.as_tensor(k, dtype=torch.float64, device=device)
-        out = model.render_image(torch.as_tensor(camera, device=device), *shape, k, chunk=chunk)
-        depth = out["depth"].cpu().numpy()
-        depth[out["opacity"].cpu().numpy() < 0.5] = np.nan  # as the evaluation's depth maps: nothing there
-        frames.append(
-            np.concatenate([to_uint8(out["rgb"].cpu().numpy()), colorize_depth(depth, model.near, model.far)], 1)
+    return [
+        rgb_depth_frame(
+            model.render_image(torch.as_tensor(camera, device=device), *shape, torch.as_tensor(k), chunk=chunk),
+            model.near,
+            model.far,
         )
-    return frames
+        for camera, k in zip(c2w, intrinsics)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

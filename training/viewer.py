@@ -21,7 +21,10 @@ While paused the loop waits inside on_step and renders without a budget.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
+import logging
 import socket
 import sys
 import threading
@@ -171,7 +174,9 @@ class Viewer:
         if not 0 < budget <= 1:
             raise ValueError(f"Viewer: budget must be in (0, 1], got {budget}")
         check_address(host, port, port_key)
-        self.server = viser.ViserServer(host=host, port=port, verbose=False)
+        logging.getLogger("websockets").setLevel(logging.WARNING)  # not each connection in train.log (Hydra: INFO)
+        with contextlib.redirect_stdout(io.StringIO()):  # viser's banner, whatever `verbose`: we print the URL
+            self.server = viser.ViserServer(host=host, port=port, verbose=False)
         if self.server.get_port() != port:  # taken between the check and the bind: viser moved on
             self.server.stop()
             check_address(host, port, port_key)
@@ -240,6 +245,8 @@ class Viewer:
             self._clients[client.client_id] = _Client(client)
         self._on_camera(client.client_id, client.camera)  # viser connects a client on its first camera message
         client.camera.on_update(lambda camera: self._on_camera(client.client_id, camera))
+        if client.client_id not in self.server.get_clients():  # gone before this ran (callbacks run on a pool)
+            self._on_disconnect(client)
 
     def _on_camera(self, client_id: int, camera) -> None:
         c2w = viser_to_c2w(camera.wxyz, camera.position)
@@ -315,15 +322,18 @@ class Viewer:
         except Exception as error:  # the viewer never stops training
             print(f"viewer: render failed ({type(error).__name__}: {error}); skipping this frame", file=sys.stderr)
             frame = None
+        if frame is not None and client.handle.client_id not in self.server.get_clients():  # viser only warns
+            frame = None
+            with self._lock:
+                self._clients.pop(client.handle.client_id, None)
+            print("viewer: a browser disconnected during a render; its frame is dropped", file=sys.stderr)
         if frame is not None:
             try:
                 client.handle.scene.set_background_image(frame, format="jpeg", jpeg_quality=85)
-            except Exception:  # the browser went away mid-render: forget it, training goes on
-                with self._lock:
-                    self._clients.pop(client.handle.client_id, None)
-                return True
-            self.frames_sent += 1
-            self.last_frame, self.last_frame_full = frame, full
+                self.frames_sent += 1
+                self.last_frame, self.last_frame_full = frame, full
+            except Exception as error:  # the viewer never stops training
+                print(f"viewer: sending a frame failed ({type(error).__name__}: {error})", file=sys.stderr)
         with self._lock:
             client.drawn_version, client.drawn_full = version, full
             client.drawn_at, client.drawn_step = time.perf_counter(), step
@@ -380,4 +390,5 @@ class Viewer:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.server.stop()
+            with contextlib.redirect_stdout(io.StringIO()):  # viser's "Server stopped"
+                self.server.stop()
