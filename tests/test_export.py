@@ -85,6 +85,13 @@ def read_ply(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return vertices, faces, colours
 
 
+def open_edges(faces: np.ndarray) -> int:
+    """Edges not shared by exactly two faces: 0 for a closed (watertight) triangle surface."""
+    edges = np.sort(np.concatenate([faces[:, [0, 1]], faces[:, [1, 2]], faces[:, [2, 0]]]), axis=1)
+    _, counts = np.unique(edges, axis=0, return_counts=True)
+    return int((counts != 2).sum())
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("export_run")
@@ -102,6 +109,7 @@ def test_the_mesh_of_a_trained_run_has_the_scenes_box(trained_run, tmp_path):
     vertices, faces, colours = read_ply(out)
     assert f"wrote {out}: {len(vertices)} vertices, {len(faces)} faces" in result.stdout
     assert len(faces) > 100 and faces.min() >= 0 and faces.max() < len(vertices)
+    assert open_edges(faces) == 0, "the scene's mesh should be watertight"
 
     model, _ = export.load_run(trained_run)
     box = model.bbox.numpy()
@@ -140,6 +148,7 @@ def test_a_hand_made_density_meshes_to_its_sphere_in_world_coordinates_and_colou
     a, b, c = (vertices[faces[:, k]] for k in range(3))
     outward = np.einsum("ij,ij->i", np.cross(b - a, c - a), (a + b + c) / 3 - centre.numpy())
     assert (outward > 0).all(), "faces should be counter-clockwise seen from outside"
+    assert open_edges(faces) == 0, "the sphere should be watertight"
     assert np.abs(colours.astype(int) - np.round(colour.numpy() * 255)).max() <= 1
 
     # a solid running out of the grid: closed by caps on the box's faces, never beyond them
@@ -147,6 +156,7 @@ def test_a_hand_made_density_meshes_to_its_sphere_in_world_coordinates_and_colou
         model.density.grid.fill_(10.0)
     vertices, faces, _ = export.extract_mesh(model, 0.5)
     assert np.allclose(vertices.min(0), bbox[0].numpy()) and np.allclose(vertices.max(0), bbox[1].numpy())
+    assert open_edges(faces) == 0, "the capped solid should be watertight"
 
     # --resolution resamples the same field: the sphere again, at the finer grid's precision
     with torch.no_grad():

@@ -169,8 +169,17 @@ def extract_mesh(
 
 
 def _drop_degenerate(vertices: np.ndarray, faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Remove zero-area faces (marching cubes makes them where a grid value equals the level, and the border
-    clamp flattens some) and the vertices no face uses any more."""
+    """Weld vertices that coincide (marching cubes emits one per cube edge, so a grid value equal to the level
+    makes several at one point, and the border clamp moves some onto others), then remove the faces that
+    collapse (a repeated vertex, or zero area) and the vertices no face uses any more. Welding first keeps the
+    surface closed: dropping a collapsed face between unwelded twins would leave a hole."""
+    _, weld = np.unique(np.round(vertices, 9), axis=0, return_inverse=True)
+    faces = weld.reshape(-1)[faces]
+    distinct = (faces[:, 0] != faces[:, 1]) & (faces[:, 1] != faces[:, 2]) & (faces[:, 0] != faces[:, 2])
+    first = np.zeros(weld.max() + 1, dtype=np.int64)
+    first[weld.reshape(-1)] = np.arange(len(vertices))  # one original vertex per welded point
+    vertices = vertices[first]
+    faces = faces[distinct]
     a, b, c = (vertices[faces[:, k]] for k in range(3))
     faces = faces[np.linalg.norm(np.cross(b - a, c - a), axis=1) > 1e-12]
     used, faces = np.unique(faces, return_inverse=True)
