@@ -151,19 +151,8 @@ class Decoder(_ShadingMLP):
 
     forward(diffuse (N,3), features (N,F'), opacity (N,), directions (N,3) unit) -> (N, 3) foreground colour
     ``diffuse + opacity * residual``: premultiplied by opacity, so empty pixels get exactly the background.
+    Built with ``inputs`` = 3 + F' (the diffuse colour and the features go in together).
     """
-
-    def __init__(
-        self,
-        feature_dim: int,
-        hidden: int,
-        layers: int,
-        dir_encoding: str,
-        gelu_approximate: str,
-        ops: OpSet,
-        precision: str = "float32",
-    ):
-        super().__init__(DIFFUSE_CHANNELS + feature_dim, hidden, layers, dir_encoding, gelu_approximate, ops, precision)
 
     def forward(
         self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor

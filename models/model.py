@@ -88,8 +88,8 @@ class VoxelNeRF(nn.Module):
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)
         mlp = (c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops, c.decoder_precision)
-        per_sample = c.shading == "per_sample"  # per sample: every feature channel in
-        self.decoder = SampleDecoder(c.feature_dim, *mlp) if per_sample else Decoder(c.feature_dim - 3, *mlp)
+        # both see every feature channel: per sample the raw features, deferred the composited diffuse + the rest
+        self.decoder = (SampleDecoder if c.shading == "per_sample" else Decoder)(c.feature_dim, *mlp)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
 
