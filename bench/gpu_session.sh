@@ -13,6 +13,8 @@
 # lego:       the shipped blender experiment on $LEGO (default ../shared/data/lego_400 or ./lego_400)
 # lego-torch: the same with ops=torch; lego-in-order: with CUDA_EXT_GRID_REORDER=off
 # profile:    1000 lego steps at the final grid with train.profile=true (where a steady-state step's time goes)
+# viewer:     bench/viewer_throughput.py on the shipped lego config: viewer off / on with a still / moving
+#             simulated browser (needs viser and its dependencies as py3.12 wheels in .whl)
 # variants:   bench/quality_runs.py, one run at a time (timed alone), over $VARIANTS ("NAME=OVERRIDES;NAME=...")
 # grid-channels: the grid op against F.grid_sample at each of $GRID_CHANNELS (default 1,3,4,7,12,16,24,32)
 #                channels -> $OUT/grid_channels.json, .md
@@ -89,6 +91,8 @@ for s in "${stages[@]}"; do
       --json "$OUT/grid_channels.json" --markdown "$OUT/grid_channels.md" ;;
     profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=1000 \
       'model.grow_at=[]' train.eval_every=0 train.turntable_frames=0 hydra.run.dir="$OUT/profile" ;;
+    viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
+      -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ;;
     variants)
       args=(); IFS=';' read -ra specs <<<"${VARIANTS:-base=}"
       for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
@@ -103,5 +107,5 @@ find "$OUT" \( -name "*.pt" -o -name "*.mp4" \) -delete
 find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -delete  # three views per run come back
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
-for f in variants.json bench_render.md profile/profile.json op_tests.log model_tests.log; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in variants.json bench_render.md profile/profile.json op_tests.log model_tests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import socket
 import subprocess
 import sys
@@ -299,3 +300,21 @@ def test_training_goes_on_when_a_browser_leaves_mid_render(run_dir, monkeypatch,
         if client is not None:
             client.close()
         viewer.close()
+
+
+@needs_viser
+def test_throughput_bench_runs_off_still_and_moving_with_a_connected_client(tmp_path):
+    """bench/viewer_throughput.py, the H100 bar's tool, end to end on a tiny CPU run: three runs, the two with
+    the viewer on each received frames, and the JSON has every run's rays/s (the figures themselves say nothing
+    on a shared CPU)."""
+    from test_train import tiny_overrides
+
+    out = tmp_path / "throughput.json"
+    command = [sys.executable, str(REPO / "bench" / "viewer_throughput.py"), "--json", str(out)]
+    command += ["--runs", str(tmp_path / "runs"), "--", *tiny_overrides(tmp_path / "cache", 150)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = {r["viewer"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {"off", "still", "moving"}
+    assert all(r["rays_per_second"] > 0 for r in runs.values())
+    assert runs["off"]["messages"] == 0 and runs["still"]["messages"] > 0 and runs["moving"]["messages"] > 0
