@@ -277,7 +277,10 @@ def test_training_goes_on_when_a_browser_leaves_mid_render(run_dir, monkeypatch,
         wait_for(lambda: viewer.num_clients == 1, 30, "the simulated browser to connect")
         render = viewer_module.render_frame
 
+        left = threading.Event()
+
         def render_while_the_browser_leaves(*args, **kwargs):
+            left.set()
             client.close()
             wait_for(lambda: not viewer.server.get_clients(), 30, "viser to notice the disconnect")
             return render(*args, **kwargs)
@@ -286,14 +289,20 @@ def test_training_goes_on_when_a_browser_leaves_mid_render(run_dir, monkeypatch,
         trainer = FakeTrainer()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # viser's "queued on a closed connection" warning would fail here
-            for step in range(20):
+            deadline = time.monotonic() + 30  # the first render needs the browser's camera, which may come late
+            step = 0
+            while step < 20 or (not left.is_set() and time.monotonic() < deadline):
                 trainer.step = step
                 assert viewer.on_step(trainer) == 0.0
-        assert viewer.frames_sent == 0 and viewer.num_clients == 0
+                step += 1
+                time.sleep(0.0 if step < 20 else 0.05)
+        assert left.is_set(), "no render was attempted for the connected browser"
+        wait_for(lambda: viewer.num_clients == 0, 30, "the viewer to forget the departed browser")
+        assert viewer.frames_sent == 0
         assert "a browser disconnected during a render" in capsys.readouterr().err
         start = time.perf_counter()
-        for step in range(20, 1000):  # nobody connected: on_step returns at once
-            trainer.step = step
+        for later in range(step, step + 1000):  # nobody connected: on_step returns at once
+            trainer.step = later
             viewer.on_step(trainer)
         assert time.perf_counter() - start < 1.0
     finally:

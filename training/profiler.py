@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from models.ops import OpSet
+from training.floors import device_limits, floors_ms, linear_flops
 
 _NO_OP = contextlib.nullcontext()
 
@@ -46,6 +47,8 @@ class StepProfiler:
         self.totals: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.rays = 0
+        self.work: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # bytes / flops a part must do
+        self.matmul_dtype = torch.float32  # what the decoder's matmuls run in (its floor's rate is measured so)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -76,13 +79,28 @@ class StepProfiler:
 
         return timed
 
+    def count(self, part: str, bytes: float = 0.0, flops: float = 0.0) -> None:
+        """Add to what ``part`` must move (``bytes``) or compute (``flops``) this step (training.floors)."""
+        if self.enabled and self.recording:
+            self.work[part]["bytes"] += bytes
+            self.work[part]["flops"] += flops
+
+    def _counted_lookup(self, lookup: Callable) -> Callable:
+        def counted(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+            values = lookup(grid, points)
+            self.count("grid_interpolate", bytes=points.numel() * points.element_size() + values.numel() * 4)
+            return values
+
+        return counted
+
     def instrument_ops(self, ops: OpSet) -> OpSet:
-        """An OpSet whose forward calls are timed (grid_interpolate, upsample_bilinear2d, gelu); as is when off."""
+        """An OpSet whose forward calls are timed (grid_interpolate, upsample_bilinear2d, gelu) and the lookup's
+        traffic counted; as is when off."""
         if not self.enabled:
             return ops
         return dataclasses.replace(
             ops,
-            grid_interpolate=self.wrap("grid_interpolate", ops.grid_interpolate),
+            grid_interpolate=self.wrap("grid_interpolate", self._counted_lookup(ops.grid_interpolate)),
             upsample_bilinear2d=self.wrap("upsample_bilinear2d", ops.upsample_bilinear2d),
             gelu=self.wrap("gelu", ops.gelu),
         )
@@ -93,7 +111,8 @@ class StepProfiler:
             return
         open_regions: list[contextlib.AbstractContextManager] = []
 
-        def before(_module, _inputs):
+        def before(_module, inputs):
+            self.count(name, flops=linear_flops(module, inputs[0].shape[0]))
             region = self.section(name)
             region.__enter__()
             open_regions.append(region)
@@ -127,12 +146,18 @@ class StepProfiler:
         }
         total = t["step"]
         parts["other"] = total - sum(parts.values())  # timer overhead, learning-rate updates, bookkeeping
+        limits = device_limits(self.device, self.matmul_dtype)
+        floors = floors_ms(self.work, steps, limits)
         return {
             "steps": self.steps,
             "step_ms": 1000.0 * total / steps,
             "per_step_ms": {name: 1000.0 * value / steps for name, value in parts.items()},
             "share": {name: (value / total if total > 0 else 0.0) for name, value in parts.items()},
             "gelu_forward_ms": 1000.0 * t["gelu"] / steps,
+            "floor_ms": floors,  # training.floors: bytes / copy bandwidth or FLOPs / matmul rate, measured here
+            "floor_share": {k: v / (1000.0 * parts[k] / steps) for k, v in floors.items() if parts.get(k, 0) > 0},
+            "device_limits": limits,
+            "work_per_step": {k: {u: v / steps for u, v in amounts.items()} for k, amounts in self.work.items()},
             "rays_per_second": self.rays / total if total > 0 else 0.0,
             "parts": dict(REPORT_PARTS),
             "note": "device-synchronised timers around each part (slower than a normal run); every op's "
@@ -146,6 +171,16 @@ class StepProfiler:
             f"profile over {report['steps']} steps: {report['step_ms']:.2f} ms/step, "
             f"{report['rays_per_second']:,.0f} rays/s"
         ]
+        floors = report.get("floor_ms", {})
         for name, ms in report["per_step_ms"].items():
-            lines.append(f"  {name:<15} {ms:9.3f} ms  {100.0 * report['share'][name]:5.1f} %")
+            floor = (
+                f"  floor {floors[name]:8.3f} ms ({100.0 * floors[name] / ms:5.1f} % of it)" if name in floors else ""
+            )
+            lines.append(f"  {name:<15} {ms:9.3f} ms  {100.0 * report['share'][name]:5.1f} %{floor}")
+        if "device_limits" in report:
+            limits = report["device_limits"]
+            lines.append(
+                f"  floors at {limits['copy_gbps']:.0f} GB/s copy and {limits['matmul_tflops']:.1f} TFLOP/s "
+                f"{limits['matmul_dtype']} matmul, measured on this device"
+            )
         return "\n".join(lines)

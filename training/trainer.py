@@ -20,6 +20,7 @@ from training.checkpoint import InterruptGuard, StepCheckpoints, save_checkpoint
 from training.config import ConfigError
 from training.distributed import Group
 from training.evaluation import sync
+from training.floors import adam_bytes
 from training.losses import opacity_loss
 from training.optim import SparseGridAdam
 from training.profiler import StepProfiler
@@ -82,6 +83,8 @@ class Trainer:
             grid_box=grid_box,
         ).to(device)
         self.profiler.instrument_module(self.model.decoder, "decoder")
+        if device.type == "cuda" and self.model.config.decoder_precision == "bfloat16":
+            self.profiler.matmul_dtype = torch.bfloat16
         self._check_image_sizes()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -180,6 +183,8 @@ class Trainer:
                 self.group.average_model_gradients(self.model, grids, self.train_cfg.get("dist_grad_sync", "touched"))
             with profiler.section("optimizer"):
                 self.optimizer.step()
+            if profiler.enabled and not isinstance(self.optimizer, SparseGridAdam):
+                profiler.count("optimizer", bytes=adam_bytes(p for p in self.model.parameters() if p.grad is not None))
             self.step += 1
             with profiler.section("schedule"):
                 if self.model.on_step(self.step, self.iters):
