@@ -40,10 +40,10 @@ from models.ops import OpSet
 from models.render import (
     check_rays,
     checked_box,
-    exclusive_segment_cumsum,
     num_samples_per_ray,
     pack,
     ray_box_intersect,
+    survivors_and_weights,
     uniform_samples,
 )
 
@@ -233,7 +233,7 @@ class VoxelNeRF(nn.Module):
         if self.progress > c.tv_until:
             return zero
         total = zero
-        touched = self.touched.mask(self.grid_shape) if self.touched.enabled else None
+        touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
         if c.tv_density > 0:
             total = total + c.tv_density * self.density.total_variation(c.tv_samples, touched)
         if c.tv_features > 0:
@@ -266,10 +266,10 @@ class VoxelNeRF(nn.Module):
             # transmittance) and skip the colour of samples that barely show (DVGO's fast_color_thres)
             with torch.no_grad():
                 depth = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
-                above = exclusive_segment_cumsum(depth, samples.ray, num_rays)
-                shows = torch.exp(-above) * -torch.expm1(-depth) > c.weight_threshold
+                alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
+                shows = weights > c.weight_threshold
                 if c.early_termination > 0:
-                    alive = (above < -math.log(c.early_termination)).nonzero().squeeze(1)
+                    alive = alive.nonzero().squeeze(1)
                     samples, shows = samples.take(alive), shows[alive]
                 keep = shows.nonzero().squeeze(1) if c.weight_threshold > 0 else None
         if self.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows

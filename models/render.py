@@ -112,22 +112,28 @@ def exclusive_segment_cumsum(values: torch.Tensor, ray: torch.Tensor, num_rays: 
     return (exclusive - exclusive[first[ray]]).to(values.dtype)
 
 
+def survivors_and_weights(
+    optical_depth: torch.Tensor, ray: torch.Tensor, num_rays: int, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One segmented scan of (N,) optical depths s_i >= 0 (packed, ray order) for both: the (N,) bool samples whose
+    transmittance T_i is still above ``threshold`` (early ray termination; all for 0) and the (N,) weights
+    w_i = T_i * alpha_i. Transmittance only decreases along a ray, so the survivors of each ray are a prefix of its
+    samples and their transmittances and weights are unchanged by dropping the rest."""
+    above = exclusive_segment_cumsum(optical_depth, ray, num_rays)
+    alive = above < -math.log(threshold) if threshold > 0 else torch.ones_like(above, dtype=torch.bool)
+    return alive, torch.exp(-above) * -torch.expm1(-optical_depth)
+
+
 def compositing_weights(optical_depth: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
     """(N,) weights w_i = T_i * alpha_i from per-sample optical depths s_i >= 0 (packed, ray order)."""
-    transmittance = torch.exp(-exclusive_segment_cumsum(optical_depth, ray, num_rays))
-    alpha = -torch.expm1(-optical_depth)
-    return transmittance * alpha
+    return survivors_and_weights(optical_depth, ray, num_rays, 0.0)[1]
 
 
 def transmittance_above(
     optical_depth: torch.Tensor, ray: torch.Tensor, num_rays: int, threshold: float
 ) -> torch.Tensor:
-    """(N,) bool: samples whose transmittance T_i (light reaching them) is still above ``threshold``.
-
-    Transmittance only decreases along a ray, so the survivors of each ray are a prefix of its samples and
-    their transmittances are unchanged by dropping the rest (early ray termination).
-    """
-    return exclusive_segment_cumsum(optical_depth, ray, num_rays) < -math.log(threshold)
+    """(N,) bool: samples whose transmittance T_i (light reaching them) is still above ``threshold`` > 0."""
+    return survivors_and_weights(optical_depth, ray, num_rays, threshold)[0]
 
 
 def accumulate(values: torch.Tensor, weights: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
@@ -145,6 +151,7 @@ __all__ = [
     "PackedSamples",
     "pack",
     "exclusive_segment_cumsum",
+    "survivors_and_weights",
     "compositing_weights",
     "transmittance_above",
     "accumulate",
