@@ -14,7 +14,8 @@
 # lego-torch: the same with ops=torch; lego-in-order: with CUDA_EXT_GRID_REORDER=off
 # profile:    1000 lego steps at the final grid with train.profile=true (where a steady-state step's time goes)
 # viewer:     bench/viewer_throughput.py on the shipped lego config: viewer off / on with a still / moving
-#             simulated browser (needs viser and its dependencies as py3.12 wheels in .whl)
+#             simulated browser (needs viser and its dependencies as py3.12 wheels in .whl); extra train.py
+#             overrides in $VIEWER_OVERRIDES (e.g. a shorter run: "train.iters=2000 train.eval_final_views=8")
 # variants:   bench/quality_runs.py, one run at a time (timed alone), over $VARIANTS ("NAME=OVERRIDES;NAME=...")
 # grid-channels: the grid op against F.grid_sample at each of $GRID_CHANNELS (default 1,3,4,7,12,16,24,32)
 #                channels -> $OUT/grid_channels.json, .md
@@ -92,7 +93,7 @@ for s in "${stages[@]}"; do
     profile) stage profile python3 train.py +experiment=blender data.root="$LEGO" train.profile=true train.iters=1000 \
       'model.grow_at=[]' train.eval_every=0 train.turntable_frames=0 hydra.run.dir="$OUT/profile" ;;
     viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
-      -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ;;
+      -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ${VIEWER_OVERRIDES:-} ;;
     variants)
       args=(); IFS=';' read -ra specs <<<"${VARIANTS:-base=}"
       for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
