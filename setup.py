@@ -50,6 +50,9 @@ def extension():
     # We never read floating-point exception flags; without this GCC will not if-convert the clamps in
     # cpu/fast_float.h, and the CPU GELU loops stay scalar. Results are unchanged (no -ffast-math).
     cxx_flags.append("-fno-trapping-math")
+    # Each multiply and add rounded on its own (as in PyTorch's elementwise ops): march_rays' samples must be bit
+    # for bit the reference's, which a contracted a * b + c (an FMA on machines that have one) would break.
+    cxx_flags.append("-ffp-contract=off")
     if sys.platform.startswith("linux"):
         cxx_flags.append("-fopenmp")  # at::parallel_for is header-inlined OpenMP: without it, CPU kernels run serially
     link_args = ["-fopenmp"] if sys.platform.startswith("linux") else []

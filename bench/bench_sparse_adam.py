@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_timing import Timer, cache_bytes, measure_copy, rotation_sets  # noqa: E402
+from bench_timing import Timer, cache_bytes, device_name, measure_copy, rotation_sets  # noqa: E402
 
 import cuda_ext  # noqa: E402
 
@@ -100,12 +99,6 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
             row["row_sets"] = sets
             rows.append(row)
     return {"copy": copy, "results": rows}
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

@@ -4,6 +4,7 @@ against, and how many input sets defeat the cache."""
 from __future__ import annotations
 
 import math
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -94,3 +95,9 @@ def rotation_sets(set_bytes: int, cache: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- running
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -6,7 +6,8 @@
 #                        [lego-torch] [profile] [grid-channels] [variants]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate.py only
-# op-tests:   the training-step ops' tests (volume_render, sparse_adam_step); bench-render: their benchmarks
+# op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
+#             benchmarks
 # model-tests: tests/test_model.py (the model's CUDA paths: the bfloat16 decoder)
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md; bench-grid: the grid op only
 # train:      the default `python train.py` (built-in scene), custom ops then ops=torch, timed
@@ -71,12 +72,13 @@ for s in "${stages[@]}"; do
   case $s in
     tests) stage tests python3 -m pytest -q -rs --durations=15 ;;
     grid-tests) stage grid_tests python3 -m pytest -q -rs tests/test_grid_interpolate.py ;;
-    op-tests) stage op_tests python3 -m pytest -q -rs tests/test_render.py tests/test_sparse_adam.py ;;
+    op-tests) stage op_tests python3 -m pytest -q -rs tests/test_render.py tests/test_sparse_adam.py tests/test_march.py ;;
     model-tests) stage model_tests python3 -m pytest -q -rs tests/test_model.py ;;
     bench-render)
       stage bench_render python3 bench/bench_ops.py --device cuda --size full --ops volume_render \
         --json "$OUT/bench_render.json" --markdown "$OUT/bench_render.md"
-      stage bench_adam python3 bench/bench_sparse_adam.py ;;
+      stage bench_adam python3 bench/bench_sparse_adam.py
+      stage bench_march python3 bench/bench_march.py --json "$OUT/bench_march.json" ;;
     bench) stage bench python3 bench/bench_ops.py --device cuda --size full --json "$OUT/bench.json" --markdown "$OUT/bench.md" ;;
     bench-grid) stage bench_grid python3 bench/bench_ops.py --device cuda --size full --ops grid \
       --json "$OUT/bench_grid.json" --markdown "$OUT/bench_grid.md" ;;
@@ -108,5 +110,5 @@ find "$OUT" \( -name "*.pt" -o -name "*.mp4" \) -delete
 find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -delete  # three views per run come back
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
-for f in variants.json bench_render.md profile/profile.json op_tests.log model_tests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

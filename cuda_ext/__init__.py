@@ -7,6 +7,7 @@ Public ops (each differentiable, dispatching on the input's device):
 - :func:`upsample_bilinear2d` (B,C,H,W) -> (B,C,sH,sW).
 - :func:`gelu`, exact or tanh.
 - :func:`sparse_adam_step` Adam on the listed rows of a (M, C) parameter, in place (masked Adam).
+- :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets.
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
 
 :mod:`cuda_ext.reference` holds pure-PyTorch versions with the same signatures; they need no compiled
@@ -29,6 +30,7 @@ except ImportError as _error:  # not built (or built for another torch): the ref
 else:
     from cuda_ext.adam import sparse_adam_step
     from cuda_ext.gelu import gelu
+    from cuda_ext.march import march_rays
     from cuda_ext.render import volume_render
     from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
     from cuda_ext.upsample import upsample_bilinear2d
@@ -39,6 +41,7 @@ _CUSTOM_OPS = (
     "upsample_bilinear2d",
     "gelu",
     "volume_render",
+    "march_rays",
     "sparse_adam_step",
 )
 
@@ -66,6 +69,7 @@ __all__ = [
     "upsample_bilinear2d",
     "gelu",
     "volume_render",
+    "march_rays",
     "sparse_adam_step",
     "reference",
     "has_extension",

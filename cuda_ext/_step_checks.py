@@ -18,7 +18,13 @@ from cuda_ext._checks import (
     require,
 )
 
-__all__ = ["check_render_inputs", "check_render_offsets", "check_render_grads", "check_adam_inputs"]
+__all__ = [
+    "check_render_inputs",
+    "check_render_offsets",
+    "check_render_grads",
+    "check_adam_inputs",
+    "check_march_inputs",
+]
 
 
 # ------------------------------------------------------------------------------------------ volume_render
@@ -178,3 +184,81 @@ def check_adam_inputs(
         raise TypeError(f"{op}: eps must be a number > 0, got {eps!r} of type {type(eps).__name__}")
     if not 0 < eps < float("inf"):
         raise ValueError(f"{op}: eps must be a number > 0, got {eps!r}")
+
+
+# ------------------------------------------------------------------------------------------ march_rays
+
+MAX_MARCH_SAMPLES = 1 << 24  # sample indices stay exact in float32
+
+
+def check_march_inputs(
+    origins: Any,
+    directions: Any,
+    t_start: Any,
+    t_end: Any,
+    offset: Any,
+    occupancy: Any,
+    box: Any,
+    step: Any,
+    max_samples: Any,
+    op: str = "march_rays",
+) -> tuple[float, int]:
+    """Rays: origins, directions (B, 3) float32/float64; t_start, t_end, offset (B,) and box (2, 3) of their dtype
+    and device; occupancy (R0, R1, R2) bool on their device; step a finite number > 0; max_samples an int in
+    [1, 2^24]. Returns (step, max_samples) as a float and an int."""
+    for name, value in (
+        ("origins", origins),
+        ("directions", directions),
+        ("t_start", t_start),
+        ("t_end", t_end),
+        ("offset", offset),
+        ("occupancy", occupancy),
+        ("box", box),
+    ):
+        check_tensor(op, name, value)
+    check_device(op, "origins", origins)
+    require(
+        origins.dtype in _FULL_DTYPES,
+        TypeError,
+        lambda: f"{op}: origins must be float32 or float64, got {origins.dtype}",
+    )
+    require(
+        origins.dim() == 2 and origins.shape[-1] == 3,
+        ValueError,
+        lambda: f"{op}: origins must have shape (B, 3), got {_shape(origins)}",
+    )
+    rays = origins.shape[0]
+    require(
+        directions.shape == origins.shape,
+        ValueError,
+        lambda: f"{op}: directions must have shape ({rays}, 3), got {_shape(directions)}",
+    )
+    check_same_device_and_dtype(op, "directions", directions, "origins", origins)
+    for name, value in (("t_start", t_start), ("t_end", t_end), ("offset", offset)):
+        require(
+            value.dim() == 1 and value.shape[0] == rays,
+            ValueError,
+            lambda name=name, value=value: f"{op}: {name} must have shape ({rays},), got {_shape(value)}",
+        )
+        check_same_device_and_dtype(op, name, value, "origins", origins)
+    require(box.shape == (2, 3), ValueError, lambda: f"{op}: box must have shape (2, 3), got {_shape(box)}")
+    check_same_device_and_dtype(op, "box", box, "origins", origins)
+    require(
+        occupancy.dim() == 3 and occupancy.numel() > 0,
+        ValueError,
+        lambda: f"{op}: occupancy must have shape (R0, R1, R2) with every R >= 1, got {_shape(occupancy)}",
+    )
+    require(occupancy.dtype == torch.bool, TypeError, lambda: f"{op}: occupancy must be bool, got {occupancy.dtype}")
+    require(
+        occupancy.device == origins.device,
+        ValueError,
+        lambda: f"{op}: occupancy and origins must be on the same device, got {occupancy.device} and {origins.device}",
+    )
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        raise TypeError(f"{op}: step must be a number, got {step!r} of type {type(step).__name__}")
+    if not 0.0 < step < float("inf"):
+        raise ValueError(f"{op}: step must be a finite number > 0, got {step}")
+    samples = check_int(op, "max_samples", max_samples)
+    if not 1 <= samples <= MAX_MARCH_SAMPLES:
+        raise ValueError(f"{op}: max_samples must be in [1, 2^24], got {samples}")
+    return float(step), samples

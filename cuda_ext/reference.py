@@ -18,6 +18,7 @@ __all__ = [
     "upsample_bilinear2d",
     "gelu",
     "volume_render",
+    "march_rays",
     "sparse_adam_step",
 ]
 
@@ -156,3 +157,32 @@ def sparse_adam_step(
         denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
         p.addcdiv_(m, denom, value=-(lr / bias_correction1))
         param[rows], exp_avg[rows], exp_avg_sq[rows] = p, m, v
+
+
+def march_rays(
+    origins: torch.Tensor,
+    directions: torch.Tensor,
+    t_start: torch.Tensor,
+    t_end: torch.Tensor,
+    offset: torch.Tensor,
+    occupancy: torch.Tensor,
+    box: torch.Tensor,
+    step: float,
+    max_samples: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed samples along rays where the occupancy grid is set (cuda_ext.march_rays' contract), with torch ops:
+    the dense (B, S) distances, (B, S, 3) box coordinates and keep-mask, compacted with nonzero() (one sync)."""
+    step, max_samples = _step_checks.check_march_inputs(
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples
+    )
+    k = torch.arange(max_samples, device=origins.device, dtype=origins.dtype)
+    t = t_start[:, None] + (k[None, :] + offset[:, None]) * step
+    world = origins[:, None, :] + t[..., None] * directions[:, None, :]
+    unit = (world - box[0]) * (2.0 / (box[1] - box[0])) - 1.0
+    s0, s1, s2 = occupancy.shape
+    c0, c1, c2 = (((unit[..., a] + 1) * (0.5 * s)).long().clamp(0, s - 1) for a, s in enumerate((s0, s1, s2)))
+    kept = (t < t_end[:, None]) & occupancy.reshape(-1)[(c0 * s1 + c1) * s2 + c2]
+    flat = kept.reshape(-1).nonzero().squeeze(1)
+    ray = torch.div(flat, max_samples, rounding_mode="floor")
+    ray_offsets = torch.searchsorted(ray, torch.arange(origins.shape[0] + 1, device=ray.device))
+    return ray, t.reshape(-1)[flat], unit.reshape(-1, 3)[flat], ray_offsets

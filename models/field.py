@@ -166,12 +166,6 @@ class OccupancyGrid(nn.Module):
             cells = F.max_pool3d(cells, kernel_size=2 * dilate + 1, stride=1, padding=dilate)
         self.mask = cells[0, 0] >= threshold
 
-    def lookup(self, unit_points: torch.Tensor) -> torch.Tensor:
-        """(N, 3) points in [-1, 1] -> (N,) bool: is the cell holding each point occupied (clamped at the border)."""
-        s0, s1, s2 = self.mask.shape  # python ints: no host-to-device copy on the hot path
-        c0, c1, c2 = (((unit_points[:, a] + 1) * (0.5 * s)).long().clamp(0, s - 1) for a, s in enumerate((s0, s1, s2)))
-        return self.mask.reshape(-1)[(c0 * s1 + c1) * s2 + c2]
-
     def occupied_fraction(self) -> float:
         """Share of occupied cells (a host sync: for logs, not the hot path)."""
         return float(self.mask.float().mean())

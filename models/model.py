@@ -32,19 +32,17 @@ from models.field import (
     grid_shape,
     optical_depth,
     resample_box,
-    to_unit,
     visible_box,
     voxel_size,
 )
 from models.ops import OpSet
 from models.render import (
+    PackedSamples,
     check_rays,
     checked_box,
     num_samples_per_ray,
-    pack,
     ray_box_intersect,
     survivors_and_weights,
-    uniform_samples,
 )
 
 
@@ -254,10 +252,11 @@ class VoxelNeRF(nn.Module):
         t_start, t_end = ray_box_intersect(origins, directions, self.bbox, self.near, self.far)
         if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
             jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
-        t, valid = uniform_samples(t_start, t_end, step, num_samples, jitter.reshape(num_rays, 1).to(origins.device))
-        points = to_unit(origins[:, None, :] + t[..., None] * directions[:, None, :], self.bbox)
-        valid = valid & self.occupancy.lookup(points.reshape(-1, 3)).reshape(valid.shape)
-        samples = pack(valid, t, points)
+        jitter = jitter.reshape(num_rays).to(origins.device, origins.dtype)
+        ray, t, points, offsets = self.ops.march_rays(
+            origins, directions, t_start, t_end, jitter, self.occupancy.mask, self.bbox, step, num_samples
+        )
+        samples = PackedSamples(ray, t, points)
 
         step_scale = step / self.base_voxel
         keep = None  # (N,) which samples are shaded (None: all)
@@ -271,6 +270,7 @@ class VoxelNeRF(nn.Module):
                 if c.early_termination > 0:
                     alive = alive.nonzero().squeeze(1)
                     samples, shows = samples.take(alive), shows[alive]
+                    offsets = torch.searchsorted(samples.ray, torch.arange(num_rays + 1, device=samples.ray.device))
                 keep = shows.nonzero().squeeze(1) if c.weight_threshold > 0 else None
         if self.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
             self.touched.mark_points(samples.points, self.grid_shape)
@@ -283,7 +283,6 @@ class VoxelNeRF(nn.Module):
             values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
         if keep is not None:  # skipped samples still attenuate the ray; their colour is zero
             values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
-        offsets = torch.searchsorted(samples.ray, torch.arange(num_rays + 1, device=samples.ray.device))
         colour, opacity, depth = self.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
         return {
             "diffuse": colour[:, :DIFFUSE_CHANNELS],

@@ -19,6 +19,7 @@ OP_NAMES = (
     "upsample_bilinear2d",
     "gelu",
     "volume_render",
+    "march_rays",
     "sparse_adam_step",
 )  # the config keys: functions of cuda_ext
 EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
@@ -33,6 +34,8 @@ class OpSet:
     - ``gelu(x, approximate="none") -> x.shape``
     - ``volume_render(optical_depth (N,), values (N,C), t (N,), ray_offsets (B+1,), early_stop) ->
       (values (B,C), opacity (B,), depth (B,))``
+    - ``march_rays(origins, directions (B,3), t_start, t_end, offset (B,), occupancy (R0,R1,R2) bool, box (2,3),
+      step, max_samples) -> (ray (N,), t (N,), points (N,3) in [-1,1], ray_offsets (B+1,))``
     - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``
       (the optimiser's, training.optim)
 
@@ -43,6 +46,7 @@ class OpSet:
     upsample_bilinear2d: Callable[..., torch.Tensor]
     gelu: Callable[..., torch.Tensor]
     volume_render: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    march_rays: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     sparse_adam_step: Callable[..., None]
     backends: dict[str, str] = field(default_factory=dict)
 

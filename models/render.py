@@ -2,9 +2,9 @@
 
 A batch of B rays is sampled uniformly inside the scene box (clipped to [near, far]); the samples that survive
 empty-space skipping and early termination are kept *packed*: flat tensors of N samples plus, for each, the
-index of its ray. Samples of a ray are contiguous and in order along the ray (``nonzero`` on a (B, S) mask
-returns them so), which lets the per-ray transmittance be a segmented cumulative sum computed as one global
-cumsum minus a per-ray offset, and the per-ray sums be one ``index_add``.
+index of its ray (``ops.march_rays`` writes them so). Samples of a ray are contiguous and in order along the
+ray, which lets the per-ray transmittance be a segmented cumulative sum computed as one global cumsum minus a
+per-ray offset, and the per-ray sums be one ``index_add``.
 
 Compositing (optical depth s_i = sigma_i * delta_i of sample i):
     T_i = exp(-sum_{j<i} s_j),  alpha_i = 1 - exp(-s_i),  w_i = T_i * alpha_i,
@@ -58,18 +58,6 @@ def num_samples_per_ray(extent: tuple[float, float, float], near: float, far: fl
     return max(1, min(cap, math.ceil(chord / step)))
 
 
-def uniform_samples(
-    t_start: torch.Tensor, t_end: torch.Tensor, step: float, num_samples: int, offset: torch.Tensor | float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distances (B, S) ``t_start + (k + offset) * step`` for k < S, and the (B, S) mask of those before t_end.
-
-    ``offset`` is (B, 1) uniform in [0, 1) for jittered training samples, or a float (0.5: interval midpoints).
-    """
-    k = torch.arange(num_samples, device=t_start.device, dtype=t_start.dtype)
-    t = t_start[:, None] + (k[None, :] + offset) * step
-    return t, t < t_end[:, None]
-
-
 @dataclass
 class PackedSamples:
     """N samples in ray order: ray (N,) int64 ray index, t (N,) distance, points (N, 3) in box coordinates."""
@@ -78,25 +66,12 @@ class PackedSamples:
     t: torch.Tensor
     points: torch.Tensor
 
-    def select(self, keep: torch.Tensor) -> PackedSamples:
-        """The samples where the (N,) bool ``keep`` is True (order kept; one host sync for the count)."""
-        return self.take(keep.nonzero().squeeze(1))
-
     def take(self, index: torch.Tensor) -> PackedSamples:
         """The samples at the (K,) increasing ``index`` (order kept)."""
         return PackedSamples(self.ray[index], self.t[index], self.points[index])
 
     def __len__(self) -> int:
         return self.ray.shape[0]
-
-
-def pack(mask: torch.Tensor, t: torch.Tensor, points: torch.Tensor) -> PackedSamples:
-    """Packed samples from a (B, S) keep-mask, (B, S) distances and (B, S, 3) points (one host sync)."""
-    num_samples = mask.shape[1]
-    flat = mask.reshape(-1).nonzero().squeeze(1)
-    return PackedSamples(
-        torch.div(flat, num_samples, rounding_mode="floor"), t.reshape(-1)[flat], points.reshape(-1, 3)[flat]
-    )
 
 
 def exclusive_segment_cumsum(values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
@@ -147,9 +122,7 @@ __all__ = [
     "checked_box",
     "ray_box_intersect",
     "num_samples_per_ray",
-    "uniform_samples",
     "PackedSamples",
-    "pack",
     "exclusive_segment_cumsum",
     "survivors_and_weights",
     "compositing_weights",

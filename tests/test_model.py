@@ -39,6 +39,7 @@ TORCH_OPS = {
     "upsample_bilinear2d": "torch",
     "gelu": "torch",
     "volume_render": "torch",
+    "march_rays": "torch",
     "sparse_adam_step": "torch",
 }
 
@@ -95,6 +96,7 @@ def test_build_ops_maps_each_key_to_its_backend():
             "upsample_bilinear2d": "torch",
             "gelu": "custom",
             "volume_render": "custom",
+            "march_rays": "custom",
             "sparse_adam_step": "custom",
         }
     )
@@ -106,6 +108,7 @@ def test_build_ops_maps_each_key_to_its_backend():
         "upsample_bilinear2d": "torch",
         "gelu": "custom",
         "volume_render": "custom",
+        "march_rays": "custom",
         "sparse_adam_step": "custom",
     }
 
@@ -568,6 +571,7 @@ def test_custom_ops_match_torch_ops():
             "upsample_bilinear2d": "custom",
             "gelu": "custom",
             "volume_render": "custom",
+            "march_rays": "custom",
             "sparse_adam_step": "custom",
         }
     )

@@ -45,6 +45,7 @@ def test_references_and_ops_torch_need_no_build(tmp_path):
         "upsample_bilinear2d": "torch",
         "gelu": "torch",
         "volume_render": "torch",
+        "march_rays": "torch",
         "sparse_adam_step": "torch",
     }
 

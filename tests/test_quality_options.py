@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ CUSTOM_OPS = {
     "upsample_bilinear2d": "custom",
     "gelu": "custom",
     "volume_render": "custom",
+    "march_rays": "custom",
     "sparse_adam_step": "custom",
 }
 
@@ -53,18 +55,17 @@ def test_per_sample_shading_starts_as_composited_sigmoid_colour():
     origins, directions = rays_towards_centre(64)
     out = model.render_rays(origins, directions)
     # brute force: the same samples, sigmoid of the first three feature channels (the residual starts at zero)
-    from models.render import (
-        num_samples_per_ray,
-        pack,
-        ray_box_intersect,
-        uniform_samples,
-    )
+    from cuda_ext.reference import march_rays
+    from models.render import num_samples_per_ray, ray_box_intersect
 
     step = model.step_size
     count = num_samples_per_ray(model.extent, NEAR, model.far, step, model.config.max_samples)
     t_start, t_end = ray_box_intersect(origins, directions, model.bbox, NEAR, model.far)
-    t, valid = uniform_samples(t_start, t_end, step, count, 0.5)
-    samples = pack(valid, t, to_unit(origins[:, None] + t[..., None] * directions[:, None], model.bbox))
+    everywhere = torch.ones(1, 1, 1, dtype=torch.bool)  # every sample between t_start and t_end
+    ray, t, points, _ = march_rays(
+        origins, directions, t_start, t_end, torch.full((64,), 0.5), everywhere, model.bbox, step, count
+    )
+    samples = SimpleNamespace(ray=ray, t=t, points=points)
     sigma = optical_depth(
         model.density(samples.points, model.ops)[:, 0], model.config.density_shift, step / model.base_voxel
     )

@@ -30,6 +30,7 @@ class OpsConfig:
     upsample_bilinear2d: str = "custom"  # the deferred decoder's feature upsampling
     gelu: str = "custom"  # the decoder's activation
     volume_render: str = "custom"  # compositing of packed samples into colour, opacity, depth
+    march_rays: str = "custom"  # packed samples along the rays, empty space skipped
     sparse_adam_step: str = "custom"  # train.sparse_adam's update of the touched voxels
     trilinear: Optional[str] = None  # earlier name of grid_interpolate (set: overrides it)
     upsample: Optional[str] = None  # earlier name of upsample_bilinear2d (set: overrides it)

@@ -14,10 +14,14 @@ What each part must move or compute, per step (counted while profiling):
   of them would be a guess; the floor is therefore a lower bound, and a loose one for scattered points.
 - ``decoder`` forward: 2 * N * sum(in * out) FLOPs of its linear layers for N inputs (the GELUs and the
   encoding are elementwise, cheaper).
+- ``march_rays``: the rays in (origins, directions, t_start, t_end, offset) and the packed samples out (ray
+  index, t, box coordinates) with the ray offsets. The occupancy cells it reads are left out, as the corners
+  above; the reference's dense (B, S) tensors are what the op avoids, so they are not counted either.
 - ``optimizer``: dense Adam reads the parameters, gradients and both moments and writes the parameters and
   both moments: 7 * 4 bytes per float32 value (sparse Adam: no floor, its row count is data).
 
-Parts without a floor (marching, compositing, the backward as a whole) report none.
+Parts without a floor (the no-grad pass that picks the shaded samples, compositing, the backward as a whole)
+report none.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ _NO_OP = contextlib.nullcontext()
 REPORT_PARTS = (
     ("sampling", "draw the batch of rays / patches"),
     ("grid_interpolate", "ops.grid_interpolate forward (density and feature grids)"),
-    ("rendering", "ray marching, occupancy, compositing (forward minus lookup, upsample, decoder)"),
+    ("march_rays", "ops.march_rays: packed samples along the rays, empty space skipped"),
+    ("rendering", "sample selection and compositing (forward minus marching, lookup, upsample, decoder)"),
     ("upsample_bilinear2d", "ops.upsample_bilinear2d forward"),
     ("decoder", "decoder MLP forward (its GELUs included)"),
     ("regularization", "total-variation forward"),
@@ -93,9 +94,19 @@ class StepProfiler:
 
         return counted
 
+    def _counted_march(self, march: Callable) -> Callable:
+        def counted(origins: torch.Tensor, *args) -> tuple:
+            ray, t, points, offsets = out = march(origins, *args)
+            size = origins.element_size()
+            rays_in = origins.shape[0] * 9 * size  # origins, directions (3 each), t_start, t_end, offset
+            self.count("march_rays", bytes=rays_in + ray.numel() * (8 + 4 * size) + offsets.numel() * 8)
+            return out
+
+        return counted
+
     def instrument_ops(self, ops: OpSet) -> OpSet:
-        """An OpSet whose forward calls are timed (grid_interpolate, upsample_bilinear2d, gelu) and the lookup's
-        traffic counted; as is when off."""
+        """An OpSet whose forward calls are timed (grid_interpolate, upsample_bilinear2d, gelu, march_rays) and
+        the lookup's and the marching's traffic counted; as is when off."""
         if not self.enabled:
             return ops
         return dataclasses.replace(
@@ -103,6 +114,7 @@ class StepProfiler:
             grid_interpolate=self.wrap("grid_interpolate", self._counted_lookup(ops.grid_interpolate)),
             upsample_bilinear2d=self.wrap("upsample_bilinear2d", ops.upsample_bilinear2d),
             gelu=self.wrap("gelu", ops.gelu),
+            march_rays=self.wrap("march_rays", self._counted_march(ops.march_rays)),
         )
 
     def instrument_module(self, module: nn.Module, name: str) -> None:
@@ -136,7 +148,12 @@ class StepProfiler:
         parts = {
             "sampling": t["sampling"],
             "grid_interpolate": t["grid_interpolate"],
-            "rendering": t["forward"] - t["grid_interpolate"] - t["upsample_bilinear2d"] - t["decoder"],
+            "march_rays": t["march_rays"],
+            "rendering": t["forward"]
+            - t["march_rays"]
+            - t["grid_interpolate"]
+            - t["upsample_bilinear2d"]
+            - t["decoder"],
             "upsample_bilinear2d": t["upsample_bilinear2d"],
             "decoder": t["decoder"],
             "regularization": t["regularization"],

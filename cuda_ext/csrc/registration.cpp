@@ -39,6 +39,9 @@ TORCH_LIBRARY(cuda_ext, m) {
       "Tensor values, Tensor t, Tensor ray_offsets, Tensor out, Tensor opacity, Tensor depth, float early_stop) "
       "-> (Tensor, Tensor)");
   m.def(
+      "march_rays(Tensor origins, Tensor directions, Tensor t_start, Tensor t_end, Tensor offset, "
+      "Tensor occupancy, Tensor box, float step, int max_samples) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "sparse_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
       "int step, float lr, float beta1, float beta2, float eps) -> ()");
 }
@@ -54,6 +57,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("gelu_backward", &cuda_ext::gelu_backward_cpu);
   m.impl("volume_render", &cuda_ext::volume_render_cpu);
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cpu);
+  m.impl("march_rays", &cuda_ext::march_rays_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
 }
 
@@ -69,6 +73,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("gelu_backward", &cuda_ext::gelu_backward_cuda);
   m.impl("volume_render", &cuda_ext::volume_render_cuda);
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cuda);
+  m.impl("march_rays", &cuda_ext::march_rays_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
 }
 #endif

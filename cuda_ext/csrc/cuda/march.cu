@@ -1,0 +1,112 @@
+// march_rays on CUDA: one warp per ray, two passes (march.h has the sample math).
+//
+// Each pass walks the ray in chunks of 32 consecutive samples, one per lane: a ballot of the kept samples
+// gives the chunk's count (first pass) and, through the lanes below, each kept sample's slot (second pass),
+// so the samples come out in order along the ray with no atomics, and 32 lanes write 32 neighbouring slots.
+// A ray stops at the first chunk that reaches t_end. Between the passes an inclusive sum of the counts gives
+// the ray offsets, and one device-to-host copy of the total sizes the outputs (the op's only sync, where
+// nonzero() on a dense (B, S) mask had one too).
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "march.h"
+#include "ops.h"
+
+namespace cuda_ext {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kBlockThreads = 256;
+constexpr unsigned kAll = 0xffffffffu;
+
+struct GridShape {
+  int64_t cells[3];
+};
+
+template <typename scalar_t>
+struct MarchArgs {
+  const scalar_t *origins, *directions, *t_start, *t_end, *offset, *box;
+  const bool* occupied;
+  GridShape shape;
+  scalar_t step;
+  int64_t max_samples, rays;
+};
+
+// kWrite false: counts[b] = ray b's kept samples. kWrite true: its samples at [offsets[b], offsets[b + 1]).
+template <typename scalar_t, bool kWrite>
+__global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t> args, int64_t* counts_or_offsets,
+                                                              int64_t* out_ray, scalar_t* out_t, scalar_t* out_points) {
+  const int64_t b = (static_cast<int64_t>(blockIdx.x) * kBlockThreads + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (b >= args.rays) return;  // b is the same for the whole warp
+  const MarchRay<scalar_t> ray(args.origins + 3 * b, args.directions + 3 * b, args.box, args.shape.cells,
+                               args.t_start[b], args.t_end[b], args.offset[b], args.step);
+  int64_t slot = kWrite ? counts_or_offsets[b] : 0;
+  for (int64_t first = 0; first < args.max_samples; first += kWarp) {
+    const int64_t k = first + lane;
+    const scalar_t t = ray.distance(k);
+    const bool inside = k < args.max_samples && t < ray.t_end;
+    scalar_t unit[3];
+    const bool kept = inside && __ldg(args.occupied + ray.locate(t, unit));
+    const unsigned kept_lanes = __ballot_sync(kAll, kept);
+    if (kWrite && kept) {
+      const int64_t i = slot + __popc(kept_lanes & ((1u << lane) - 1u));
+      out_ray[i] = b;
+      out_t[i] = t;
+#pragma unroll
+      for (int a = 0; a < 3; ++a) out_points[3 * i + a] = unit[a];
+    }
+    slot += __popc(kept_lanes);
+    if (__ballot_sync(kAll, inside) != kAll) break;  // t grows with k: the rest of the ray is past t_end
+  }
+  if (!kWrite && lane == 0) counts_or_offsets[b] = slot;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
+    const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples) {
+  check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, at::kCUDA);
+  const c10::cuda::CUDAGuard device_guard(origins.device());
+  const auto o = origins.contiguous(), d = directions.contiguous(), t0 = t_start.contiguous(), t1 = t_end.contiguous(),
+             off = offset.contiguous(), grid = occupancy.contiguous(), bx = box.contiguous();
+  const int64_t rays = o.size(0);
+  at::Tensor ray_offsets = at::zeros({rays + 1}, o.options().dtype(at::kLong));
+  at::Tensor ray_index, t, points;
+  AT_DISPATCH_FLOATING_TYPES(o.scalar_type(), "march_rays_cuda", [&] {
+    MarchArgs<scalar_t> args{o.const_data_ptr<scalar_t>(),
+                             d.const_data_ptr<scalar_t>(),
+                             t0.const_data_ptr<scalar_t>(),
+                             t1.const_data_ptr<scalar_t>(),
+                             off.const_data_ptr<scalar_t>(),
+                             bx.const_data_ptr<scalar_t>(),
+                             grid.const_data_ptr<bool>(),
+                             GridShape{{grid.size(0), grid.size(1), grid.size(2)}},
+                             static_cast<scalar_t>(step),
+                             max_samples,
+                             rays};
+    const int64_t blocks = (rays * kWarp + kBlockThreads - 1) / kBlockThreads;
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    if (rays > 0) {
+      march_kernel<scalar_t, false>
+          <<<blocks, kBlockThreads, 0, stream>>>(args, ray_offsets.data_ptr<int64_t>() + 1, nullptr, nullptr, nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      ray_offsets.narrow(0, 1, rays).cumsum_(0);
+    }
+    const int64_t total = ray_offsets[rays].item<int64_t>();  // the sync: the outputs' size
+    ray_index = at::empty({total}, ray_offsets.options());
+    t = at::empty({total}, o.options());
+    points = at::empty({total, 3}, o.options());
+    if (total > 0) {
+      march_kernel<scalar_t, true>
+          <<<blocks, kBlockThreads, 0, stream>>>(args, ray_offsets.data_ptr<int64_t>(), ray_index.data_ptr<int64_t>(),
+                                                 t.data_ptr<scalar_t>(), points.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {ray_index, t, points, ray_offsets};
+}
+
+}  // namespace cuda_ext

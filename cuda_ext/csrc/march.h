@@ -1,0 +1,107 @@
+// march_rays: uniform samples along rays, kept where the occupancy grid says the space is not empty, written
+// packed (ray by ray, in order along each ray) without the dense (B, S) sample tensor and mask. Argument
+// checks and the per-sample math shared by the CPU kernel (cpu/march.cpp) and the CUDA kernel
+// (cuda/march.cu).
+//
+// Sample k < max_samples of ray b sits at t_k = t_start_b + (k + offset_b) * step and is kept when
+// t_k < t_end_b and the occupancy cell holding its box coordinates u = (o + t_k d - lo) * (2 / (hi - lo)) - 1
+// is set; the cell along axis a is trunc((u_a + 1) * (0.5 * R_a)) clamped to [0, R_a - 1]. Every operation
+// is rounded separately, in the order written (no fused multiply-add), so the samples are bit for bit those
+// of the PyTorch reference (cuda_ext.reference.march_rays), which evaluates the same formulas one tensor op
+// at a time.
+#pragma once
+
+#include "kernel_common.h"
+
+namespace cuda_ext {
+
+// Separately rounded arithmetic: under nvcc the intrinsics stop the compiler from contracting a * b + c into
+// an FMA (which would round once and move samples across cell borders); the C++ build is compiled with
+// -ffp-contract=off.
+#if defined(__CUDA_ARCH__)
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+#else
+template <typename T>
+inline T mul_rn(T a, T b) {
+  return a * b;
+}
+template <typename T>
+inline T add_rn(T a, T b) {
+  return a + b;
+}
+#endif
+
+// One ray's constants: origin, direction, the box's low corner and 2 / (hi - lo), the grid's half sizes.
+template <typename T>
+struct MarchRay {
+  T origin[3], direction[3], low[3], scale[3], half_cells[3];
+  T t_start, t_end, offset, step;
+  int64_t cells[3];
+
+  CUDA_EXT_HOST_DEVICE MarchRay(const T* o, const T* d, const T* box, const int64_t* shape, T t0, T t1, T off, T dt)
+      : t_start(t0), t_end(t1), offset(off), step(dt) {
+    for (int a = 0; a < 3; ++a) {
+      origin[a] = o[a];
+      direction[a] = d[a];
+      low[a] = box[a];
+      scale[a] = T(2) / add_rn(box[3 + a], -box[a]);
+      cells[a] = shape[a];
+      half_cells[a] = T(0.5 * static_cast<double>(shape[a]));
+    }
+  }
+
+  CUDA_EXT_HOST_DEVICE T distance(int64_t k) const { return add_rn(t_start, mul_rn(add_rn(T(k), offset), step)); }
+
+  // Box coordinates of the point at distance t, and the flat index of its occupancy cell.
+  CUDA_EXT_HOST_DEVICE int64_t locate(T t, T* unit) const {
+    int64_t index = 0;
+    for (int a = 0; a < 3; ++a) {
+      const T world = add_rn(origin[a], mul_rn(t, direction[a]));
+      unit[a] = add_rn(mul_rn(add_rn(world, -low[a]), scale[a]), T(-1));
+      T cell = mul_rn(add_rn(unit[a], T(1)), half_cells[a]);
+      const T last = static_cast<T>(cells[a] - 1);
+      cell = cell > T(0) ? (cell < last ? cell : last) : T(0);  // NaN -> 0, as clamp(long(NaN)) in the reference
+      index = index * cells[a] + static_cast<int64_t>(cell);
+    }
+    return index;
+  }
+};
+
+inline void check_march_inputs(const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start,
+                               const at::Tensor& t_end, const at::Tensor& offset, const at::Tensor& occupancy,
+                               const at::Tensor& box, double step, int64_t max_samples, at::DeviceType device) {
+  const char* op = "march_rays";
+  TORCH_CHECK(origins.dim() == 2 && origins.size(1) == 3, op, ": origins must have shape (B, 3), got ",
+              origins.sizes());
+  const int64_t rays = origins.size(0);
+  check_device_type(origins, "origins", device, op);
+  TORCH_CHECK(origins.scalar_type() == at::kFloat || origins.scalar_type() == at::kDouble, op,
+              ": origins must be float32 or float64, got ", origins.scalar_type());
+  TORCH_CHECK(directions.sizes() == origins.sizes(), op, ": directions must have shape (", rays, ", 3), got ",
+              directions.sizes());
+  check_same_device_and_dtype(directions, origins, op, "directions", "origins");
+  const std::pair<const at::Tensor*, const char*> per_ray[] = {
+      {&t_start, "t_start"}, {&t_end, "t_end"}, {&offset, "offset"}};
+  for (const auto& [tensor, name] : per_ray) {
+    TORCH_CHECK(tensor->dim() == 1 && tensor->size(0) == rays, op, ": ", name, " must have shape (", rays, ",), got ",
+                tensor->sizes());
+    check_same_device_and_dtype(*tensor, origins, op, name, "origins");
+  }
+  TORCH_CHECK(box.dim() == 2 && box.size(0) == 2 && box.size(1) == 3, op, ": box must have shape (2, 3), got ",
+              box.sizes());
+  check_same_device_and_dtype(box, origins, op, "box", "origins");
+  TORCH_CHECK(occupancy.dim() == 3 && occupancy.numel() > 0, op,
+              ": occupancy must have shape (R0, R1, R2) with every R >= 1, got ", occupancy.sizes());
+  TORCH_CHECK(occupancy.scalar_type() == at::kBool, op, ": occupancy must be bool, got ", occupancy.scalar_type());
+  TORCH_CHECK(occupancy.device() == origins.device(), op, ": occupancy and origins must be on the same device, got ",
+              occupancy.device(), " and ", origins.device());
+  TORCH_CHECK(step > 0.0 && step < std::numeric_limits<double>::infinity(), op,
+              ": step must be a finite number > 0, got ", step);
+  TORCH_CHECK(max_samples >= 1 && max_samples <= (int64_t{1} << 24), op, ": max_samples must be in [1, 2^24], got ",
+              max_samples);
+}
+
+}  // namespace cuda_ext
