@@ -7,7 +7,7 @@
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate.py only
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
-#             benchmarks
+#             benchmarks; bench-march: march_rays' alone
 # model-tests: tests/test_model.py (the model's CUDA paths: the bfloat16 decoder)
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md; bench-grid: the grid op only
 # train:      the default `python train.py` (built-in scene), custom ops then ops=torch, timed
@@ -79,6 +79,7 @@ for s in "${stages[@]}"; do
         --json "$OUT/bench_render.json" --markdown "$OUT/bench_render.md"
       stage bench_adam python3 bench/bench_sparse_adam.py
       stage bench_march python3 bench/bench_march.py --json "$OUT/bench_march.json" ;;
+    bench-march) stage bench_march python3 bench/bench_march.py --json "$OUT/bench_march.json" ;;
     bench) stage bench python3 bench/bench_ops.py --device cuda --size full --json "$OUT/bench.json" --markdown "$OUT/bench.md" ;;
     bench-grid) stage bench_grid python3 bench/bench_ops.py --device cuda --size full --ops grid \
       --json "$OUT/bench_grid.json" --markdown "$OUT/bench_grid.md" ;;
