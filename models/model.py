@@ -40,6 +40,7 @@ from models.render import (
     PackedSamples,
     check_rays,
     checked_box,
+    compact,
     num_samples_per_ray,
     ray_box_intersect,
     survivors_and_weights,
@@ -266,12 +267,13 @@ class VoxelNeRF(nn.Module):
             with torch.no_grad():
                 depth = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
                 alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
-                shows = weights > c.weight_threshold
+                shows = (weights > c.weight_threshold) & alive
+                alive_count, shown_count = torch.stack([alive.sum(), shows.sum()]).tolist()  # the pass's one sync
                 if c.early_termination > 0:
-                    alive = alive.nonzero().squeeze(1)
-                    samples, shows = samples.take(alive), shows[alive]
+                    index = compact(alive, alive_count)
+                    samples, shows = samples.take(index), shows[index]
                     offsets = torch.searchsorted(samples.ray, torch.arange(num_rays + 1, device=samples.ray.device))
-                keep = shows.nonzero().squeeze(1) if c.weight_threshold > 0 else None
+                keep = compact(shows, shown_count) if c.weight_threshold > 0 else None
         if self.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
             self.touched.mark_points(samples.points, self.grid_shape)
         sigma_delta = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)

@@ -74,6 +74,15 @@ class PackedSamples:
         return self.ray.shape[0]
 
 
+def compact(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The (count,) increasing indices of the True entries of the (N,) bool ``mask``, whose number ``count`` the
+    caller already has on the host: nonzero() without its device sync (a cumsum and a scatter; the unselected
+    entries all land in one spare slot that is dropped)."""
+    slot = torch.where(mask, torch.cumsum(mask, 0) - 1, count)
+    index = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
+    return index.scatter_(0, slot, torch.arange(mask.shape[0], device=mask.device))[:count]
+
+
 def exclusive_segment_cumsum(values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
     """(N,) per-ray exclusive prefix sums of ``values`` for samples grouped contiguously by ray (N,).
 
@@ -125,6 +134,7 @@ __all__ = [
     "PackedSamples",
     "exclusive_segment_cumsum",
     "survivors_and_weights",
+    "compact",
     "compositing_weights",
     "transmittance_above",
     "accumulate",

@@ -164,6 +164,18 @@ def test_the_model_marches_the_same_samples_with_either_backend():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fraction", [0.0, 0.03, 0.5, 1.0])
+def test_compact_equals_nonzero_without_a_sync(device, fraction):
+    """models.render.compact: the model's sample selection after marching (early termination, shaded samples)."""
+    from models.render import compact
+
+    generator = torch.Generator().manual_seed(8)
+    mask = (torch.rand(10_001, generator=generator) < fraction).to(device)
+    count = int(mask.sum())
+    assert torch.equal(compact(mask, count), mask.nonzero().squeeze(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_opcheck(device, dtype):
     args = scene(50, dtype=dtype, device=device, seed=6)
