@@ -12,6 +12,8 @@
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md; bench-grid: the grid op only
 # train:      the default `python train.py` (built-in scene), custom ops then ops=torch, timed
 # lego:       the shipped blender experiment on $LEGO (default ../shared/data/lego_400 or ./lego_400)
+# torchrun1:  a short lego run ($SHORT_ITERS, default 2000 steps) under torchrun --nproc_per_node=1 (the NCCL
+#             path on one GPU), then the same run without torchrun
 # lego-torch: the same with ops=torch; lego-in-order: with CUDA_EXT_GRID_REORDER=off
 # profile:    1000 lego steps at the final grid with train.profile=true (where a steady-state step's time goes)
 # viewer:     bench/viewer_throughput.py on the shipped lego config: viewer off / on with a still / moving
@@ -89,6 +91,11 @@ for s in "${stages[@]}"; do
     lego) stage lego python3 train.py +experiment=blender data.root="$LEGO" hydra.run.dir="$OUT/lego" ;;
     lego-in-order) stage lego_in_order env CUDA_EXT_GRID_REORDER=off python3 train.py +experiment=blender \
       data.root="$LEGO" hydra.run.dir="$OUT/lego_in_order" ;;
+    torchrun1) stage torchrun1 python3 -m torch.distributed.run --standalone --nproc_per_node=1 train.py \
+      +experiment=blender data.root="$LEGO" train.iters="${SHORT_ITERS:-2000}" train.eval_final_views=8 \
+      train.turntable_frames=0 hydra.run.dir="$OUT/torchrun1"
+      stage plain1 python3 train.py +experiment=blender data.root="$LEGO" train.iters="${SHORT_ITERS:-2000}" \
+      train.eval_final_views=8 train.turntable_frames=0 hydra.run.dir="$OUT/plain1" ;;
     lego-torch) stage lego_torch python3 train.py +experiment=blender data.root="$LEGO" ops=torch hydra.run.dir="$OUT/lego_torch" ;;
     grid-channels) stage grid_channels python3 bench/bench_ops.py --device cuda --size full --ops grid \
       --variants custom,custom-in-order,builtin --grid-channels "${GRID_CHANNELS:-1,3,4,7,12,16,24,32}" --budget-s 1 \
