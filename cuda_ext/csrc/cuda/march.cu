@@ -27,7 +27,7 @@ struct GridShape {
 template <typename scalar_t>
 struct MarchArgs {
   const scalar_t *origins, *directions, *t_start, *t_end, *offset, *box;
-  const bool* occupied;
+  const unsigned char* occupied;  // bool cells, read as bytes (__ldg has no bool overload)
   GridShape shape;
   scalar_t step;
   int64_t max_samples, rays;
@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
     const scalar_t t = ray.distance(k);
     const bool inside = k < args.max_samples && t < ray.t_end;
     scalar_t unit[3];
-    const bool kept = inside && __ldg(args.occupied + ray.locate(t, unit));
+    const bool kept = inside && __ldg(args.occupied + ray.locate(t, unit)) != 0;
     const unsigned kept_lanes = __ballot_sync(kAll, kept);
     if (kWrite && kept) {
       const int64_t i = slot + __popc(kept_lanes & ((1u << lane) - 1u));
@@ -82,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
                              t1.const_data_ptr<scalar_t>(),
                              off.const_data_ptr<scalar_t>(),
                              bx.const_data_ptr<scalar_t>(),
-                             grid.const_data_ptr<bool>(),
+                             reinterpret_cast<const unsigned char*>(grid.const_data_ptr<bool>()),
                              GridShape{{grid.size(0), grid.size(1), grid.size(2)}},
                              static_cast<scalar_t>(step),
                              max_samples,
