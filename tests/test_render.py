@@ -113,6 +113,29 @@ def test_every_output_is_written_on_cuda(poison_cuda_cache):
         assert torch.isfinite(tensor).all()
 
 
+@pytest.mark.requires_cuda
+def test_samples_in_no_ray_get_zero_gradients_on_cuda(poison_cuda_cache):
+    """Offsets that leave samples before the first ray or after the last one are invalid (the CPU op refuses
+    them; CUDA does not check, that would be a host sync): the CUDA backward still writes zeros there, not
+    whatever its output memory held, and the rays' own gradients equal the CPU kernel's on the same rays."""
+    sd, values, t, offsets = packed(COUNTS * 20, 12, dtype=torch.float64, device="cuda", seed=9)
+    inner = offsets.clone()
+    inner[0], inner[-1] = 3, offsets[-1] - 4  # the first 3 and the last 4 samples are in no ray
+    sd.requires_grad_()
+    values.requires_grad_()
+    out, opacity, depth = torch.ops.cuda_ext.volume_render(sd, values, t, inner, 0.0)
+    poison_cuda_cache()
+    (out.sum() + opacity.sum() + depth.sum()).backward()
+    for grad in (sd.grad, values.grad):
+        assert torch.equal(grad[:3], torch.zeros_like(grad[:3])) and torch.equal(grad[-4:], torch.zeros_like(grad[-4:]))
+    n = sd.shape[0]
+    cpu = [x.detach().cpu()[3 : n - 4].requires_grad_() for x in (sd, values)]
+    cpu_out = cuda_ext.volume_render(cpu[0], cpu[1], t.cpu()[3 : n - 4], (inner - 3).cpu().clamp(max=n - 7), 0.0)
+    (cpu_out[0].sum() + cpu_out[1].sum() + cpu_out[2].sum()).backward()
+    torch.testing.assert_close(sd.grad[3 : n - 4].cpu(), cpu[0].grad)
+    torch.testing.assert_close(values.grad[3 : n - 4].cpu(), cpu[1].grad)
+
+
 @pytest.mark.parametrize(
     "change, error, match",
     [
