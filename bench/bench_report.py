@@ -128,10 +128,10 @@ TARGETS = (
     ),
     *(
         Target(
-            f"volume_render {phase} >= 60% of copy BW, C={c} B=8192",
+            f"volume_render {phase} >= 60% of copy BW, C={c} B=1048576",
             "cuda",
             "volume_render",
-            f"C={c} B=8192",
+            f"C={c} B=1048576",
             lambda g, phase=phase: g("custom", f"{phase}_pct_copy"),
             60,
             unit="%",
