@@ -284,17 +284,19 @@ def test_profile_writes_a_breakdown(tmp_path, scene_cache):
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["steps"] == 6 and report["step_ms"] > 0 and report["rays_per_second"] > 0
     parts = report["per_step_ms"]
-    assert {"grid_interpolate", "rendering", "decoder", "loss_backward", "optimizer"} <= set(parts)
+    assert {"grid_interpolate", "march_rays", "rendering", "decoder", "loss_backward", "optimizer"} <= set(parts)
     assert parts["grid_interpolate"] > 0 and parts["decoder"] > 0 and parts["loss_backward"] > 0
+    assert parts["march_rays"] > 0
     assert sum(report["share"].values()) == pytest.approx(1.0)
     assert "profile over 6 steps" in result.stdout
     # floors: what each counted part must move or compute, at this device's measured copy and matmul rates
     assert report["device_limits"]["copy_gbps"] > 0 and report["device_limits"]["matmul_tflops"] > 0
-    assert {"grid_interpolate", "decoder", "optimizer"} <= set(report["floor_ms"])
+    assert {"grid_interpolate", "march_rays", "decoder", "optimizer"} <= set(report["floor_ms"])
     assert all(v > 0 for v in report["floor_ms"].values()) and all(v > 0 for v in report["floor_share"].values())
     work = report["work_per_step"]
     assert work["optimizer"]["bytes"] > 0  # dense Adam: 7 float32 accesses per value (the grid grows: a mean)
     assert work["grid_interpolate"]["bytes"] > 0 and work["decoder"]["flops"] > 0
+    assert work["march_rays"]["bytes"] > 0  # rays in, packed samples out
     assert "floors at" in result.stdout
 
 
