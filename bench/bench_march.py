@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_timing import Timer, device_name, measure_copy  # noqa: E402
+from bench_timing import Timer, device_name, measure_copy, write_report  # noqa: E402
 
 import cuda_ext  # noqa: E402
 from cuda_ext import reference  # noqa: E402
@@ -127,10 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             f"{r['variant']:28s} {r['samples']:>10d} samples  {r['ms']:9.3f} ms  {r['GBps']:8.1f} GB/s  "
             f"{r['pct_copy']:5.1f}% copy{speedup}"
         )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"JSON: {args.json}")
+    write_report(report, args.json)
     return report
 
 

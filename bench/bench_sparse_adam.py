@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_timing import Timer, cache_bytes, device_name, measure_copy, rotation_sets  # noqa: E402
+from bench_timing import Timer, cache_bytes, device_name, measure_copy, rotation_sets, write_report  # noqa: E402
 
 import cuda_ext  # noqa: E402
 
@@ -150,10 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             f"{r['variant']:20s} {r['fraction']:6.1%} {r['rows']:>10d} rows  {r['ms']:9.3f} ms  "
             f"{r['GBps']:8.1f} GB/s  {r['pct_copy']:5.1f}% copy{speedup}"
         )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"JSON: {args.json}")
+    write_report(report, args.json)
     return report
 
 

@@ -3,11 +3,13 @@ against, and how many input sets defeat the cache."""
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -101,3 +103,12 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def write_report(report: dict, path: Path | None) -> None:
+    """Write the report as JSON to ``path`` (folders made as needed) and say where; nothing when None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"JSON: {path}")

@@ -6,6 +6,10 @@ without them the test is reported as skipped (never as passed).
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,6 +35,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     for item in items:
         if "requires_cuda" in item.keywords:
             item.add_marker(skip)
+
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def load_bench():
+    """``load_bench(name)``: bench/<name>.py loaded as a module, registered in sys.modules until the test module
+    ends (dataclasses resolve their annotations through sys.modules)."""
+    loaded: list[str] = []
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        loaded.append(name)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    for name in loaded:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture

@@ -4,28 +4,18 @@ Speed is never asserted here: only that every measurement is made, recorded and 
 failing op is recorded as an error while the rest of the run goes on.
 """
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import cuda_ext
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_ops.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_ops", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def bench(load_bench):
+    return load_bench("bench_ops")
 
 
 def _positive(x) -> bool:

@@ -3,10 +3,7 @@ for bit, against a per-sample loop, CPU against CUDA, poisoned outputs, edge cas
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +14,6 @@ from cuda_ext import reference
 requires_cuda = pytest.mark.requires_cuda
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 DTYPES = [torch.float32, torch.float64]
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_march.py"
 
 
 def scene(rays: int, dtype=torch.float64, device="cpu", seed=0, cells=(17, 23, 19), occupied=0.4, step=0.013):
@@ -247,18 +243,11 @@ def test_cuda_rejects_a_cpu_occupancy_grid():
 # --------------------------------------------------------------------------------------------------- bench
 
 
-def test_bench_smoke_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_march", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        out = tmp_path / "march.json"
-        report = module.main(
-            ["--device", "cpu", "--rays", "256", "--repeats", "2", "--budget-s", "0.1", "--json", str(out)]
-        )
-    finally:
-        del sys.modules[spec.name]
+def test_bench_smoke_cpu(tmp_path, load_bench):
+    out = tmp_path / "march.json"
+    report = load_bench("bench_march").main(
+        ["--device", "cpu", "--rays", "256", "--repeats", "2", "--budget-s", "0.1", "--json", str(out)]
+    )
     assert out.exists()
     assert [r["variant"] for r in report["results"]] == ["reference (dense + nonzero)", "march_rays op"]
     for r in report["results"]:

@@ -3,10 +3,6 @@ touched, nothing at all on the rest; kernels vs the reference; CUDA layouts; opc
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,7 +13,6 @@ from training.optim import SparseGridAdam
 requires_cuda = pytest.mark.requires_cuda
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 HYPER = {"lr": 0.05, "betas": (0.9, 0.99), "eps": 1e-8}
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_sparse_adam.py"
 
 
 def state(m: int, c: int, dtype=torch.float64, device="cpu", seed=0):
@@ -310,18 +305,11 @@ def test_cpp_rejects_out_of_range_rows_before_writing():
 # --------------------------------------------------------------------------------------------------- bench
 
 
-def test_bench_smoke_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_sparse_adam", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        out = tmp_path / "adam.json"
-        report = module.main(
-            ["--device", "cpu", "--size", "8", "--repeats", "2", "--budget-s", "0.1", "--json", str(out)]
-        )
-    finally:
-        del sys.modules[spec.name]
+def test_bench_smoke_cpu(tmp_path, load_bench):
+    out = tmp_path / "adam.json"
+    report = load_bench("bench_sparse_adam").main(
+        ["--device", "cpu", "--size", "8", "--repeats", "2", "--budget-s", "0.1", "--json", str(out)]
+    )
     assert out.exists() and report["grid"] == {"size": 8, "rows": 512, "channels": 13, "dtype": "float32"}
     variants = [(r["variant"], r["fraction"]) for r in report["results"]]
     assert variants[0] == ("dense Adam (foreach)", 1.0)

@@ -111,31 +111,31 @@ def _check_data(cfg: DictConfig) -> None:
         _check_nonnegative_number(cfg, key)
     if name != "blender":
         return  # the synthetic scene is generated, whatever data.root says
-    root = _get(cfg, "data.root")
-    if root is _ABSENT or root is None or root == "":
-        raise ConfigError("data.root: required for data.name=blender (the folder holding transforms_*.json)")
-    if not isinstance(root, (str, os.PathLike)):
-        raise ConfigError(f"data.root: must be a path (got {root!r})")
-    folder = Path(root).expanduser()
-    if not folder.exists():
-        raise ConfigError(f"data.root: {root} does not exist")
+    root, folder = _existing_root(cfg, "blender", "the folder holding transforms_*.json")
     if not folder.is_dir():
         raise ConfigError(f"data.root: {root} is not a directory")
     if not any(folder.glob("transforms_*.json")):
         raise ConfigError(f"data.root: {root} contains no transforms_*.json (not a blender-format scene)")
 
 
-def _check_nerfstudio(cfg: DictConfig) -> None:
-    """data.root: a folder with transforms.json (or the JSON file); scene_box, near, far: null or usable."""
-    _check_int(cfg, "data.eval_interval", minimum=2)
+def _existing_root(cfg: DictConfig, name: str, holding: str) -> tuple[Any, Path]:
+    """data.root as given and as an existing path; a ConfigError naming the key when it is unset, not a path or
+    missing (``holding`` says what it should be, for data.name=``name``)."""
     root = _get(cfg, "data.root")
     if root is _ABSENT or root is None or root == "":
-        raise ConfigError("data.root: required for data.name=nerfstudio (the folder holding transforms.json)")
+        raise ConfigError(f"data.root: required for data.name={name} ({holding})")
     if not isinstance(root, (str, os.PathLike)):
         raise ConfigError(f"data.root: must be a path (got {root!r})")
     path = Path(root).expanduser()
     if not path.exists():
         raise ConfigError(f"data.root: {root} does not exist")
+    return root, path
+
+
+def _check_nerfstudio(cfg: DictConfig) -> None:
+    """data.root: a folder with transforms.json (or the JSON file); scene_box, near, far: null or usable."""
+    _check_int(cfg, "data.eval_interval", minimum=2)
+    root, path = _existing_root(cfg, "nerfstudio", "the folder holding transforms.json")
     if not (path.is_file() or (path / "transforms.json").is_file()):
         raise ConfigError(f"data.root: {root} contains no transforms.json (not a nerfstudio-format scene)")
     bounds = {key: _get(cfg, f"data.{key}") for key in ("near", "far")}

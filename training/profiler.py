@@ -96,10 +96,11 @@ class StepProfiler:
 
     def _counted_march(self, march: Callable) -> Callable:
         def counted(origins: torch.Tensor, *args) -> tuple:
-            ray, t, points, offsets = out = march(origins, *args)
-            size = origins.element_size()
+            out = march(origins, *args)
+            samples, size = out[0].numel(), origins.element_size()
             rays_in = origins.shape[0] * 9 * size  # origins, directions (3 each), t_start, t_end, offset
-            self.count("march_rays", bytes=rays_in + ray.numel() * (8 + 4 * size) + offsets.numel() * 8)
+            # out: ray index (int64), t and 3 box coordinates per sample, then the (B + 1,) int64 offsets
+            self.count("march_rays", bytes=rays_in + samples * (8 + 4 * size) + out[3].numel() * 8)
             return out
 
         return counted
