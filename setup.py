@@ -1,27 +1,114 @@
-"""Builds the ``cuda_ext._C`` extension: C++ CPU kernels always, CUDA kernels when torch has CUDA.
+"""Builds the ``cuda_ext._C`` extension: C++ CPU kernels always, CUDA kernels where they can run.
 
-CUDA is decided at build time from ``torch.version.cuda`` (or ``FORCE_CUDA=1``), never from a
-visible GPU, so a GPU-less build machine can still produce CUDA kernels.
-``FORCE_CUDA=0`` builds the CPU kernels only, even with a CUDA torch.
+Whether the CUDA kernels are built is decided as pytorch3d, torch-scatter and detectron2 do:
+
+- ``FORCE_CUDA=0``: CPU kernels only.
+- ``FORCE_CUDA=1``: CUDA kernels too, with or without a visible GPU (a Docker image build, a cluster's login
+  node), as long as torch has CUDA and a CUDA toolkit (nvcc, ``CUDA_HOME``) is found.
+- unset: CUDA kernels when torch has CUDA, a toolkit is found AND a GPU is visible; else CPU kernels only.
+
+Without a visible GPU and without ``TORCH_CUDA_ARCH_LIST``, the CUDA kernels are built for
+:data:`DEFAULT_ARCHS` (those the toolkit's nvcc supports), and the list used is printed. What was built is
+written to ``cuda_ext/_build_config.py`` (``cuda_ext.build_info()`` reports it).
 """
 
 import glob
 import os
+import shutil
+import subprocess
 import sys
 
 import torch
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("cuda_ext", "csrc")
+# Ampere (A100, RTX 30xx), Ampere GA10x, Ada (RTX 40xx, L4/L40), Hopper (H100/H200) with PTX for newer GPUs.
+DEFAULT_ARCHS = ("8.0", "8.6", "8.9", "9.0+PTX")
+REBUILD_WITH_CUDA = "FORCE_CUDA=1 python3 -m pip install --no-build-isolation -e ."
+
+
+def notice(message: str) -> None:
+    print(f"cuda_ext setup: {message}", file=sys.stderr, flush=True)
+
+
+def nvcc_path():
+    """The toolkit's nvcc (CUDA_HOME as torch finds it, else PATH), or None."""
+    candidates = [os.path.join(CUDA_HOME, "bin", "nvcc")] if CUDA_HOME else []
+    candidates.append(shutil.which("nvcc"))
+    return next((c for c in candidates if c and os.path.exists(c)), None)
 
 
 def with_cuda() -> bool:
-    force = os.environ.get("FORCE_CUDA")
-    if force is not None:
-        return force == "1"
-    return torch.version.cuda is not None
+    """Build the CUDA kernels? (see the module doc; prints why not when torch has CUDA)."""
+    force = os.environ.get("FORCE_CUDA", "")
+    if force not in ("", "0", "1"):
+        raise SystemExit(f"cuda_ext setup: FORCE_CUDA must be 0 or 1, got {force!r}")
+    if force == "0":
+        notice("FORCE_CUDA=0: building the CPU kernels only")
+        return False
+    if torch.version.cuda is None:
+        if force == "1":
+            raise SystemExit("cuda_ext setup: FORCE_CUDA=1 but the installed torch has no CUDA (a CPU build)")
+        return False
+    if CUDA_HOME is None or nvcc_path() is None:
+        notice(
+            f"torch has CUDA {torch.version.cuda} but no CUDA toolkit (nvcc, CUDA_HOME) was found: building the CPU "
+            f"kernels only; for the CUDA kernels install the toolkit and run `{REBUILD_WITH_CUDA}`"
+        )
+        if force == "1":
+            raise SystemExit("cuda_ext setup: FORCE_CUDA=1 needs a CUDA toolkit: set CUDA_HOME or put nvcc on PATH")
+        return False
+    if force == "1" or torch.cuda.is_available():
+        return True
+    notice(f"no GPU visible: building the CPU kernels only (for the CUDA kernels anyway: `{REBUILD_WITH_CUDA}`)")
+    return False
+
+
+def nvcc_archs() -> set:
+    """Compute capabilities the toolkit's nvcc compiles for, e.g. {"8.0", "9.0"} (empty if it cannot say)."""
+    try:
+        listed = subprocess.run([nvcc_path(), "--list-gpu-arch"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError, TypeError):
+        return set()
+    archs = set()
+    for token in listed.split():
+        digits = token.removeprefix("compute_")
+        if digits.isdigit():
+            archs.add(f"{digits[:-1]}.{digits[-1]}")
+    return archs
+
+
+def cuda_arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST for this build: the user's, the visible GPUs' (torch's own choice), or the default."""
+    chosen = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if chosen:
+        return chosen
+    if torch.cuda.is_available():
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        return ";".join(f"{major}.{minor}" for major, minor in caps)
+    supported = nvcc_archs()
+    archs = [a for a in DEFAULT_ARCHS if not supported or a.removesuffix("+PTX") in supported]
+    if not archs:
+        raise SystemExit(f"cuda_ext setup: nvcc supports none of {DEFAULT_ARCHS}; set TORCH_CUDA_ARCH_LIST")
+    if not archs[-1].endswith("+PTX"):
+        archs[-1] += "+PTX"
+    return ";".join(archs)
+
+
+def write_build_config(cuda: bool, archs: str) -> None:
+    """cuda_ext/_build_config.py: what this build holds, for cuda_ext.build_info() (not tracked by git)."""
+    lines = [
+        '"""Written by setup.py at build time: what cuda_ext._C was built with."""',
+        f"CUDA = {cuda!r}",
+        f"CUDA_ARCH_LIST = {archs!r}",
+        f"TORCH_VERSION = {torch.__version__!r}",
+        f"TORCH_CUDA_VERSION = {torch.version.cuda!r}",
+        "",
+    ]
+    with open(os.path.join(ROOT, "cuda_ext", "_build_config.py"), "w") as out:
+        out.write("\n".join(lines))
 
 
 def shared_libstdcxx_link_args() -> list:
@@ -57,7 +144,12 @@ def extension():
         cxx_flags.append("-fopenmp")  # at::parallel_for is header-inlined OpenMP: without it, CPU kernels run serially
     link_args = ["-fopenmp"] if sys.platform.startswith("linux") else []
     link_args = shared_libstdcxx_link_args() + link_args
-    if with_cuda():
+    cuda = with_cuda()
+    archs = cuda_arch_list() if cuda else ""
+    write_build_config(cuda, archs)
+    if cuda:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # read by BuildExtension when it compiles
+        notice(f"building the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs}")
         cu_sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
         nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
         return CUDAExtension(
@@ -96,5 +188,6 @@ setup(
         "video": ["imageio-ffmpeg"],
         "mesh": ["pymcubes", "plyfile"],
         "viewer": ["viser>=1.0"],
+        "cluster": ["hydra-submitit-launcher>=1.2"],
     },
 )

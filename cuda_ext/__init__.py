@@ -58,9 +58,61 @@ def has_extension() -> bool:
     return _C is not None
 
 
+# Read before _refuse_cuda_without_kernels registers its stand-ins under the CUDA key.
+_BUILT_WITH_CUDA = _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key("cuda_ext::gelu", "CUDA")
+REBUILD_WITH_CUDA = "FORCE_CUDA=1 python3 -m pip install --no-build-isolation -e ."
+
+
 def has_cuda_kernels() -> bool:
     """True when the extension was built with its CUDA kernels."""
-    return _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key("cuda_ext::gelu", "CUDA")
+    return _BUILT_WITH_CUDA
+
+
+def build_info() -> dict:
+    """What the installed extension holds: ``{"extension": bool, "cpu": bool, "cuda": bool, "cuda_arch_list": str,
+    "torch": str, "torch_cuda": str | None, "built_with_torch": str | None}``."""
+    try:
+        from cuda_ext import _build_config as built
+    except ImportError:  # built by an older setup.py, or not built
+        built = None
+    return {
+        "extension": _C is not None,
+        "cpu": _C is not None,
+        "cuda": _BUILT_WITH_CUDA,
+        "cuda_arch_list": getattr(built, "CUDA_ARCH_LIST", "") if _BUILT_WITH_CUDA else "",
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "built_with_torch": getattr(built, "TORCH_VERSION", None),
+    }
+
+
+def _refuse_cuda_without_kernels() -> None:
+    """Give every op a CUDA kernel that raises a clear error, when the build has none.
+
+    Without it a CUDA tensor reaches the dispatcher, whose "could not run ... with arguments from the 'CUDA'
+    backend" lists every registered key but not the fix.
+    """
+    global _NO_CUDA_LIBRARY
+
+    def refuse(name: str):
+        def kernel(*args, **kwargs):
+            raise RuntimeError(
+                f"cuda_ext.{name}: got CUDA tensors, but cuda_ext was built without its CUDA kernels (no GPU or "
+                f"CUDA toolkit at build time). Rebuild with the CUDA toolkit on PATH: `{REBUILD_WITH_CUDA}`; "
+                "or use the PyTorch references (ops=torch, cuda_ext.reference)"
+            )
+
+        return kernel
+
+    _NO_CUDA_LIBRARY = torch.library.Library("cuda_ext", "IMPL")  # kept alive: dropping it unregisters
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if qualified.startswith("cuda_ext::"):
+            name = qualified.split("::", 1)[1].split(".")[0]
+            _NO_CUDA_LIBRARY.impl(name, refuse(name), "CUDA")
+
+
+if _C is not None and not _BUILT_WITH_CUDA:
+    _refuse_cuda_without_kernels()
 
 
 __all__ = [
@@ -74,4 +126,5 @@ __all__ = [
     "reference",
     "has_extension",
     "has_cuda_kernels",
+    "build_info",
 ]
