@@ -53,12 +53,12 @@ def with_cuda() -> bool:
             raise SystemExit("cuda_ext setup: FORCE_CUDA=1 but the installed torch has no CUDA (a CPU build)")
         return False
     if CUDA_HOME is None or nvcc_path() is None:
+        if force == "1":
+            raise SystemExit("cuda_ext setup: FORCE_CUDA=1 needs a CUDA toolkit: set CUDA_HOME or put nvcc on PATH")
         notice(
             f"torch has CUDA {torch.version.cuda} but no CUDA toolkit (nvcc, CUDA_HOME) was found: building the CPU "
             f"kernels only; for the CUDA kernels install the toolkit and run `{REBUILD_WITH_CUDA}`"
         )
-        if force == "1":
-            raise SystemExit("cuda_ext setup: FORCE_CUDA=1 needs a CUDA toolkit: set CUDA_HOME or put nvcc on PATH")
         return False
     if force == "1" or torch.cuda.is_available():
         return True
@@ -97,8 +97,8 @@ def cuda_arch_list() -> str:
     return ";".join(archs)
 
 
-def write_build_config(cuda: bool, archs: str) -> None:
-    """cuda_ext/_build_config.py: what this build holds, for cuda_ext.build_info() (not tracked by git)."""
+def write_build_config(folder: str, cuda: bool, archs: str) -> None:
+    """<folder>/cuda_ext/_build_config.py: what this build holds, for cuda_ext.build_info() (not tracked by git)."""
     lines = [
         '"""Written by setup.py at build time: what cuda_ext._C was built with."""',
         f"CUDA = {cuda!r}",
@@ -107,8 +107,21 @@ def write_build_config(cuda: bool, archs: str) -> None:
         f"TORCH_CUDA_VERSION = {torch.version.cuda!r}",
         "",
     ]
-    with open(os.path.join(ROOT, "cuda_ext", "_build_config.py"), "w") as out:
+    os.makedirs(os.path.join(folder, "cuda_ext"), exist_ok=True)
+    with open(os.path.join(folder, "cuda_ext", "_build_config.py"), "w") as out:
         out.write("\n".join(lines))
+
+
+class BuildExtensionWithConfig(BuildExtension):
+    """torch's BuildExtension that also records what it built (only when building: `setup.py --name` writes nothing)."""
+
+    def run(self) -> None:
+        cuda = any("WITH_CUDA" in dict(ext.define_macros or []) for ext in self.extensions)
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
+        write_build_config(ROOT, cuda, archs)  # the source tree: editable and in-place builds import it from here
+        if not self.inplace:
+            write_build_config(self.build_lib, cuda, archs)
+        super().run()
 
 
 def shared_libstdcxx_link_args() -> list:
@@ -145,9 +158,8 @@ def extension():
     link_args = ["-fopenmp"] if sys.platform.startswith("linux") else []
     link_args = shared_libstdcxx_link_args() + link_args
     cuda = with_cuda()
-    archs = cuda_arch_list() if cuda else ""
-    write_build_config(cuda, archs)
     if cuda:
+        archs = cuda_arch_list()
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # read by BuildExtension when it compiles
         notice(f"building the CUDA kernels for TORCH_CUDA_ARCH_LIST={archs}")
         cu_sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
@@ -177,12 +189,20 @@ setup(
         include=["cuda_ext", "cuda_ext.*", "models", "models.*", "data", "data.*", "training", "training.*"]
     ),
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtensionWithConfig},
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy", "hydra-core>=1.3", "tqdm", "imageio>=2.9", "pillow"],
     extras_require={
         # the optional extras' tests run in CI too (TensorBoard events, MP4, mesh export)
-        "test": ["pytest", "tensorboard", "imageio-ffmpeg", "pymcubes", "plyfile", "viser>=1.0"],
+        "test": [
+            "pytest",
+            "tensorboard",
+            "imageio-ffmpeg",
+            "pymcubes",
+            "plyfile",
+            "viser>=1.0",
+            "hydra-submitit-launcher>=1.2",
+        ],
         "lint": ["ruff==0.17.5", "clang-format==23.1.3"],
         "tensorboard": ["tensorboard"],
         "video": ["imageio-ffmpeg"],
