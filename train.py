@@ -19,7 +19,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from training.config import register_configs
+from training.sweep import quiet_preset_notice
 
+quiet_preset_notice()  # configs/hydra/launcher: our presets of the submitit launcher's names
 register_configs()  # the typed schema (training/config.py) that configs/config.yaml starts from
 
 # render_only keeps its own copy of the config next to the training run's (.hydra_render), not over it
@@ -27,22 +29,23 @@ OmegaConf.register_new_resolver(
     "config_subdir", lambda render_only: ".hydra_render" if render_only else ".hydra", replace=True
 )
 
-FAILED_JOBS: list[tuple[int, str, int]] = []  # (job number, run directory, exit code) of a sweep's failures
-
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> int:
     from training.app import run  # imported here so `--help` and config errors from Hydra stay fast
 
     hydra_cfg = HydraConfig.get()
     code = run(cfg, hydra_cfg.runtime.output_dir)
     if code == 0:
-        return
-    if hydra_cfg.mode != RunMode.MULTIRUN or code >= 128:  # one run, or a signal: stop here
+        return 0
+    if hydra_cfg.mode != RunMode.MULTIRUN:
         sys.exit(code)
-    # a sweep goes on with its next job (sys.exit here would end the whole sweep silently)
-    FAILED_JOBS.append((hydra_cfg.job.num, hydra_cfg.runtime.output_dir, code))
+    if code >= 128 and hydra_cfg.launcher._target_.endswith("BasicLauncher"):  # a signal: the sweep stops here
+        sys.exit(code)
+    # a sweep goes on with its next job; training.sweep.SweepJobs records the code (this job may run in a process
+    # of its own: submitit) and the launching process lists every job at the end
     print(f"job #{hydra_cfg.job.num} failed (exit code {code}); the sweep continues", file=sys.stderr)
+    return code
 
 
 def read_only_run_dir(argv: list[str]) -> str | None:
@@ -68,7 +71,9 @@ if __name__ == "__main__":
         print(refusal, file=sys.stderr)
         sys.exit(2)
     main()
-    if FAILED_JOBS:
-        listed = ", ".join(f"#{num} ({folder}: exit {code})" for num, folder, code in FAILED_JOBS)
-        print(f"error: {len(FAILED_JOBS)} job(s) of the sweep failed: {listed}", file=sys.stderr)
-        sys.exit(FAILED_JOBS[0][2])
+    from training.sweep import FAILED  # filled at the end of a sweep (training.sweep.SweepJobs)
+
+    if FAILED:
+        listed = ", ".join(f"#{job['num']} ({job['dir']}: exit {job['code']})" for job in FAILED)
+        print(f"error: {len(FAILED)} job(s) of the sweep failed: {listed}", file=sys.stderr)
+        sys.exit(next((job["code"] for job in FAILED if job["code"]), 1))
