@@ -23,7 +23,7 @@ def mask_hull_box(scene: Scene, resolution: int = 96, threshold: float = 0.05, m
     """(2, 3) box of the points of ``scene.bbox`` that no view sees outside its mask, plus a margin.
 
     Args:
-        scene: a split with ``alpha`` (V, H, W) and pinhole cameras (per-view intrinsics, data.rays conventions).
+        scene: a split with ``alpha`` (V, H, W) and its cameras (per-view intrinsics and lens, data.rays).
         resolution: probe points per axis over the scene box.
         threshold: alpha below which a pixel is background.
         margin_cells: probe cells added on every side (the hull is sampled, and surfaces have thickness).
@@ -48,8 +48,13 @@ def mask_hull_box(scene: Scene, resolution: int = 96, threshold: float = 0.05, m
         local = (points - origin) @ rotation  # rotation^T (p - o), per point
         depth = -local[:, 2]
         safe = depth.clamp_min(1e-9)
-        u = cx + fx * local[:, 0] / safe
-        v = cy - fy * local[:, 1] / safe
+        if scene.lens is None:
+            u = cx + fx * local[:, 0] / safe
+            v = cy - fy * local[:, 1] / safe
+        else:  # distorted: project through the lens (OpenCV axes), points behind the camera dropped below
+            opencv = torch.stack([local[:, 0], -local[:, 1], safe], -1)
+            distorted = scene.lens.take(torch.tensor(view)).to(device, points.dtype).project(opencv)
+            u, v = cx + fx * distorted[:, 0], cy + fy * distorted[:, 1]
         seen = (depth > 0) & (u >= 0) & (u < scene.width) & (v >= 0) & (v < scene.height)
         cols = u.clamp(0, scene.width - 1).long()
         rows = v.clamp(0, scene.height - 1).long()
@@ -65,16 +70,22 @@ def mask_hull_box(scene: Scene, resolution: int = 96, threshold: float = 0.05, m
 
 @dataclass
 class Bounds:
-    """A scene box (2, 3) float64 min and max corners, the rays' near/far, and where they came from."""
+    """A scene box (2, 3) float64 min and max corners, the rays' near/far, and where they came from; ``extent``:
+    None, or (2, 3) how far the capture says the scene reaches (instant-ngp's aabb_scale box), beyond the box."""
 
     box: np.ndarray
     near: float
     far: float
     source: str
+    extent: np.ndarray | None = None
 
     def describe(self) -> str:
         low, high = (np.round(corner, 3).tolist() for corner in self.box)
-        return f"scene box {low} .. {high} ({self.source}), near {self.near:.3g}, far {self.far:.3g}"
+        text = f"scene box {low} .. {high} ({self.source}), near {self.near:.3g}, far {self.far:.3g}"
+        if self.extent is not None:
+            low, high = (np.round(corner, 3).tolist() for corner in self.extent)
+            text += f"; the capture's aabb_scale box {low} .. {high}"
+        return text
 
 
 def focus_point(c2w: np.ndarray) -> np.ndarray | None:

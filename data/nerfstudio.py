@@ -2,17 +2,21 @@
 
 Layout: ``<root>/transforms.json`` (``root`` may also name the JSON file itself) with ``frames``, each with
 ``file_path`` (relative to the JSON file's folder) and ``transform_matrix`` (4x4 camera-to-world, OpenGL
-convention like the blender scenes: the camera looks down -z, y up). Intrinsics in pixels ``fl_x``, ``fl_y``,
-``cx``, ``cy``, ``w``, ``h`` (``w``/``h`` optional: the image's size) sit at the top level (for every frame;
-as in nerfstudio, a top-level key wins over a frame's own) or in each frame. ``camera_model`` PINHOLE (the
-default), SIMPLE_PINHOLE, or OPENCV / SIMPLE_RADIAL / RADIAL with all distortion (k1..k4, p1, p2) zero: we do
-not undistort, so a distorted camera is refused (undistort the images first).
+convention like the blender scenes: the camera looks down -z, y up). Intrinsics, image size, camera model and
+distortion (nerfstudio's and instant-ngp's variants: data/capture_cameras.py) sit at the top level (for every
+frame; as in nerfstudio, a top-level key wins over a frame's own) or in each frame. Distorted cameras
+(radial-tangential or fisheye) are trained as captured: their rays are undistorted (data/camera_models.py).
 
 What we do with the rest:
-- Poses are used as given: nerfstudio's ``applied_transform`` (3x4 or 4x4) is the transform ns-process-data
-  already applied to the poses from COLMAP's world, so it is not applied to them again. It (and
-  ``applied_scale``) maps the sparse points of ``ply_file_path`` (or ``sparse_pc.ply``), which are in COLMAP's
-  world, into the poses' world, as nerfstudio does. We do not re-orient, re-centre or re-scale the poses.
+- nerfstudio's ``applied_transform`` (3x4 or 4x4) is the transform ns-process-data already applied to the poses
+  from COLMAP's world, so it is not applied to them again. It (and ``applied_scale``) maps the sparse points of
+  ``ply_file_path`` (or ``sparse_pc.ply``), which are in COLMAP's world, into the poses' world, as nerfstudio does.
+- ``orient`` (data.orient, data/orientation.py): ``up`` rotates the poses' world so the cameras' mean up is +z,
+  centres it on their focus point and scales the cameras into [-1, 1]^3 (points and boxes follow); ``none`` keeps
+  the poses as given.
+- instant-ngp's ``aabb_scale``, ``scale`` and ``offset`` place its box, [0.5 - aabb_scale/2, 0.5 + aabb_scale/2]^3
+  in its coordinates ``position * scale + offset`` (defaults 1, 0.33, 0.5): kept as the bounds' ``extent`` (in our
+  frame: how far the capture's author says the scene reaches), while the poses stay in the file's units.
 - Splits: ``train_filenames`` and ``test_filenames`` (else ``val_filenames``) when present; else frames sorted
   by file_path, every ``eval_interval``-th (0, 8, 16, ...) is evaluation, the rest training.
 - The scene box (the grids' extent) and near/far come from the cameras (data.bounds), or from the sparse
@@ -22,7 +26,6 @@ What we do with the rest:
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,26 +37,28 @@ import torch
 
 from data.blender import _check_rotation, _frame_matrix, _read_json, _worker_count
 from data.bounds import Bounds, capture_bounds
+from data.camera_models import Lens
+from data.capture_cameras import check_lenses, frame_camera, is_fisheye, number
 from data.errors import SceneError
 from data.images import image_size, load_composited, write_png
+from data.orientation import Similarity, orientation
 from data.scene import Scene
 
-PINHOLE_MODELS = ("PINHOLE", "SIMPLE_PINHOLE")
-DISTORTED_MODELS = ("OPENCV", "SIMPLE_RADIAL", "RADIAL")
-DISTORTION_KEYS = ("k1", "k2", "k3", "k4", "p1", "p2")
-INTRINSIC_KEYS = ("fl_x", "fl_y", "cx", "cy")
+NGP_SCALE, NGP_OFFSET = 0.33, 0.5  # instant-ngp's defaults
 SPLIT_KEYS = ("train_filenames", "val_filenames", "test_filenames")
 
 
 @dataclass
 class Frame:
-    """One frame: its file_path as written, image file, (4, 4) camera-to-world and (fx, fy, cx, cy)."""
+    """One frame: its file_path as written, image file, (4, 4) camera-to-world (oriented), (fx, fy, cx, cy) and
+    the distortion coefficients k1 k2 k3 k4 p1 p2."""
 
     name: str
     image: Path
     c2w: np.ndarray
     intrinsics: tuple[float, float, float, float]
     size: tuple[int, int] | None  # (h, w) from the JSON, or None when it gives none
+    distortion: tuple[float, ...] = (0.0,) * 6
 
 
 @dataclass
@@ -67,6 +72,9 @@ class Capture:
     applied: np.ndarray  # (4, 4) applied_transform (identity when absent)
     applied_scale: float
     ply: Path | None
+    fisheye: bool = False
+    transform: Similarity = Similarity.identity()  # file's world -> ours (data.orient), applied to frames' c2w
+    ngp_box: np.ndarray | None = None  # (2, 3) instant-ngp's box in the file's world, or None
 
 
 def transforms_file(root: str | os.PathLike) -> Path:
@@ -80,46 +88,6 @@ def transforms_file(root: str | os.PathLike) -> Path:
     return path
 
 
-def _number(where: str, key: str, value, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SceneError(f"{where}: {key} must be a finite number, got {value!r}")
-    if positive and not value > 0:
-        raise SceneError(f"{where}: {key} must be positive, got {value!r}")
-    return float(value)
-
-
-def _pixels(where: str, key: str, value) -> int:
-    number = _number(where, key, value, positive=True)
-    if number != int(number):
-        raise SceneError(f"{where}: {key} must be a whole number of pixels, got {value!r}")
-    return int(number)
-
-
-def _lookup(meta: dict, frame: dict, key: str):
-    """A camera key: the top level's when present (it applies to every frame, as in nerfstudio), else the frame's."""
-    return meta[key] if key in meta else frame.get(key)
-
-
-def _check_camera_model(path: Path, meta: dict, frames: list[dict]) -> None:
-    model = meta.get("camera_model", "PINHOLE")
-    if model not in PINHOLE_MODELS + DISTORTED_MODELS:
-        raise SceneError(
-            f"{path}: camera_model {model!r} is not supported (expected PINHOLE, or OPENCV with zero distortion)"
-        )
-    for index, frame in enumerate(frames):
-        for key in DISTORTION_KEYS:
-            value = _lookup(meta, frame, key)
-            if value is None:
-                continue
-            where = path if key in meta else f"{path}: frame {index} ({frame.get('file_path')!r})"
-            if _number(str(where), key, value) != 0.0:
-                raise SceneError(
-                    f"{where}: camera_model {model} with non-zero distortion ({key}={value}): undistort the images "
-                    "first (e.g. `colmap image_undistorter`, then `ns-process-data images --skip-colmap` on the "
-                    "undistorted images) so the cameras are PINHOLE"
-                )
-
-
 def _frame(root: Path, path: Path, meta: dict, index: int, frame: dict) -> Frame:
     if not isinstance(frame, dict):
         raise SceneError(f"{path}: frame {index} must be an object, got {type(frame).__name__}")
@@ -127,22 +95,11 @@ def _frame(root: Path, path: Path, meta: dict, index: int, frame: dict) -> Frame
     if not isinstance(name, str) or not name:
         raise SceneError(f"{path}: frame {index}: file_path must be a non-empty string, got {name!r}")
     where = f"{path}: frame {index} ({name!r})"
-    values = []
-    for key in INTRINSIC_KEYS:
-        value = _lookup(meta, frame, key)
-        if value is None:
-            raise SceneError(f"{where}: missing {key} (give it at the top level or in every frame)")
-        values.append(_number(path if key in meta else where, key, value, positive=key.startswith("fl_")))
-    sizes = [_lookup(meta, frame, key) for key in ("h", "w")]
-    size = None
-    if any(s is not None for s in sizes):
-        if None in sizes:
-            raise SceneError(f"{where}: give both w and h or neither")
-        size = tuple(_pixels(where, key, s) for key, s in zip(("h", "w"), sizes))
     image = root / name
     if not image.is_file():
         raise SceneError(f"{where}: image {image} not found")
-    return Frame(name, image, _frame_matrix(path, index, frame), tuple(values), size)
+    intrinsics, size, distortion = frame_camera(path, meta, frame, where, image)
+    return Frame(name, image, _frame_matrix(path, index, frame), intrinsics, size, distortion)
 
 
 def _normalised(name: str) -> str:
@@ -187,12 +144,29 @@ def _applied(path: Path, meta: dict) -> tuple[np.ndarray, float]:
             raise SceneError(f"{path}: applied_transform's last row must be [0, 0, 0, 1], got {given[3].tolist()}")
         _check_rotation(f"{path}: applied_transform", given[:3, :3])
         matrix[:3] = given[:3]
-    scale = _number(str(path), "applied_scale", meta.get("applied_scale", 1.0), positive=True)
+    scale = number(path, "applied_scale", meta.get("applied_scale", 1.0), positive=True)
     return matrix, scale
 
 
-def read_capture(root: str | os.PathLike, eval_interval: int = 8) -> Capture:
-    """Parse and check a nerfstudio transforms file (every problem: :class:`SceneError` naming file and key)."""
+def _ngp_box(path: Path, meta: dict) -> np.ndarray | None:
+    """instant-ngp's box (2, 3) in the file's world from aabb_scale, scale, offset; None when none is given."""
+    if not any(key in meta for key in ("aabb_scale", "scale", "offset")):
+        return None
+    aabb_scale = number(path, "aabb_scale", meta.get("aabb_scale", 1), positive=True)
+    scale = number(path, "scale", meta.get("scale", NGP_SCALE), positive=True)
+    offset = meta.get("offset", NGP_OFFSET)
+    offsets = offset if isinstance(offset, list) else [offset]
+    if len(offsets) not in (1, 3):
+        raise SceneError(f"{path}: offset must be a number or 3 numbers, got {offset!r}")
+    offsets = np.array([number(path, "offset", value) for value in offsets]) * np.ones(3)
+    centre = (0.5 - offsets) / scale  # where instant-ngp's unit cube centre (0.5, 0.5, 0.5) sits in the file's world
+    half = 0.5 * aabb_scale / scale
+    return np.stack([centre - half, centre + half])
+
+
+def read_capture(root: str | os.PathLike, eval_interval: int = 8, orient: str = "up") -> Capture:
+    """Parse and check a nerfstudio transforms file (every problem: :class:`SceneError` naming file and key), its
+    poses oriented by ``orient`` (data/orientation.py)."""
     if isinstance(eval_interval, bool) or not isinstance(eval_interval, int) or eval_interval < 2:
         raise ValueError(f"read_capture: eval_interval must be an int >= 2, got {eval_interval!r}")
     path = transforms_file(root)
@@ -200,8 +174,9 @@ def read_capture(root: str | os.PathLike, eval_interval: int = 8) -> Capture:
     frames = meta.get("frames")
     if not isinstance(frames, list) or not frames:
         raise SceneError(f"{path}: 'frames' must be a non-empty list")
-    _check_camera_model(path, meta, frames)
+    fisheye = is_fisheye(path, meta, frames)
     parsed = [_frame(path.parent, path, meta, i, frame) for i, frame in enumerate(frames)]
+    check_lenses(path, parsed, fisheye)
     order = sorted(range(len(parsed)), key=lambda i: parsed[i].name)  # nerfstudio sorts frames by file name
     parsed = [parsed[i] for i in order]
     splits, eval_split = _splits(path, meta, parsed, eval_interval)
@@ -213,11 +188,19 @@ def read_capture(root: str | os.PathLike, eval_interval: int = 8) -> Capture:
         ply = path.parent / meta["ply_file_path"]
     elif (path.parent / "sparse_pc.ply").is_file():
         ply = path.parent / "sparse_pc.ply"
-    return Capture(path, parsed, splits, eval_split, applied, applied_scale, ply)
+    try:
+        transform = orientation(np.stack([frame.c2w for frame in parsed]), orient)
+    except ValueError as error:
+        raise SceneError(f"{path}: {error}") from None
+    for frame in parsed:
+        frame.c2w = transform.poses(frame.c2w[None])[0]
+    return Capture(
+        path, parsed, splits, eval_split, applied, applied_scale, ply, fisheye, transform, _ngp_box(path, meta)
+    )
 
 
 def read_points(capture: Capture) -> np.ndarray | None:
-    """(N, 3) sparse points in the poses' world, or None (no point file, or plyfile not installed)."""
+    """(N, 3) sparse points in the (oriented) poses' world, or None (no point file, or plyfile not installed)."""
     if capture.ply is None:
         return None
     try:
@@ -231,20 +214,25 @@ def read_points(capture: Capture) -> np.ndarray | None:
     except Exception as error:  # plyfile raises several types for a broken file
         raise SceneError(f"{capture.ply}: cannot read the sparse points ({type(error).__name__}: {error})") from None
     points = points[np.isfinite(points).all(-1)]
-    return capture.applied_scale * (points @ capture.applied[:3, :3].T + capture.applied[:3, 3])
+    in_poses_world = capture.applied_scale * (points @ capture.applied[:3, :3].T + capture.applied[:3, 3])
+    return capture.transform.points(in_poses_world)
 
 
 def nerfstudio_bounds(
     capture: Capture, scene_box: float | Sequence[float] | None = None, near=None, far=None
 ) -> Bounds:
-    """The capture's scene box and near/far (from every frame's camera, so both splits share them)."""
+    """The capture's scene box and near/far (from every frame's camera, so both splits share them), in the
+    oriented frame; ``extent``: instant-ngp's box there, when the file has one."""
     c2w = np.stack([frame.c2w for frame in capture.frames])
     intrinsics = np.array([frame.intrinsics for frame in capture.frames])
     sizes = [frame.size or image_size(frame.image) for frame in capture.frames]
     try:
-        return capture_bounds(c2w, intrinsics, np.array(sizes), read_points(capture), scene_box, near, far)
+        bounds = capture_bounds(c2w, intrinsics, np.array(sizes), read_points(capture), scene_box, near, far)
     except ValueError as error:
         raise SceneError(f"{capture.path}: {error}") from None
+    if capture.ngp_box is not None:
+        bounds.extent = capture.transform.box(capture.ngp_box)
+    return bounds
 
 
 def _check_sizes(capture: Capture, indices: list[int], split: str, num_workers: int) -> tuple[int, int]:
@@ -287,15 +275,23 @@ def load_nerfstudio_split(
     indices = capture.splits[split]
     workers = _worker_count(num_workers, len(indices))
     height, width = _check_sizes(capture, indices, split, workers)
-    if height % downscale or width % downscale:
-        raise SceneError(f"{capture.path}: image size {width}x{height} is not divisible by downscale={downscale}")
+    if height < downscale or width < downscale:
+        raise SceneError(f"{capture.path}: image size {width}x{height} is smaller than downscale={downscale}")
+    if height % downscale or width % downscale:  # as ns-process-data's reduced copies: the size rounds down
+        print(
+            f"note: {width}x{height} images lose their last {width % downscale} column(s) and {height % downscale} "
+            f"row(s) to downscale={downscale}"
+        )
     frames = [capture.frames[i] for i in indices]
     with ThreadPoolExecutor(workers) as pool:
-        decoded = list(pool.map(lambda frame: load_composited(frame.image, background, downscale), frames))
+        decoded = list(pool.map(lambda frame: load_composited(frame.image, background, downscale, True), frames))
     alpha, opaque = None, np.full((height // downscale, width // downscale), 255, np.uint8)
     if any(a is not None for _, a in decoded):  # images without alpha are opaque
         alpha = torch.from_numpy(np.stack([opaque if a is None else a for _, a in decoded]))
     intrinsics = torch.tensor([frame.intrinsics for frame in frames], dtype=torch.float64) / downscale
+    distortion = torch.tensor([frame.distortion for frame in frames], dtype=torch.float64)
+    # no lens for undistorted pinhole cameras: their rays take the pinhole path, bit for bit the blender scenes'
+    lens = Lens(distortion, capture.fisheye) if capture.fisheye or bool(distortion.any()) else None
     return Scene(
         images=torch.from_numpy(np.stack([rgb for rgb, _ in decoded])),
         c2w=torch.from_numpy(np.stack([frame.c2w for frame in frames]).astype(np.float32)),
@@ -310,6 +306,7 @@ def load_nerfstudio_split(
         names=[frame.name for frame in frames],
         alpha=alpha,
         intrinsics=intrinsics,
+        lens=lens,
     )
 
 
@@ -322,9 +319,11 @@ def load_nerfstudio(
     scene_box: float | Sequence[float] | None = None,
     eval_interval: int = 8,
     num_workers: int | None = None,
+    orient: str = "up",
 ) -> tuple[Scene, Scene, Bounds]:
-    """(train, eval, bounds) of a nerfstudio scene; ``near``, ``far``, ``scene_box`` None: derived (data.bounds)."""
-    capture = read_capture(root, eval_interval)
+    """(train, eval, bounds) of a nerfstudio scene; ``near``, ``far``, ``scene_box`` None: derived (data.bounds),
+    all in the frame ``orient`` gives (data/orientation.py)."""
+    capture = read_capture(root, eval_interval, orient)
     bounds = nerfstudio_bounds(capture, scene_box, near, far)
     options = dict(bounds=bounds, downscale=downscale, background=background, num_workers=num_workers)
     train = load_nerfstudio_split(capture, "train", **options)

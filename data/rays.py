@@ -2,14 +2,19 @@
 
 Conventions
 -----------
-Cameras are pinhole, OpenGL style (as in the NeRF-synthetic "blender" scenes): in camera space the camera looks
-down -z, +y is up and +x is right. ``c2w`` maps camera to world: its columns are the world-space right, up and
-backward axes and the camera position. Pixel positions are continuous: pixel (row y, column x) covers
-[x, x+1) x [y, y+1) and its centre is (x + 0.5, y + 0.5). A camera's intrinsics are (fx, fy, cx, cy) in pixels:
-the camera-space direction through position (u, v) is ((u - cx) / fx, -(v - cy) / fy, -1), so the position
-(cx, cy) gives the optical axis. A single focal length f stands for (f, f, W/2, H/2) (square pixels, principal
-point at the image centre, as in the blender scenes). Returned directions have unit length, so a distance t
-along a ray is Euclidean (``near``/``far`` are distances).
+Cameras are pinhole (optionally distorted, below), OpenGL style (as in the NeRF-synthetic "blender" scenes): in
+camera space the camera looks down -z, +y is up and +x is right. ``c2w`` maps camera to world: its columns are the
+world-space right, up and backward axes and the camera position. Pixel positions are continuous: pixel (row y,
+column x) covers [x, x+1) x [y, y+1) and its centre is (x + 0.5, y + 0.5). A camera's intrinsics are (fx, fy, cx,
+cy) in pixels: the camera-space direction through position (u, v) is ((u - cx) / fx, -(v - cy) / fy, -1), so the
+position (cx, cy) gives the optical axis. A single focal length f stands for (f, f, W/2, H/2) (square pixels,
+principal point at the image centre, as in the blender scenes). Returned directions have unit length, so a distance
+t along a ray is Euclidean (``near``/``far`` are distances).
+
+A distorted camera adds a :class:`data.camera_models.Lens` (OpenCV radial-tangential or fisheye coefficients,
+broadcasting like the intrinsics): the pixel's distorted coordinates ((u - cx) / fx, (v - cy) / fy) are undistorted
+into a direction (data/camera_models.py; OpenCV axes there, so y and z flip). Without one (``lens=None``) the
+pinhole formula above runs unchanged.
 
 Low-resolution rays and bilinear upsampling (the image-space decoder)
 ---------------------------------------------------------------------
@@ -30,6 +35,8 @@ outermost low-res positions and ``F.interpolate`` clamps (repeats the edge sampl
 from __future__ import annotations
 
 import torch
+
+from data.camera_models import Lens
 
 
 def as_intrinsics(
@@ -54,19 +61,28 @@ def pixel_rays(
     intrinsics: float | torch.Tensor,
     width: int | None = None,
     height: int | None = None,
+    lens: Lens | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rays through continuous pixel positions.
 
     c2w: (*S, 4, 4) (or broadcastable to that), u, v: (*S) column and row positions in full-res pixel units.
     intrinsics: (*S, 4) (or broadcastable) fx, fy, cx, cy, or a focal length with width and height.
+    lens: None (pinhole) or the cameras' distortion, coefficients (*S, 6) or broadcastable.
     Returns origins and unit directions, each (*S, 3), in c2w's dtype.
     """
     rot = c2w[..., :3, :3]
     k = as_intrinsics(intrinsics, width, height, c2w.dtype, c2w.device)
-    dx = ((u - k[..., 2]) / k[..., 0]).unsqueeze(-1)
-    dy = (-(v - k[..., 3]) / k[..., 1]).unsqueeze(-1)
-    # rot @ (dx, dy, -1) written as a sum of columns: elementwise, so bit-identical for any thread count
-    directions = rot[..., :, 0] * dx + rot[..., :, 1] * dy - rot[..., :, 2]
+    if lens is None:
+        dx = ((u - k[..., 2]) / k[..., 0]).unsqueeze(-1)
+        dy = (-(v - k[..., 3]) / k[..., 1]).unsqueeze(-1)
+        # rot @ (dx, dy, -1) written as a sum of columns: elementwise, so bit-identical for any thread count
+        directions = rot[..., :, 0] * dx + rot[..., :, 1] * dy - rot[..., :, 2]
+    else:
+        local = lens.to(c2w.device, c2w.dtype).unproject((u - k[..., 2]) / k[..., 0], (v - k[..., 3]) / k[..., 1])
+        # OpenCV (x, y, z) is OpenGL (x, -y, -z); with zero distortion this is the pinhole sum bit for bit
+        directions = (
+            rot[..., :, 0] * local[..., 0:1] - rot[..., :, 1] * local[..., 1:2] - rot[..., :, 2] * local[..., 2:3]
+        )
     directions = directions / torch.linalg.vector_norm(directions, dim=-1, keepdim=True)
     origins = c2w[..., :3, 3].expand_as(directions).contiguous()
     return origins, directions
@@ -78,12 +94,18 @@ def block_centres(count: int, scale: int, dtype: torch.dtype = torch.float32, de
 
 
 def camera_rays(
-    c2w: torch.Tensor, height: int, width: int, intrinsics: float | torch.Tensor, scale: int = 1
+    c2w: torch.Tensor,
+    height: int,
+    width: int,
+    intrinsics: float | torch.Tensor,
+    scale: int = 1,
+    lens: Lens | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ray per pixel centre (scale=1) or per centre of each s x s pixel block (scale=s).
 
     c2w: (4, 4) or (..., 4, 4); intrinsics: (4,) or (..., 4) fx, fy, cx, cy of the full-resolution image, or a
-    focal length (principal point at the centre). Returns origins and unit directions, each
+    focal length (principal point at the centre); lens: None or coefficients (6,) or (..., 6) (data.camera_models).
+    Returns origins and unit directions, each
     (..., height//scale, width//scale, 3).
     With scale=s these are the low-resolution rays whose renders, upsampled by s (bilinear,
     align_corners=False), line up with the full-resolution pixels (see module doc).
@@ -99,7 +121,9 @@ def camera_rays(
     cols = block_centres(width // scale, scale, dtype, c2w.device)
     v, u = torch.meshgrid(rows, cols, indexing="ij")
     k = as_intrinsics(intrinsics, width, height, dtype, c2w.device)[..., None, None, :]
-    return pixel_rays(c2w.to(dtype)[..., None, None, :, :], u, v, k)
+    if lens is not None:
+        lens = Lens(lens.coefficients[..., None, None, :], lens.fisheye)
+    return pixel_rays(c2w.to(dtype)[..., None, None, :, :], u, v, k, lens=lens)
 
 
 def project_to_pixels(
@@ -108,14 +132,20 @@ def project_to_pixels(
     intrinsics: float | torch.Tensor,
     width: int | None = None,
     height: int | None = None,
+    lens: Lens | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`pixel_rays` for directions: (*S, 3) world directions -> (*S, 2) positions (u, v).
 
-    c2w: (*S, 4, 4) or broadcastable; intrinsics as for :func:`pixel_rays`. Used to check where rays pass.
+    c2w: (*S, 4, 4) or broadcastable; intrinsics and lens as for :func:`pixel_rays`. Used to check where rays
+    pass.
     """
     rot = c2w[..., :3, :3]
     k = as_intrinsics(intrinsics, width, height, directions.dtype, directions.device)
     local = (rot * directions.unsqueeze(-1)).sum(-2)  # rot^T @ d
+    if lens is not None:
+        opencv = torch.stack([local[..., 0], -local[..., 1], -local[..., 2]], -1)
+        distorted = lens.to(directions.device, directions.dtype).project(opencv)
+        return torch.stack([k[..., 2] + k[..., 0] * distorted[..., 0], k[..., 3] + k[..., 1] * distorted[..., 1]], -1)
     depth = -local[..., 2]
     u = k[..., 2] + k[..., 0] * local[..., 0] / depth
     v = k[..., 3] - k[..., 1] * local[..., 1] / depth

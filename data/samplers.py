@@ -2,7 +2,10 @@
 
 The hot path has no host synchronisation: indices come from ``torch.randint`` on the images' device, pixels are
 gathered from the uint8 images and converted to float on the fly, and rays are computed from the gathered
-cameras (nothing per-pixel is precomputed, so memory stays at the images' size).
+cameras (nothing per-pixel is precomputed, so memory stays at the images' size). Distorted cameras are the
+exception: undistorting is iterative, so the ray sampler looks each pixel centre's camera-space direction up in a
+table computed once per distinct camera (float64, then stored in float32: 12 bytes a pixel per camera, one table
+for a capture with shared intrinsics), and the patch sampler undistorts its positions per batch.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from data.rays import block_centres, pixel_rays
+from data.camera_models import Lens
+from data.rays import block_centres, camera_rays, pixel_rays
 from data.scene import Scene
 
 
@@ -100,6 +104,10 @@ class _SceneSampler:
         self.device = scene.images.device
         self.c2w = scene.c2w.to(self.device)
         self.intrinsics = scene.intrinsics.to(self.device, self.c2w.dtype)  # (V, 4) fx, fy, cx, cy per view
+        self.lens = None if scene.lens is None else scene.lens.to(self.device, self.c2w.dtype)  # (V, 6) or None
+
+    def _lens(self, views: torch.Tensor, extra_dims: int = 0):
+        return None if self.lens is None else self.lens.take(views, extra_dims)
 
     def _randint(self, high: int, size: int) -> torch.Tensor:
         return torch.randint(high, (size,), device=self.device, generator=self.generator)
@@ -120,6 +128,7 @@ class RaySampler(_SceneSampler):
     def __init__(self, scene: Scene, batch_size: int, generator: torch.Generator | None = None):
         super().__init__(scene, generator)
         self.batch_size = _positive_int("RaySampler batch_size", batch_size)
+        self.table = None if scene.lens is None else _direction_table(scene, self.device)
 
     def sample(self) -> RayBatch:
         height, width = self.scene.height, self.scene.width
@@ -128,7 +137,10 @@ class RaySampler(_SceneSampler):
         within = flat - views * (height * width)
         rows = torch.div(within, width, rounding_mode="floor")
         cols = within - rows * width
-        origins, directions = pixel_rays(self.c2w[views], cols + 0.5, rows + 0.5, self.intrinsics[views])
+        if self.table is None:
+            origins, directions = pixel_rays(self.c2w[views], cols + 0.5, rows + 0.5, self.intrinsics[views])
+        else:
+            origins, directions = _table_rays(self.c2w[views], self.table, views, rows, cols)
         return RayBatch(
             origins,
             directions,
@@ -178,11 +190,12 @@ class PatchSampler(_SceneSampler):
         k = self.intrinsics[views][:, None, None]  # (n, 1, 1, 4)
         y0f, x0f = y0.float()[:, None, None], x0.float()[:, None, None]
         lr = self.lr_offsets
-        origins, directions = pixel_rays(c2w, x0f + lr[None, None, :], y0f + lr[None, :, None], k)
+        lens = self._lens(views, 2)
+        origins, directions = pixel_rays(c2w, x0f + lr[None, None, :], y0f + lr[None, :, None], k, lens=lens)
 
         rows = y0[:, None, None] + self.hr_offsets[None, :, None]  # (n, sP, 1)
         cols = x0[:, None, None] + self.hr_offsets[None, None, :]  # (n, 1, sP)
-        _, hr_directions = pixel_rays(c2w, cols + 0.5, rows + 0.5, k)
+        _, hr_directions = pixel_rays(c2w, cols + 0.5, rows + 0.5, k, lens=lens)
         rgb = self._pixels(views[:, None, None], rows, cols)
         return PatchBatch(
             origins,
@@ -194,3 +207,29 @@ class PatchSampler(_SceneSampler):
             self._alpha(views[:, None, None], rows, cols),
             torch.rand(origins.shape[:3], device=self.device, generator=self.generator),
         )
+
+
+def _direction_table(scene: Scene, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(camera of each view (V,) int64, (C, H, W, 3) float32 unit camera-space (OpenGL) directions through every
+    pixel centre of each of the C distinct cameras (intrinsics + distortion) of a scene with a lens)."""
+    cameras = torch.cat([scene.intrinsics.cpu(), scene.lens.coefficients.cpu()], 1)
+    distinct, camera_of_view = torch.unique(cameras, dim=0, return_inverse=True)
+    identity = torch.eye(4, dtype=torch.float64)
+    lens = Lens(distinct[:, 4:], scene.lens.fisheye)
+    tables = [
+        camera_rays(identity, scene.height, scene.width, distinct[c, :4], lens=lens.take(torch.tensor(c)))[1]
+        for c in range(len(distinct))
+    ]
+    return camera_of_view.to(device), torch.stack(tables).to(device, torch.float32)
+
+
+def _table_rays(
+    c2w: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], views: torch.Tensor, rows, cols
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rays (B, 3) of pixels (views, rows, cols) (B,) through their cameras' direction table."""
+    camera_of_view, directions = table
+    local = directions[camera_of_view[views], rows, cols]  # (B, 3)
+    rot = c2w[:, :3, :3]
+    world = rot[:, :, 0] * local[:, 0:1] + rot[:, :, 1] * local[:, 1:2] + rot[:, :, 2] * local[:, 2:3]
+    world = world / torch.linalg.vector_norm(world, dim=-1, keepdim=True)
+    return c2w[:, :3, 3].expand_as(world).contiguous(), world

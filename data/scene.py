@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from data.camera_models import Lens
+
 
 @dataclass
 class Scene:
@@ -26,6 +28,8 @@ class Scene:
     intrinsics: (V, 4) float64 pinhole intrinsics per view, fx, fy, cx, cy in pixels (data.rays conventions);
                 None (the default) means (focal, focal, width/2, height/2) for every view, the blender cameras.
                 float64 so that intrinsics derived from them (scaled renders) match those from ``focal``.
+    lens:       None (pinhole cameras) or the views' distortion, a :class:`data.camera_models.Lens` with (V, 6)
+                float64 coefficients; it does not change with ``downscale`` (it acts on normalised coordinates).
     """
 
     images: torch.Tensor
@@ -41,6 +45,7 @@ class Scene:
     names: list[str]
     alpha: torch.Tensor | None = None
     intrinsics: torch.Tensor | None = None
+    lens: Lens | None = None
 
     def __post_init__(self) -> None:
         views = self.images.shape[0] if self.images.dim() == 4 else -1
@@ -80,6 +85,13 @@ class Scene:
                 f"finite values and positive fx, fy, got shape {tuple(self.intrinsics.shape)}"
             )
 
+        if self.lens is not None:
+            self.lens = self.lens.to(self.intrinsics.device, torch.float64)
+            if tuple(self.lens.coefficients.shape) != (views, 6):
+                raise ValueError(
+                    f"Scene.lens must have ({views}, 6) coefficients, got {tuple(self.lens.coefficients.shape)}"
+                )
+
     @property
     def num_views(self) -> int:
         return self.images.shape[0]
@@ -96,5 +108,6 @@ class Scene:
             c2w=self.c2w.to(device),
             bbox=self.bbox.to(device),
             intrinsics=self.intrinsics.to(device),
+            lens=None if self.lens is None else self.lens.to(device),
             alpha=None if self.alpha is None else self.alpha.to(device),
         )

@@ -156,16 +156,16 @@ def test_applied_transform_maps_the_sparse_points_not_the_poses(tmp_path):
     edit(tmp_path, lambda m: m.update(applied_transform=applied.tolist()))
     capture = read_capture(tmp_path)
     assert np.array_equal(capture.frames[0].c2w, before)  # poses already carry it
-    train, _, bounds = load_nerfstudio(tmp_path)
+    train, _, bounds = load_nerfstudio(tmp_path, orient="none")  # the poses' world, as given
     assert "200 sparse points" in bounds.source
     low, high = np.percentile(points, [1, 99], axis=0)
     assert np.allclose(bounds.box, [low - 0.1 * (high - low), high + 0.1 * (high - low)])
-    box = load_nerfstudio(tmp_path, scene_box=[-1, -2, -3, 1, 2, 3], near=0.5, far=9.0)[2]
+    box = load_nerfstudio(tmp_path, scene_box=[-1, -2, -3, 1, 2, 3], near=0.5, far=9.0, orient="none")[2]
     assert box.source == "data.scene_box" and box.box.tolist() == [[-1, -2, -3], [1, 2, 3]] and box.far == 9.0
 
 
 def test_the_box_from_the_cameras_holds_the_object(capture):
-    _, _, bounds = load_nerfstudio(capture[0])
+    _, _, bounds = load_nerfstudio(capture[0], orient="none")
     # the procedural scene: x, y within the pedestal's +-1.2, z from -0.5 to the sphere's top 0.6
     assert (bounds.box[0] <= [-1.2, -1.2, -0.5]).all() and (bounds.box[1] >= [1.2, 1.2, 0.6]).all()
     assert (bounds.box[1] - bounds.box[0] < 4.0).all() and 0.5 < bounds.near < 3.5 and 4.0 < bounds.far < 8.0
@@ -176,20 +176,27 @@ def test_the_box_from_the_cameras_holds_the_object(capture):
 
 
 def test_mask_hull_uses_the_views_intrinsics(capture):
-    train, _, _ = load_nerfstudio(capture[0])
+    train, _, _ = load_nerfstudio(capture[0], orient="none")
     box = mask_hull_box(train, resolution=48)
     assert (box[0] <= torch.tensor([-1.2, -1.2, -0.5]) + 0.1).all()
     assert (box[1] >= torch.tensor([1.2, 1.2, 0.6]) - 0.1).all()
 
 
 def _drop_fl_x(meta):
-    del meta["frames"][2]["fl_x"]
+    del meta["frames"][2]["fl_x"], meta["frames"][2]["fl_y"]  # one of them alone would give both
 
 
 BAD_INPUTS = [
-    (lambda m: m.update(camera_model="OPENCV_FISHEYE"), "camera_model 'OPENCV_FISHEYE' is not supported"),
-    (lambda m: m.update(k1=0.1), "camera_model OPENCV with non-zero distortion .k1=0.1.: undistort"),
-    (lambda m: (m.pop("p2"), m["frames"][1].update(p2=-0.01)), "frame 1 .*non-zero distortion .p2=-0.01."),
+    (lambda m: m.update(camera_model="FULL_OPENCV"), "camera_model 'FULL_OPENCV' is not supported"),
+    (lambda m: m.update(k1="a"), "transforms.json: k1 must be a finite number, got 'a'"),
+    (lambda m: (m.pop("k2"), m["frames"][1].update(k2=[0.1])), r"frame 1 .*: k2 must be a finite number, got \[0.1\]"),
+    (lambda m: m.update(k1=-2.0), r"frame 'images/frame_00000.png': distortion \(k1=-2 .*cannot be inverted"),
+    (lambda m: (m.pop("camera_model"), m.update(is_fisheye=True, p1=0.01)), "fisheye model has no tangential terms"),
+    (lambda m: m.update(is_fisheye="yes"), "is_fisheye must be true or false"),
+    (lambda m: m.update(is_fisheye=True, camera_model="OPENCV"), "is_fisheye is true but camera_model is OPENCV"),
+    (lambda m: ([f.pop("fl_x") for f in m["frames"]], m.update(camera_angle_x=4.0)), "camera_angle_x must be below"),
+    (lambda m: m.update(aabb_scale=0), "aabb_scale must be positive"),
+    (lambda m: m.update(offset=[0.5, 0.5]), "offset must be a number or 3 numbers"),
     (_drop_fl_x, "frame 2 .'images/frame_00002.png'.: missing fl_x"),
     (lambda m: m["frames"][0].update(fl_y=-3), "fl_y must be positive"),
     (lambda m: m["frames"][0].update(cx="a"), "cx must be a finite number"),
@@ -294,7 +301,7 @@ def test_nerfstudio_form_trains_like_the_blender_form(tmp_path):
     images = list(render_views(all_c2w, 0, 3, intrinsics, size))
     write_nerfstudio(tmp_path / "ns", images, all_c2w, intrinsics, extra=split)
     psnr_blender = train_psnr(tmp_path / "run_blender", ["data=blender", f"data.root={blender}"])
-    psnr_ns = train_psnr(tmp_path / "run_ns", ["data=nerfstudio", f"data.root={tmp_path / 'ns'}"])
+    psnr_ns = train_psnr(tmp_path / "run_ns", ["data=nerfstudio", f"data.root={tmp_path / 'ns'}", "data.orient=none"])
     print(f"PSNR blender form {psnr_blender:.2f} dB, nerfstudio form {psnr_ns:.2f} dB")
     assert psnr_blender > 17.0
     assert abs(psnr_ns - psnr_blender) < 0.3, (psnr_blender, psnr_ns)
@@ -316,6 +323,7 @@ def test_nerfstudio_config_composes_and_validates(tmp_path, capture):
         ("scene_box", -1.0, "positive half size"),
         ("far", 0.5, "data.far: must be > data.near"),
         ("eval_interval", 1, "data.eval_interval: must be >= 2"),
+        ("orient", "down", "data.orient: must be one of up, none"),
     ]:
         bad = cfg.copy()
         bad.data[key] = value

@@ -72,6 +72,7 @@ def load_scenes(data_cfg: DictConfig, device: torch.device) -> tuple[Scene, Scen
             far=data_cfg.far,
             scene_box=box,
             eval_interval=data_cfg.eval_interval,
+            orient=data_cfg.get("orient", "up"),
         )
         print(f"nerfstudio {bounds.describe()}; override with data.scene_box, data.near, data.far")
         return train.to(device), evaluation.to(device)
