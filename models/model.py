@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from data.camera_models import Lens
 from data.rays import camera_rays
 from data.samplers import PatchBatch
 from models.config import ModelConfig, parse_model_config
@@ -364,10 +365,17 @@ class VoxelNeRF(nn.Module):
 
     @torch.no_grad()
     def render_image(
-        self, c2w: torch.Tensor, height: int, width: int, focal: float | torch.Tensor, chunk: int = 8192
+        self,
+        c2w: torch.Tensor,
+        height: int,
+        width: int,
+        focal: float | torch.Tensor,
+        chunk: int = 8192,
+        lens: Lens | None = None,
     ) -> dict[str, torch.Tensor]:
         """Render a full view (no jitter): dict(rgb (H,W,3) in [0,1], depth (H,W), opacity (H,W)). ``focal``: a focal
-        length in pixels (principal point at the centre) or the view's (4,) intrinsics fx, fy, cx, cy (data.rays).
+        length in pixels (principal point at the centre) or the view's (4,) intrinsics fx, fy, cx, cy (data.rays);
+        ``lens``: None (pinhole) or the view's distortion, coefficients (6,) (data.camera_models).
 
         With upsample s > 1, rays are marched at (H/s, W/s) (H and W must be divisible by s), the composited
         channels (depth included) upsampled to (H, W) and decoded per pixel.
@@ -376,7 +384,7 @@ class VoxelNeRF(nn.Module):
             raise ValueError(f"render_image: chunk must be >= 1, got {chunk}")
         device = self.bbox.device
         c2w = torch.as_tensor(c2w, dtype=torch.float32, device=device)
-        origins, directions = camera_rays(c2w, height, width, focal, self.upsample)
+        origins, directions = camera_rays(c2w, height, width, focal, self.upsample, lens)
         low_h, low_w = origins.shape[:2]
         origins, directions = origins.reshape(-1, 3), directions.reshape(-1, 3)
         parts = []
@@ -388,7 +396,7 @@ class VoxelNeRF(nn.Module):
         low = torch.cat(parts).reshape(1, low_h, low_w, -1)
         channels = self._upsample(low).reshape(height * width, -1)
         if self.upsample > 1:
-            directions = camera_rays(c2w, height, width, focal, 1)[1].reshape(-1, 3)
+            directions = camera_rays(c2w, height, width, focal, 1, lens)[1].reshape(-1, 3)
         pieces = [(channels[s : s + chunk], directions[s : s + chunk]) for s in range(0, channels.shape[0], chunk)]
         rgb = torch.cat(
             [self.shade(c[:, :DIFFUSE_CHANNELS], c[:, DIFFUSE_CHANNELS:-2], c[:, -1], d) for c, d in pieces]

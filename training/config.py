@@ -64,6 +64,7 @@ class NerfstudioDataConfig(DataConfig):
     far: Optional[float] = None
     scene_box: Any = None  # null | half size s ([-s, s]^3) | [min x, y, z, max x, y, z]
     eval_interval: int = 8
+    orient: str = "up"  # up | none (data/orientation.py)
 
 
 @dataclass

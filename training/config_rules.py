@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.orientation import ORIENT_METHODS
 from models.config import parse_model_config
 from models.ops import EARLIER_KEYS, OP_NAMES
 
@@ -135,6 +136,8 @@ def _existing_root(cfg: DictConfig, name: str, holding: str) -> tuple[Any, Path]
 def _check_nerfstudio(cfg: DictConfig) -> None:
     """data.root: a folder with transforms.json (or the JSON file); scene_box, near, far: null or usable."""
     _check_int(cfg, "data.eval_interval", minimum=2)
+    if _get(cfg, "data.orient") not in (*ORIENT_METHODS, _ABSENT):
+        raise ConfigError(f"data.orient: must be one of {', '.join(ORIENT_METHODS)}, got {_get(cfg, 'data.orient')!r}")
     root, path = _existing_root(cfg, "nerfstudio", "the folder holding transforms.json")
     if not (path.is_file() or (path / "transforms.json").is_file()):
         raise ConfigError(f"data.root: {root} contains no transforms.json (not a nerfstudio-format scene)")
