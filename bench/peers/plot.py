@@ -1,0 +1,103 @@
+"""Held-out PSNR against training seconds, one curve per method on the same axes (a PNG, no matplotlib: drawn
+with the helpers of training.visualize, as the runs' own curves are)."""
+
+from __future__ import annotations
+
+import os
+
+import imageio.v3 as iio
+import numpy as np
+
+from training.visualize import _PLOT_BACKGROUND, _PLOT_GRID, _PLOT_INK, _draw_text, _polyline_pixels, _tick_label
+from training.visualize import nice_ticks as _nice_ticks
+
+# one colour per method, in order (colour-blind safe: Okabe-Ito)
+COLOURS = np.array(
+    [[0, 114, 178], [213, 94, 0], [0, 158, 115], [204, 121, 167], [230, 159, 0], [86, 180, 233]], np.float64
+)
+MARGINS = {"left": 64, "right": 20, "top": 36, "bottom": 48}
+
+
+def method_curves(content: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per method in a results file, its curve as (training seconds, PSNR) arrays sorted by time."""
+    curves = {}
+    for name, entry in content.get("methods", {}).items():
+        points = sorted((p["train_seconds"], p["psnr"]) for p in entry.get("curve", []))
+        if points:
+            curves[name] = (np.array([p[0] for p in points], float), np.array([p[1] for p in points], float))
+    return curves
+
+
+def _range(values: np.ndarray, low_floor: float | None = None) -> tuple[float, float]:
+    low, high = float(values.min()), float(values.max())
+    if low_floor is not None:
+        low = min(low, low_floor)
+    span = max(high - low, 1e-6)
+    return low - 0.05 * span, high + 0.05 * span
+
+
+def plot_methods(
+    curves: dict[str, tuple[np.ndarray, np.ndarray]], path: str | os.PathLike, title: str, size=(720, 440)
+) -> None:
+    """Write the curves (name -> (seconds, PSNR)) as one PNG with axes from 0 s, a legend, a marker per point."""
+    if not curves:
+        raise ValueError("plot_methods: no curve to draw (every method's curve is empty)")
+    if len(curves) > len(COLOURS):
+        raise ValueError(f"plot_methods: at most {len(COLOURS)} methods, got {len(curves)}")
+    width, height = size
+    left, right, top, bottom = (MARGINS[k] for k in ("left", "right", "top", "bottom"))
+    plot_w, plot_h = width - left - right, height - top - bottom
+    xs = np.concatenate([c[0] for c in curves.values()])
+    ys = np.concatenate([c[1] for c in curves.values()])
+    if not (np.isfinite(xs).all() and np.isfinite(ys).all()):
+        raise ValueError("plot_methods: curves must be finite (training seconds and PSNR)")
+    x_low, x_high = _range(xs, low_floor=0.0)
+    y_low, y_high = _range(ys)
+
+    def to_px(x):
+        return left + (x - x_low) / (x_high - x_low) * (plot_w - 1)
+
+    def to_py(y):
+        return top + (y_high - y) / (y_high - y_low) * (plot_h - 1)
+
+    canvas = np.broadcast_to(_PLOT_BACKGROUND, (height, width, 3)).copy()
+    for axis, (low, high) in (("x", (x_low, x_high)), ("y", (y_low, y_high))):
+        ticks, step = _nice_ticks(low, high)
+        for tick in ticks:
+            if axis == "x":
+                column = int(round(to_px(tick)))
+                canvas[top : top + plot_h, column] = _PLOT_GRID
+                _draw_text(canvas, _tick_label(tick, step), column, top + plot_h + 12)
+            else:
+                row = int(round(to_py(tick)))
+                canvas[row, left : left + plot_w] = _PLOT_GRID
+                _draw_text(canvas, _tick_label(tick, step), left - 7, row, align="right")
+    canvas[top : top + plot_h, left - 1] = _PLOT_INK
+    canvas[top + plot_h, left - 1 : left + plot_w] = _PLOT_INK
+
+    for index, (name, (x, y)) in enumerate(curves.items()):
+        colour = COLOURS[index]
+        px, py = _polyline_pixels(to_px(x), to_py(y))
+        for dx, dy in ((0, 0), (1, 0), (0, 1), (1, 1)):
+            col = np.clip(np.round(px).astype(np.int64) + dx, left, left + plot_w - 1)
+            row = np.clip(np.round(py).astype(np.int64) + dy, top, top + plot_h - 1)
+            canvas[row, col] = colour
+        for cx, cy in zip(to_px(x), to_py(y)):  # a 5x5 marker per evaluation
+            rows = slice(max(int(round(cy)) - 2, top), min(int(round(cy)) + 3, top + plot_h))
+            cols = slice(max(int(round(cx)) - 2, left), min(int(round(cx)) + 3, left + plot_w))
+            canvas[rows, cols] = colour
+        # the legend in the lower right, where rising PSNR curves rarely are
+        legend_y = top + plot_h - 12 - 16 * (len(curves) - 1 - index)
+        canvas[legend_y - 1 : legend_y + 2, left + plot_w - 150 : left + plot_w - 130] = colour
+        _draw_text(canvas, name, left + plot_w - 124, legend_y, align="left")
+
+    _draw_text(canvas, title, left + plot_w / 2, top / 2)
+    _draw_text(canvas, "training seconds (evaluation excluded)", left + plot_w / 2, height - 12)
+    _draw_text(canvas, "held-out PSNR (dB)", 14, top + plot_h / 2, rotate=True)
+    iio.imwrite(path, np.clip(np.round(canvas), 0, 255).astype(np.uint8))
+
+
+def plot_results(content: dict, path: str | os.PathLike) -> None:
+    """The plot of a results file (bench.peers.results)."""
+    title = f"{content.get('scene', '?')}: held-out PSNR against training time ({content.get('device', '?')})"
+    plot_methods(method_curves(content), path, title)

@@ -1,0 +1,426 @@
+"""bench/peers: the CLI, our scenes and splits, our metrics, the plot, and the 3DGS trainer's pure-PyTorch parts
+(camera conversion, SH colour, initial Gaussians, schedules, the loss, undistortion). The tests that need gsplat
+(its pure-PyTorch reference projection) or gsplat and a GPU (training) skip without them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bench.peers import run as peers_run
+from bench.peers.cameras import intrinsics_matrices, project, scene_scale, viewmats_from_c2w
+from bench.peers.gaussians import (
+    SH_C0,
+    Recipe,
+    initial_gaussians,
+    learning_rates,
+    means_lr_at,
+    neighbour_distance,
+    opacity_reset_due,
+    rgb_to_sh,
+    sh_degree_at,
+    sh_to_rgb,
+)
+from bench.peers.losses import photometric_loss, ssim_differentiable
+from bench.peers.metrics import curve_views, evaluate_views
+from bench.peers.plot import COLOURS, method_curves, plot_results
+from bench.peers.results import merge_method, our_entry, read_results, table_rows
+from bench.peers.scenes import data_config, data_overrides, load_peer_scene, scene_kind
+from bench.peers.undistort import opencv_distort, undistort_image
+from data import project_to_pixels, write_blender_split
+from data.cameras import look_at, random_zone_positions
+from data.nerfstudio import write_nerfstudio
+from training.metrics import psnr, ssim
+from training.scenes import load_scenes
+
+HAS_GSPLAT = importlib.util.find_spec("gsplat") is not None
+needs_gsplat = pytest.mark.skipif(not HAS_GSPLAT, reason="gsplat is not installed (pip install gsplat==1.5.3)")
+needs_gsplat_gpu = pytest.mark.skipif(
+    not (HAS_GSPLAT and torch.cuda.is_available()), reason="needs gsplat and a CUDA GPU (gsplat's kernels)"
+)
+DISTORTION = {"k1": -0.05, "k2": 0.02, "k3": -0.004, "k4": 0.0, "p1": 0.011, "p2": -0.0096}
+
+
+def random_cameras(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, 4, 4) float64 OpenGL cameras around the origin and (count, 4) random intrinsics."""
+    rng = np.random.default_rng(seed)
+    c2w = torch.from_numpy(look_at(random_zone_positions(count, 4.0, 0.1, 1.2, rng), target=rng.normal(0, 0.2, 3)))
+    intrinsics = torch.from_numpy(
+        np.stack(
+            [
+                rng.uniform(300, 500, count),
+                rng.uniform(300, 500, count),
+                rng.uniform(150, 250, count),
+                rng.uniform(100, 200, count),
+            ],
+            -1,
+        )
+    )
+    return c2w, intrinsics
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def test_arguments_parse_and_defaults():
+    args = peers_run.parse_args(
+        ["--scene", "lego_400", "--data-root", "x", "--method", "gsplat", "--steps", "7000,30000"]
+    )
+    assert args.steps == [7000, 30000] and args.curve_every == 1000 and args.curve_views == 4
+    assert peers_run.parse_args(["--scene", "s", "--data-root", "x", "--method", "gsplat"]).steps == [7000]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "gsplat", "--steps", "7000,abc"], "--steps"),
+        (["--method", "gsplat", "--steps", "30000,7000"], "--steps"),
+        (["--method", "gsplat", "--steps", "0"], "--steps"),
+        (["--method", "ours"], "--ours-run"),
+        (["--method", "gsplat", "--ours-run", "r"], "--ours-run"),
+        (["--method", "nerf"], "--method"),
+        (["--method", "gsplat", "--curve-views", "0"], "--curve-views"),
+    ],
+)
+def test_bad_arguments_name_the_argument(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        peers_run.parse_args(["--scene", "s", "--data-root", "x", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_bad_scene_name_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        peers_run.parse_args(["--scene", "../x", "--data-root", "x", "--method", "gsplat"])
+    assert "--scene" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ scenes
+@pytest.fixture
+def blender_scene(tmp_path):
+    rng = np.random.default_rng(0)
+    root = tmp_path / "tiny blender"  # a space: the override must be quoted
+    for split, count in (("train", 5), ("val", 3)):
+        c2w = look_at(random_zone_positions(count, 4.0, 0.1, 1.0, rng))
+        images = [rng.integers(0, 256, (16, 16, 4), dtype=np.uint8) for _ in range(count)]
+        write_blender_split(root, split, images, c2w, 0.7)
+    return root
+
+
+def _capture(root, distortion: dict | None, count: int = 17, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    c2w = look_at(random_zone_positions(count, 4.0, 0.2, 1.0, rng))
+    images = [rng.integers(0, 256, (24, 20, 3), dtype=np.uint8) for _ in range(count)]
+    intrinsics = np.tile([[30.0, 31.0, 10.5, 11.5]], (count, 1))
+    write_nerfstudio(root, images, c2w, intrinsics, per_frame=False, extra=distortion)
+    return root
+
+
+def test_blender_scene_is_ours(blender_scene):
+    peer = load_peer_scene(blender_scene)
+    train, evaluation = load_scenes(data_config(data_overrides(blender_scene, "blender")), "cpu")
+    assert peer.kind == "blender" and peer.distortion is None and peer.eval.split == "val"
+    for mine, ours in ((peer.train, train), (peer.eval, evaluation)):
+        assert torch.equal(mine.images, ours.images) and torch.equal(mine.c2w, ours.c2w) and mine.names == ours.names
+    assert peer.train.background == (1.0, 1.0, 1.0) and peer.data["name"] == "blender"
+
+
+def test_capture_split_is_every_eighth_frame_by_name(tmp_path):
+    root = _capture(tmp_path / "cap", None)
+    peer = load_peer_scene(root, name="cap")
+    names = sorted(f"images/frame_{i:05d}.png" for i in range(17))
+    assert peer.kind == "nerfstudio" and peer.name == "cap"
+    assert peer.eval.names == names[::8] and peer.train.names == [n for i, n in enumerate(names) if i % 8]
+
+
+def test_distorted_capture_is_undistorted_from_the_same_split(tmp_path):
+    plain = load_peer_scene(_capture(tmp_path / "plain", None))
+    distorted = load_peer_scene(_capture(tmp_path / "distorted", DISTORTION))
+    assert distorted.distortion is not None and distorted.eval.names == plain.eval.names
+    for mine, raw in ((distorted.train, plain.train), (distorted.eval, plain.eval)):
+        expected = torch.stack([undistort_image(image, k, DISTORTION) for image, k in zip(raw.images, raw.intrinsics)])
+        assert torch.equal(mine.images, expected) and torch.equal(mine.c2w, raw.c2w)
+        assert not torch.equal(mine.images, raw.images)
+    assert not list(tmp_path.glob("peers-scene-*"))  # the shadow folder is gone (it lives in the temp dir)
+
+
+def test_scene_kind_and_overrides_errors(tmp_path):
+    with pytest.raises(ValueError, match="--data-root"):
+        scene_kind(tmp_path / "missing")
+    with pytest.raises(ValueError, match="--data-root"):
+        scene_kind(tmp_path)
+    with pytest.raises(ValueError, match="--data-override"):
+        data_overrides(tmp_path, "blender", ["train.iters=5"])
+
+
+# ------------------------------------------------------------------------------------------------ undistortion
+def test_opencv_distortion_formula():
+    rng = np.random.default_rng(2)
+    x, y = rng.uniform(-0.6, 0.6, 50), rng.uniform(-0.6, 0.6, 50)
+    k1, k2, k3, k4, p1, p2 = (DISTORTION[k] for k in ("k1", "k2", "k3", "k4", "p1", "p2"))
+    r2 = x**2 + y**2
+    radial = 1 + k1 * r2 + k2 * r2**2 + k3 * r2**3 + k4 * r2**4
+    expected = np.stack([x * radial + 2 * p1 * x * y + p2 * (r2 + 2 * x**2),
+                         y * radial + p1 * (r2 + 2 * y**2) + 2 * p2 * x * y], -1)  # fmt: skip
+    got = opencv_distort(torch.from_numpy(x), torch.from_numpy(y), DISTORTION).numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="k5"):
+        opencv_distort(torch.zeros(1), torch.zeros(1), {"k5": 1.0})
+
+
+def _undistort_point(xd: np.ndarray, yd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Invert the distortion by fixed-point iteration (float64), the test's reference."""
+    x, y = xd.copy(), yd.copy()
+    for _ in range(50):
+        d = opencv_distort(torch.from_numpy(x), torch.from_numpy(y), DISTORTION).numpy()
+        x, y = x + (xd - d[..., 0]), y + (yd - d[..., 1])
+    return x, y
+
+
+def test_undistort_image_recovers_the_pinhole_image():
+    """A photo made through the distortion from a smooth pinhole image comes back as that image."""
+    height, width, (fx, fy, cx, cy) = 60, 80, (70.0, 72.0, 41.0, 29.5)
+
+    def pinhole(u, v):  # a smooth image of continuous pixel positions, 3 channels
+        return np.stack(
+            [0.5 + 0.4 * np.sin(u / 9.0), 0.5 + 0.4 * np.cos(v / 7.0), 0.5 + 0.3 * np.sin((u + v) / 11)], -1
+        )
+
+    v, u = np.meshgrid(np.arange(height) + 0.5, np.arange(width) + 0.5, indexing="ij")
+    x, y = _undistort_point((u - cx) / fx, (v - cy) / fy)  # the photo's pixel centres seen from the pinhole
+    photo = torch.from_numpy(pinhole(fx * x + cx, fy * y + cy))
+    got = undistort_image(photo, (fx, fy, cx, cy), DISTORTION).numpy()
+    inner = (slice(6, -6), slice(6, -6))  # the border band samples outside the photo (edge repeated)
+    np.testing.assert_allclose(got[inner], pinhole(u, v)[inner], atol=3e-3)
+    plain = undistort_image(photo, (fx, fy, cx, cy), {})
+    np.testing.assert_allclose(plain.numpy(), photo.numpy(), atol=1e-6)  # no distortion: the photo itself
+    bytes_ = (photo * 255).round().to(torch.uint8)
+    assert torch.equal(undistort_image(bytes_, (fx, fy, cx, cy), {}), bytes_)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def test_evaluate_views_is_our_evaluation(blender_scene):
+    scene = load_peer_scene(blender_scene).eval
+    rng = torch.Generator().manual_seed(3)
+    noise = [torch.rand(scene.height, scene.width, 3, generator=rng, dtype=torch.float64) * 0.2 for _ in range(3)]
+    targets = [scene.images[v].double() / 255 for v in range(3)]
+    lookup = {tuple(scene.c2w[v].flatten().tolist()): v for v in range(3)}
+
+    def render(c2w, height, width, intrinsics):
+        view = lookup[tuple(c2w.flatten().tolist())]
+        return (targets[view] + noise[view]).clamp(0, 1)
+
+    result = evaluate_views(render, scene)
+    expected = [psnr((targets[v] + noise[v]).clamp(0, 1).float(), targets[v].float()) for v in range(3)]
+    assert [v["psnr"] for v in result["per_view"]] == pytest.approx(expected, abs=1e-9)
+    assert result["psnr"] == pytest.approx(np.mean(expected)) and result["views"] == 3
+    assert result["psnr_worst10"] == pytest.approx(min(expected))  # ceil(3 / 10) = 1 view
+    assert result["ssim"] == pytest.approx(
+        np.mean([ssim((targets[v] + noise[v]).clamp(0, 1).float(), targets[v].float()) for v in range(3)])
+    )
+    assert curve_views(scene, 2) == [0, 2]
+    with pytest.raises(ValueError, match="expected an"):
+        evaluate_views(lambda c2w, h, w, k: torch.zeros(h, w), scene)
+
+
+# ------------------------------------------------------------------------------------------------ cameras
+def test_viewmat_and_k_project_where_our_rays_come_from():
+    """THE convention test: a world point projected with gsplat's viewmat + K lands on our pixel."""
+    c2w, intrinsics = random_cameras(6, seed=4)
+    rng = torch.Generator().manual_seed(5)
+    points = torch.randn(6, 20, 3, generator=rng, dtype=torch.float64) * 0.5  # around the origin: in front
+    ours = project_to_pixels(c2w[:, None], points - c2w[:, None, :3, 3], intrinsics[:, None])
+    viewmats = viewmats_from_c2w(c2w)
+    got = project(viewmats[:, None], intrinsics_matrices(intrinsics).double()[:, None], points)
+    torch.testing.assert_close(got, ours, rtol=0, atol=1e-4)  # K is float32 (gsplat's dtype)
+    depth = (viewmats[:, None, :3, :3] @ points[..., None])[..., 2, 0] + viewmats[:, None, 2, 3]
+    assert bool((depth > 0).all())  # OpenCV: +z forward, so points in front have positive depth
+
+
+def test_viewmat_of_a_known_camera():
+    """A camera at (0, 0, 4) looking at the origin with world +y up in the image: +y is up (OpenCV: row decreases)."""
+    c2w = torch.eye(4, dtype=torch.float64)
+    c2w[2, 3] = 4.0  # OpenGL: looks down -z, towards the origin
+    k = intrinsics_matrices(torch.tensor([100.0, 100.0, 50.0, 40.0])).double()
+    pixels = project(
+        viewmats_from_c2w(c2w), k, torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]).double()
+    )
+    torch.testing.assert_close(pixels, torch.tensor([[50.0, 40.0], [50.0, 15.0], [75.0, 40.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="c2w"):
+        viewmats_from_c2w(torch.eye(3))
+
+
+@needs_gsplat
+def test_gsplat_reference_projection_agrees():
+    from gsplat.cuda._torch_impl import _persp_proj, _world_to_cam
+
+    c2w, intrinsics = random_cameras(3, seed=6)
+    points = torch.randn(10, 3, generator=torch.Generator().manual_seed(7)) * 0.5
+    covars = torch.eye(3).expand(10, 3, 3) * 1e-4
+    means_c, covars_c = _world_to_cam(points, covars, viewmats_from_c2w(c2w.float()))
+    means2d, _ = _persp_proj(means_c, covars_c, intrinsics_matrices(intrinsics), 400, 300)
+    ours = project_to_pixels(c2w[:, None], points.double() - c2w[:, None, :3, 3], intrinsics[:, None])
+    torch.testing.assert_close(means2d.double(), ours, rtol=0, atol=2e-3)
+
+
+def test_scene_scale_is_the_camera_extent():
+    c2w = torch.eye(4).repeat(3, 1, 1)
+    c2w[:, :3, 3] = torch.tensor([[1.0, 0, 0], [-1.0, 0, 0], [0, 3.0, 0]])
+    assert scene_scale(c2w) == pytest.approx(1.1 * math.dist((0, 3, 0), (0, 1, 0)))
+
+
+# ------------------------------------------------------------------------------------------------ recipe
+def test_sh_colour_round_trip_and_initial_gaussians():
+    gen = torch.Generator().manual_seed(8)
+    colours = torch.rand(64, 3, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(sh_to_rgb(rgb_to_sh(colours)), colours)
+    points = torch.rand(64, 3, generator=gen) * 2 - 1
+    params = initial_gaussians(points, colours, Recipe(), gen)
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+    assert shapes == {"means": (64, 3), "scales": (64, 3), "quats": (64, 4), "opacities": (64,), "sh0": (64, 1, 3),
+                      "shN": (64, 15, 3)}  # fmt: skip
+    torch.testing.assert_close((params["sh0"][:, 0] * SH_C0 + 0.5).double(), colours, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.sigmoid(params["opacities"]), torch.full((64,), 0.1))
+    assert bool((params["shN"] == 0).all()) and all(p.requires_grad for p in params.values())
+    distance = torch.cdist(points.double(), points.double()).square().sort(1).values[:, 1:4].mean(1).sqrt()
+    torch.testing.assert_close(params["scales"].exp(), distance.float()[:, None].expand(64, 3), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(neighbour_distance(points, chunk=7), neighbour_distance(points, chunk=4096))
+
+
+@needs_gsplat
+def test_degree_zero_sh_renders_the_initial_colour():
+    from gsplat.cuda._torch_impl import _spherical_harmonics
+
+    colours = torch.rand(32, 3, generator=torch.Generator().manual_seed(9))
+    coefficients = torch.zeros(32, 16, 3)
+    coefficients[:, 0] = rgb_to_sh(colours)
+    dirs = torch.randn(32, 3)
+    torch.testing.assert_close(_spherical_harmonics(0, dirs, coefficients) + 0.5, colours)
+
+
+def test_learning_rate_schedule_matches_exponential_decay():
+    total, base = 50, 1.6e-4 * 4.0
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.Adam([param], lr=base)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.01 ** (1 / total))
+    for step in range(total):
+        assert means_lr_at(step, total, base) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9)
+        optimizer.step()
+        scheduler.step()
+    assert means_lr_at(total, total, base) == pytest.approx(0.01 * base)
+    rates = learning_rates(Recipe(), 4.0)
+    assert rates == pytest.approx({"means": 6.4e-4, "scales": 5e-3, "quats": 1e-3, "opacities": 5e-2,
+                                   "sh0": 2.5e-3, "shN": 1.25e-4})  # fmt: skip
+
+
+def test_sh_degree_and_opacity_reset_schedules():
+    recipe = Recipe()
+    assert [sh_degree_at(s, recipe) for s in (0, 999, 1000, 1999, 2000, 3000, 29999)] == [0, 0, 1, 1, 2, 3, 3]
+    due = [s for s in range(30000) if opacity_reset_due(s, recipe)]
+    assert due == [3000, 6000, 9000, 12000]  # while densifying (steps < 15000), never at step 0
+
+
+def test_training_ssim_equals_the_metric_and_has_gradients():
+    gen = torch.Generator().manual_seed(10)
+    pred, target = (torch.rand(20, 24, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    assert float(ssim_differentiable(pred, target)) == pytest.approx(ssim(pred, target), abs=1e-12)
+    small = (torch.rand(12, 13, 3, generator=gen, dtype=torch.float64).requires_grad_(), target[:12, :13])
+    assert torch.autograd.gradcheck(lambda p: photometric_loss(p, small[1]), (small[0],), fast_mode=True)
+    with pytest.raises(ValueError, match="pred and target"):
+        ssim_differentiable(pred, target[:, :10])
+
+
+# ------------------------------------------------------------------------------------------------ results, plot
+def _fake_run(folder, psnr_value=30.0):
+    folder.mkdir(parents=True)
+    history = [{"step": s, "train_seconds": s / 50, "psnr": 20 + s / 100, "ssim": 0.9, "psnr_worst10": 19.0}
+               for s in (500, 1000)]  # fmt: skip
+    metrics = {"psnr": psnr_value, "ssim": 0.95, "psnr_worst10": 27.0, "worst_views": [3], "per_view": [{}] * 10,
+               "iters": 1500, "train_seconds": 30.0, "eval_views": 10, "eval_history": history,
+               "device": "cuda:0 (NVIDIA H100 80GB HBM3)"}  # fmt: skip
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    (folder / "model.pt").write_bytes(b"x" * 1000)
+    return folder
+
+
+def test_our_entry_reads_the_run(tmp_path):
+    entry = our_entry(_fake_run(tmp_path / "run"))
+    assert entry["evaluations"][0]["model_bytes"] == 1000 and entry["evaluations"][0]["psnr"] == 30.0
+    assert [p["step"] for p in entry["curve"]] == [500, 1000, 1500]
+    with pytest.raises(ValueError, match="--ours-run"):
+        our_entry(tmp_path / "nothing")
+
+
+def test_results_merge_and_plot(tmp_path):
+    path = tmp_path / "r" / "2026-11-25-lego_400.json"
+    merge_method(path, {"scene": "lego_400", "date": "2026-11-25"}, "ours", our_entry(_fake_run(tmp_path / "run")))
+    curve = [{"train_seconds": t, "psnr": p} for t, p in ((40.0, 31.0), (10.0, 25.0), (60.0, 33.1))]
+    peer = {"device": "H100", "evaluations": [{"step": 7000, "train_seconds": 60.0, "psnr": 33.1, "ssim": 0.97,
+            "psnr_worst10": 29.0, "model_bytes": 2**21}], "curve": curve}  # fmt: skip
+    content = merge_method(path, {"scene": "lego_400", "date": "2026-11-25", "device": "H100"}, "gsplat", peer)
+    assert set(read_results(path)["methods"]) == {"ours", "gsplat"} and content["device"] == "H100"
+    curves = method_curves(content)
+    assert curves["gsplat"][0].tolist() == [10.0, 40.0, 60.0]  # sorted by time
+    rows = table_rows(content)
+    assert (
+        rows[1] == "| 2026-11-25 | H100 | lego_400 | gsplat (7000 steps) | 33.10 (29.00) | 0.9700 | 60.0 s | 2.0 MiB |"
+    )
+    png = tmp_path / "plot.png"
+    plot_results(content, png)
+    import imageio.v3 as iio
+
+    image = iio.imread(png)
+    assert image.shape == (440, 720, 3)
+    for colour in COLOURS[:2]:  # both curves are drawn
+        assert bool((np.abs(image.astype(float) - colour).sum(-1) < 1).any())
+    path.write_text("{")
+    with pytest.raises(ValueError, match="malformed"):
+        read_results(path)
+
+
+def test_cli_records_our_run(tmp_path, capsys):
+    run_dir = _fake_run(tmp_path / "run")
+    argv = ["--scene", "lego_400", "--data-root", str(tmp_path), "--method", "ours", "--ours-run", str(run_dir),
+            "--out", str(tmp_path / "out"), "--date", "2026-11-25"]  # fmt: skip
+    assert peers_run.main(argv) == 0
+    assert (tmp_path / "out" / "2026-11-25-lego_400.png").is_file()
+    assert "| ours (1500 steps) | 30.00 (27.00) |" in capsys.readouterr().out
+    assert peers_run.main([*argv[:7], str(tmp_path / "none"), *argv[8:]]) == 1
+    assert "--ours-run" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ on the GPU
+@needs_gsplat_gpu
+def test_one_gaussian_lands_on_our_pixel():
+    """gsplat renders a small Gaussian at a world point where data.rays projects that point."""
+    import gsplat
+
+    from bench.peers.gsplat_trainer import Splats
+
+    c2w, intrinsics = random_cameras(1, seed=11)
+    point = torch.tensor([[0.1, -0.2, 0.15]])
+    params = {"means": point, "quats": torch.tensor([[1.0, 0, 0, 0]]), "scales": torch.full((1, 3), math.log(0.01)),
+              "opacities": torch.tensor([3.0]), "sh0": torch.ones(1, 1, 3), "shN": torch.zeros(1, 0, 3)}  # fmt: skip
+    splats = Splats({k: v.cuda() for k, v in params.items()}, gsplat.rasterization)
+    _, alpha, _ = splats.render(viewmats_from_c2w(c2w.float())[0].cuda(), intrinsics_matrices(intrinsics)[0].cuda(),
+                                400, 300, 0, torch.zeros(3, device="cuda"))  # fmt: skip
+    weights = alpha[..., 0].double().cpu()
+    rows, cols = torch.meshgrid(torch.arange(300) + 0.5, torch.arange(400) + 0.5, indexing="ij")
+    centre = torch.stack([(weights * cols).sum(), (weights * rows).sum()]) / weights.sum()
+    expected = project_to_pixels(c2w[0], point[0].double() - c2w[0, :3, 3], intrinsics[0])
+    torch.testing.assert_close(centre, expected, rtol=0, atol=0.05)
+
+
+@needs_gsplat_gpu
+def test_short_training_run_reports(blender_scene):
+    from bench.peers.gsplat_trainer import train_gsplat
+
+    scene = load_peer_scene(blender_scene)
+    recipe = Recipe(init_points=2000, refine_start=50, refine_every=50, reset_every=150, sh_interval=50)
+    result = train_gsplat(scene, [100, 300], recipe, curve_every=100, curve_count=2, log=lambda line: None)
+    first, last = result["evaluations"]
+    assert [e["step"] for e in result["evaluations"]] == [100, 300] and len(result["curve"]) == 3
+    assert last["train_seconds"] > first["train_seconds"] > 0 and last["model_bytes"] > 0
+    assert result["peak_memory_bytes"] > 0 and math.isfinite(last["psnr"])
