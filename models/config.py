@@ -15,6 +15,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from models.appearance import APPEARANCE_MODES
+
 DIR_ENCODING = re.compile(r"^(none|sh[0-3]|pe[0-9]+)$")
 GELU_MODES = ("none", "tanh")
 SHADING_MODES = ("deferred", "per_sample")
@@ -60,6 +62,8 @@ class ModelConfig:
     shading: str = "deferred"
     shrink_at: Any = None  # null, a step (int) or a fraction of training (float)
     shrink_threshold: float = 1.0e-3
+    appearance: str = "none"  # none | embedding | affine: per-training-image appearance (models/appearance.py)
+    appearance_dim: int = 16  # width of the per-image embedding (appearance=embedding)
 
 
 def _int_at_least(cfg: ModelConfig, key: str, minimum: int) -> None:
@@ -91,6 +95,7 @@ def check_model_config(c: ModelConfig) -> None:
         ("upsample", 1),
         ("max_samples", 1),
         ("tv_samples", 0),
+        ("appearance_dim", 1),
     ):
         _int_at_least(c, key, minimum)
     for key, minimum in (("refresh_every", 1), ("warmup", 0), ("dilate", 0)):
@@ -116,6 +121,8 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError(f"model.gelu_approximate: expected 'none' or 'tanh', got {c.gelu_approximate!r}")
     if c.decoder_precision not in DECODER_PRECISIONS:
         raise ValueError(f"model.decoder_precision: expected 'float32' or 'bfloat16', got {c.decoder_precision!r}")
+    if c.appearance not in APPEARANCE_MODES:
+        raise ValueError(f"model.appearance: expected one of {', '.join(APPEARANCE_MODES)}, got {c.appearance!r}")
     if c.shading not in SHADING_MODES:
         raise ValueError(f"model.shading: expected 'deferred' or 'per_sample', got {c.shading!r}")
     for item in c.grow_at:

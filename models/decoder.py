@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn as nn
 
+from models.appearance import Appearance
 from models.ops import OpSet
 
 DIFFUSE_CHANNELS = 3
@@ -109,23 +110,32 @@ class _ShadingMLP(nn.Module):
         gelu_approximate: str,
         ops: OpSet,
         precision: str = "float32",
+        appearance: str = "none",
+        appearance_dim: int = 16,
     ):
         super().__init__()
         self.ops = ops
+        # per-image appearance (models/appearance.py): its parameters are the decoder's; an embedding is one more
+        # MLP input, an affine transform acts on the decoded colour
+        self.appearance = Appearance(appearance, appearance_dim)
         # "bfloat16": the layers run under CUDA autocast (bf16 tensor cores, half the activation traffic; the
         # weights, their gradients and the output stay float32); on the CPU the MLP stays float32
         self.precision = precision
         self.gelu_approximate = gelu_approximate
         self.encoding = DirectionEncoding(dir_encoding)
-        widths = [inputs + self.encoding.dim] + [hidden] * layers
+        widths = [inputs + self.encoding.dim + self.appearance.embedding_dim] + [hidden] * layers
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
         self.out = nn.Linear(widths[-1], 3)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
-    def residual(self, inputs: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
-        """(N, inputs), (N, 3) unit directions -> (N, 3) float32."""
-        x = torch.cat([inputs, self.encoding(directions)], dim=-1)
+    def residual(
+        self, inputs: torch.Tensor, directions: torch.Tensor, image_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(N, inputs), (N, 3) unit directions, optional (N,) int64 training-image indices -> (N, 3) float32."""
+        parts = [inputs, self.encoding(directions)]
+        codes = self.appearance.codes(image_index, inputs.shape[0])
+        x = torch.cat(parts if codes is None else parts + [codes], dim=-1)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.precision == "bfloat16" and x.is_cuda):
             for layer in self.hidden:
                 x = self.ops.gelu(layer(x), self.gelu_approximate)
@@ -135,27 +145,38 @@ class _ShadingMLP(nn.Module):
 class SampleDecoder(_ShadingMLP):
     """Per-sample shading (DirectVoxGO / TensoRF style), applied before compositing.
 
-    forward(features (N,F), directions (N,3) unit) -> (N,3) colour in (0,1):
-    ``sigmoid(features[:, :3] + mlp(features, encoding(direction)))``. The first 3 channels stay a diffuse
-    colour logit (the residual starts at zero), so the grid learns most of the colour at grid learning rates
+    forward(features (N,F), directions (N,3) unit, image_index (N,) or None) -> (N,3) colour:
+    ``sigmoid(features[:, :3] + mlp(features, encoding(direction)))`` (in (0,1); then the sample's image
+    transform with ``model.appearance=affine``; the image's code is an MLP input with ``embedding``). The first 3
+    channels stay a diffuse colour logit (the residual starts at zero), so the grid learns most of the colour at grid
+    learning rates
     while the MLP adds what depends on the view at that point: highlights and reflections that a per-pixel
     decoder only sees averaged along the ray.
     """
 
-    def forward(self, features: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(features[:, :DIFFUSE_CHANNELS] + self.residual(features, directions))
+    def forward(
+        self, features: torch.Tensor, directions: torch.Tensor, image_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        colour = torch.sigmoid(features[:, :DIFFUSE_CHANNELS] + self.residual(features, directions, image_index))
+        return self.appearance.transform(colour, image_index)
 
 
 class Decoder(_ShadingMLP):
     """Per-pixel MLP: the view-dependent residual added to the composited diffuse colour.
 
-    forward(diffuse (N,3), features (N,F'), opacity (N,), directions (N,3) unit) -> (N, 3) foreground colour
-    ``diffuse + opacity * residual``: premultiplied by opacity, so empty pixels get exactly the background.
+    forward(diffuse (N,3), features (N,F'), opacity (N,), directions (N,3) unit, image_index (N,) or None) ->
+    (N, 3) foreground colour ``diffuse + opacity * residual``: premultiplied by opacity, so empty pixels get
+    exactly the background (an affine appearance transform keeps it so: ``A c + opacity * b``).
     Built with ``inputs`` = 3 + F' (the diffuse colour and the features go in together).
     """
 
     def forward(
-        self, diffuse: torch.Tensor, features: torch.Tensor, opacity: torch.Tensor, directions: torch.Tensor
+        self,
+        diffuse: torch.Tensor,
+        features: torch.Tensor,
+        opacity: torch.Tensor,
+        directions: torch.Tensor,
+        image_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        residual = self.residual(torch.cat([diffuse, features], dim=-1), directions)
-        return diffuse + opacity[:, None] * residual
+        residual = self.residual(torch.cat([diffuse, features], dim=-1), directions, image_index)
+        return self.appearance.transform(diffuse + opacity[:, None] * residual, image_index, opacity)

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from data.camera_models import Lens
 from data.rays import camera_rays
 from data.samplers import PatchBatch
 from models.config import ModelConfig, parse_model_config
@@ -37,6 +36,7 @@ from models.field import (
     voxel_size,
 )
 from models.ops import OpSet
+from models.regularizers import RenderedSamples
 from models.render import (
     PackedSamples,
     check_rays,
@@ -88,6 +88,7 @@ class VoxelNeRF(nn.Module):
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)
         mlp = (c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops, c.decoder_precision)
+        mlp += (c.appearance, c.appearance_dim)  # per-image appearance lives in the decoder (models/appearance.py)
         # both see every feature channel: per sample the raw features, deferred the composited diffuse + the rest
         self.decoder = (SampleDecoder if c.shading == "per_sample" else Decoder)(c.feature_dim, *mlp)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
@@ -241,10 +242,11 @@ class VoxelNeRF(nn.Module):
         return total
 
     # ------------------------------------------------------------------ rendering
-    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor) -> dict:
-        """Composite B rays: (B, 3) origins and unit directions ->
+    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:
+        """Composite B rays: (B, 3) origins and unit directions (``views``: (B,) training images, or None) ->
 
-        dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count).
+        dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count,
+        packed: the samples' models.regularizers.RenderedSamples, with gradients, for the regularisers).
         With per-sample shading, ``diffuse`` is the composited view-dependent colour and ``features`` is (B, 0).
         """
         c = self.config
@@ -281,7 +283,7 @@ class VoxelNeRF(nn.Module):
         shaded = samples if keep is None else samples.take(keep)
         feats = self.features(shaded.points, self.ops)
         if self.per_sample:
-            values = self.decoder(feats, directions[shaded.ray])
+            values = self.decoder(feats, directions[shaded.ray], None if views is None else views[shaded.ray])
         else:
             values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
         if keep is not None:  # skipped samples still attenuate the ray; their colour is zero
@@ -293,6 +295,7 @@ class VoxelNeRF(nn.Module):
             "depth": depth,
             "opacity": opacity,
             "samples": torch.tensor(len(samples)),
+            "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step),
         }
 
     @property
@@ -307,21 +310,23 @@ class VoxelNeRF(nn.Module):
         opacity: torch.Tensor,
         directions: torch.Tensor,
         background: torch.Tensor | None = None,
+        image_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(M,3), (M,F-3), (M,), (M,3) unit directions -> (M,3) pixel colour over the background.
 
         ``background``: (M, 3) colours per pixel (training on random backgrounds), or None for the model's own.
         """
-        foreground = diffuse if self.per_sample else self.decoder(diffuse, features, opacity, directions)
+        foreground = diffuse if self.per_sample else self.decoder(diffuse, features, opacity, directions, image_index)
         return foreground + (1.0 - opacity)[:, None] * (self.background if background is None else background)
 
-    def render_rays(self, origins: torch.Tensor, directions: torch.Tensor, background=None, jitter=None) -> dict:
+    def render_rays(self, origins: torch.Tensor, directions: torch.Tensor, background=None, jitter=None, views=None):
         """(B,3) origins and unit directions -> dict(rgb (B,3), depth (B,), opacity (B,)). In training mode samples
-        are jittered by ``jitter`` (B,) in [0, 1) (the batch's) or a fresh draw. ``background``: optional (B, 3)."""
+        are jittered by ``jitter`` (B,) in [0, 1) (the batch's) or a fresh draw. ``background``: optional (B, 3).
+        ``views``: optional (B,) training-image index of each ray (model.appearance; None: the mean appearance)."""
         check_rays("render_rays", origins, directions)
-        out = self.march(origins, directions, jitter=self.training if jitter is None or not self.training else jitter)
-        rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions, background)
-        return {"rgb": rgb, "depth": out["depth"], "opacity": out["opacity"], "samples": out["samples"]}
+        out = self.march(origins, directions, self.training if jitter is None or not self.training else jitter, views)
+        rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions, background, views)
+        return {"rgb": rgb} | {key: out[key] for key in ("depth", "opacity", "samples", "packed")}
 
     def _upsample(self, channels: torch.Tensor) -> torch.Tensor:
         """(n, P, P, C) low-res composited channels -> (n, sP, sP, C) through ``ops.upsample_bilinear2d``."""
@@ -355,27 +360,22 @@ class VoxelNeRF(nn.Module):
             high[:, -1],
             batch.hr_directions.reshape(-1, 3),
             None if background is None else background.reshape(-1, 3),
+            None if batch.views is None else batch.views.repeat_interleave(side * side),  # per-image appearance
         )
         return {
             "rgb": rgb.reshape(n, side, side, 3),
             "depth": out["depth"].reshape(n, p, p),
             "opacity": out["opacity"].reshape(n, p, p),
             "samples": out["samples"],
+            "packed": out["packed"],
         }
 
     @torch.no_grad()
     def render_image(
-        self,
-        c2w: torch.Tensor,
-        height: int,
-        width: int,
-        focal: float | torch.Tensor,
-        chunk: int = 8192,
-        lens: Lens | None = None,
+        self, c2w: torch.Tensor, height: int, width: int, focal: float | torch.Tensor, chunk: int = 8192
     ) -> dict[str, torch.Tensor]:
         """Render a full view (no jitter): dict(rgb (H,W,3) in [0,1], depth (H,W), opacity (H,W)). ``focal``: a focal
-        length in pixels (principal point at the centre) or the view's (4,) intrinsics fx, fy, cx, cy (data.rays);
-        ``lens``: None (pinhole) or the view's distortion, coefficients (6,) (data.camera_models).
+        length in pixels (principal point at the centre) or the view's (4,) intrinsics fx, fy, cx, cy (data.rays).
 
         With upsample s > 1, rays are marched at (H/s, W/s) (H and W must be divisible by s), the composited
         channels (depth included) upsampled to (H, W) and decoded per pixel.
@@ -384,7 +384,7 @@ class VoxelNeRF(nn.Module):
             raise ValueError(f"render_image: chunk must be >= 1, got {chunk}")
         device = self.bbox.device
         c2w = torch.as_tensor(c2w, dtype=torch.float32, device=device)
-        origins, directions = camera_rays(c2w, height, width, focal, self.upsample, lens)
+        origins, directions = camera_rays(c2w, height, width, focal, self.upsample)
         low_h, low_w = origins.shape[:2]
         origins, directions = origins.reshape(-1, 3), directions.reshape(-1, 3)
         parts = []
@@ -396,7 +396,7 @@ class VoxelNeRF(nn.Module):
         low = torch.cat(parts).reshape(1, low_h, low_w, -1)
         channels = self._upsample(low).reshape(height * width, -1)
         if self.upsample > 1:
-            directions = camera_rays(c2w, height, width, focal, 1, lens)[1].reshape(-1, 3)
+            directions = camera_rays(c2w, height, width, focal, 1)[1].reshape(-1, 3)
         pieces = [(channels[s : s + chunk], directions[s : s + chunk]) for s in range(0, channels.shape[0], chunk)]
         rgb = torch.cat(
             [self.shade(c[:, :DIFFUSE_CHANNELS], c[:, DIFFUSE_CHANNELS:-2], c[:, -1], d) for c, d in pieces]

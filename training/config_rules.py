@@ -15,9 +15,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.orientation import ORIENT_METHODS
 from models.config import parse_model_config
 from models.ops import EARLIER_KEYS, OP_NAMES
+from training.losses import PHOTOMETRIC_LOSSES
 
 DEVICES = ("auto", "cpu", "cuda")
 OP_BACKENDS = ("custom", "torch")
@@ -136,8 +136,6 @@ def _existing_root(cfg: DictConfig, name: str, holding: str) -> tuple[Any, Path]
 def _check_nerfstudio(cfg: DictConfig) -> None:
     """data.root: a folder with transforms.json (or the JSON file); scene_box, near, far: null or usable."""
     _check_int(cfg, "data.eval_interval", minimum=2)
-    if _get(cfg, "data.orient") not in (*ORIENT_METHODS, _ABSENT):
-        raise ConfigError(f"data.orient: must be one of {', '.join(ORIENT_METHODS)}, got {_get(cfg, 'data.orient')!r}")
     root, path = _existing_root(cfg, "nerfstudio", "the folder holding transforms.json")
     if not (path.is_file() or (path / "transforms.json").is_file()):
         raise ConfigError(f"data.root: {root} contains no transforms.json (not a nerfstudio-format scene)")
@@ -171,6 +169,9 @@ def _check_train(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.lr_decoder")
     _check_nonnegative_number(cfg, "train.lr_final_factor")
     _check_nonnegative_number(cfg, "train.opacity_loss")
+    for key in ("train.distortion_loss", "train.near_density_loss", "train.near_density_fraction"):
+        _check_nonnegative_number(cfg, key)  # the floater regularisers (training/losses.py)
+    _check_choice(cfg, "train.loss", PHOTOMETRIC_LOSSES, "photometric loss")
     _check_nonnegative_number(cfg, "train.dist_timeout")
     _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
     for key in (

@@ -1,4 +1,5 @@
-"""Loss terms of the training step beyond the photometric one."""
+"""Loss terms of the training step: the photometric one (``train.loss``), the opacity loss, the per-ray floater
+regularisers (``train.distortion_loss``, ``train.near_density_loss``)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,44 @@ def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"opacity_loss: alpha {tuple(alpha.shape)} does not fit opacity {tuple(opacity.shape)}")
         alpha = F.avg_pool2d(alpha[:, None], alpha.shape[1] // opacity.shape[1])[:, 0]
     return F.mse_loss(opacity, alpha)
+
+
+PHOTOMETRIC_LOSSES = ("mse", "l1", "charbonnier")
+CHARBONNIER_EPS = 1e-3  # sqrt(d^2 + eps^2): L1 away from zero, smooth at it (as in Mip-NeRF / RawNeRF)
+
+
+def photometric_loss(rgb: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mean per-channel error of predicted colours against the targets (same shape), ``train.loss``: ``mse``,
+    ``l1`` (robust to the pixels no model explains: moving objects, specular flicker) or ``charbonnier``."""
+    if kind == "mse":
+        return F.mse_loss(rgb, target)
+    if kind == "l1":
+        return F.l1_loss(rgb, target)
+    if kind == "charbonnier":
+        return torch.sqrt((rgb - target).square() + CHARBONNIER_EPS**2).mean()
+    raise ValueError(f"train.loss: unknown loss {kind!r} (expected one of {', '.join(PHOTOMETRIC_LOSSES)})")
+
+
+def floater_losses(out: dict, origins: torch.Tensor, train_cfg, centre: torch.Tensor, unit: float):
+    """The weighted per-ray regularisers of a render (models/regularizers.py), averaged over its rays; 0.0 when
+    both weights are 0 (nothing is computed then).
+
+    ``out``: a render's dict with ``packed`` (its models.regularizers.RenderedSamples); ``origins``: its (..., 3) ray
+    origins (unit directions); ``centre``: (3,) the scene box's centre; ``unit``: the scene box's diagonal.
+    - ``train.distortion_loss``: mip-NeRF 360's distortion, distances in units of the box diagonal (the weight
+      then does not depend on the scene's scale; nerfacto uses 0.002 in its normalised ray coordinates).
+    - ``train.near_density_loss``: the optical depth ``-ln T`` a ray accumulates in the first
+      ``train.near_density_fraction`` of its camera's distance to the box centre (floaters hug the cameras).
+    """
+    distortion = float(train_cfg.get("distortion_loss", 0.0))
+    near = float(train_cfg.get("near_density_loss", 0.0))
+    if distortion == 0.0 and near == 0.0:
+        return 0.0
+    packed, origins = out["packed"], origins.reshape(-1, 3)
+    total = 0.0
+    if distortion > 0.0:
+        total = total + distortion * packed.distortion(origins.shape[0], unit).mean()
+    if near > 0.0:
+        limit = float(train_cfg.get("near_density_fraction", 0.2)) * (origins - centre).norm(dim=-1)
+        total = total + near * packed.near_density(limit).mean()
+    return total

@@ -21,7 +21,7 @@ from training.config import ConfigError
 from training.distributed import Group
 from training.evaluation import sync
 from training.floors import adam_bytes
-from training.losses import opacity_loss
+from training.losses import floater_losses, opacity_loss, photometric_loss
 from training.optim import SparseGridAdam
 from training.profiler import StepProfiler
 from training.resume import restore_trainer, trainer_state
@@ -82,6 +82,8 @@ class Trainer:
             self.profiler.instrument_ops(ops),
             grid_box=grid_box,
         ).to(device)
+        self.model.decoder.appearance.resize(train_scene.num_views)  # a code per training image (model.appearance)
+        self.scene_centre = train_scene.bbox.to(device, torch.float32).mean(0)  # for train.near_density_loss
         self.profiler.instrument_module(self.model.decoder, "decoder")
         if device.type == "cuda" and self.model.config.decoder_precision == "bfloat16":
             self.profiler.matmul_dtype = torch.bfloat16
@@ -169,14 +171,18 @@ class Trainer:
                 background, target = self._training_background(batch)
             with profiler.section("forward"):
                 if self.model.upsample == 1:
-                    out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter)
+                    out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
                 else:
                     out = self.model.render_patches(batch, background)
             with profiler.section("regularization"):
                 regularization = self.model.regularization()
             with profiler.section("loss_backward"):
                 mse = F.mse_loss(out["rgb"], target)
-                loss = mse + regularization + self._opacity_loss(out["opacity"], batch.alpha)
+                kind = self.train_cfg.get("loss", "mse")
+                loss = mse if kind == "mse" else photometric_loss(out["rgb"], target, kind)
+                loss = loss + regularization + self._opacity_loss(out["opacity"], batch.alpha)
+                unit = math.hypot(*self.model.initial_extent)  # the scene box's diagonal
+                loss = loss + floater_losses(out, batch.origins, self.train_cfg, self.scene_centre, unit)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched

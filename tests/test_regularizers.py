@@ -1,0 +1,203 @@
+"""The floater regularisers (models/regularizers.py, training/losses.py): the O(N) distortion loss against its
+O(S^2) definition in float64, gradchecks, the near-density penalty against a loop, both on a model's render, and
+the photometric losses and their config keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_model import make_model
+
+from models.regularizers import RenderedSamples, distortion_loss, near_optical_depth
+from models.render import compositing_weights
+from training.config import ConfigError, typed, validate_config
+from training.losses import floater_losses, photometric_loss
+
+
+def random_packed(gen: torch.Generator, counts: list[int], dtype=torch.float64):
+    """Packed samples of len(counts) rays: ray (N,), sorted non-overlapping intervals with gaps, weights in (0, 1)."""
+    ray = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    n = ray.shape[0]
+    # per ray: increasing starts with random gaps (empty-space skipping) and lengths shorter than the next gap
+    gaps = torch.rand(n, generator=gen, dtype=dtype) * 0.5 + 0.05
+    starts = torch.cat([torch.cumsum(gaps[ray == r], 0) for r in range(len(counts))]) + 2.0
+    lengths = torch.rand(n, generator=gen, dtype=dtype) * 0.04 + 0.001
+    weights = torch.rand(n, generator=gen, dtype=dtype) * 0.9 + 0.01
+    return ray, starts, starts + lengths, weights
+
+
+def brute_force_distortion(ray, t_start, t_end, weights, num_rays: int) -> torch.Tensor:
+    """The definition, one ray at a time: sum_ij w_i w_j |m_i - m_j| + 1/3 sum_i w_i^2 (t1_i - t0_i)."""
+    out = torch.full((num_rays,), float("nan"), dtype=weights.dtype)  # poison: every ray must be written
+    for r in range(num_rays):
+        sel = ray == r
+        w, mid = weights[sel], 0.5 * (t_start[sel] + t_end[sel])
+        pairs = (w[:, None] * w[None, :] * (mid[:, None] - mid[None, :]).abs()).sum()
+        out[r] = pairs + (w.square() * (t_end[sel] - t_start[sel])).sum() / 3.0
+    return out
+
+
+COUNTS = [5, 0, 1, 17, 3, 0, 40]  # rays with no sample, one sample, many
+
+
+def test_distortion_matches_definition(gen):
+    ray, t0, t1, w = random_packed(gen, COUNTS)
+    got = distortion_loss(ray, t0, t1, w, len(COUNTS))
+    want = brute_force_distortion(ray, t0, t1, w, len(COUNTS))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert got[1] == 0 and got[5] == 0 and got[2] == w[ray == 2].square().sum() * (t1 - t0)[ray == 2].sum() / 3
+
+
+def test_distortion_float32_close_to_float64(gen):
+    ray, t0, t1, w = random_packed(gen, [300, 2, 500])
+    got = distortion_loss(ray, t0.float(), t1.float(), w.float(), 3)
+    torch.testing.assert_close(got.double(), brute_force_distortion(ray, t0, t1, w, 3), rtol=1e-5, atol=1e-6)
+
+
+def test_distortion_gradcheck(gen):
+    ray, t0, t1, w = random_packed(gen, [4, 0, 1, 6])
+    inputs = tuple(x.clone().requires_grad_() for x in (t0, t1, w))
+    assert torch.autograd.gradcheck(lambda a, b, c: distortion_loss(ray, a, b, c, 4), inputs)
+
+
+def test_distortion_prefers_concentrated_weight():
+    # the same total weight on one ray: a surface (adjacent samples) costs less than two blobs apart
+    ray = torch.zeros(4, dtype=torch.int64)
+    t0 = torch.tensor([2.0, 2.1, 2.2, 4.0], dtype=torch.float64)
+    surface = distortion_loss(ray, t0, t0 + 0.1, torch.tensor([0.0, 0.45, 0.45, 0.0], dtype=torch.float64), 1)
+    floater = distortion_loss(ray, t0, t0 + 0.1, torch.tensor([0.45, 0.0, 0.0, 0.45], dtype=torch.float64), 1)
+    # 2 * 0.45^2 * 0.1 + 2 * 0.45^2 * 0.1 / 3, and 2 * 0.45^2 * 1.9 + the same own terms
+    assert surface.item() == pytest.approx(0.054) and floater.item() == pytest.approx(0.8235)
+
+
+def test_distortion_bad_input():
+    ray = torch.zeros(3, dtype=torch.int64)
+    t = torch.rand(3)
+    with pytest.raises(ValueError, match="distortion_loss: weights"):
+        distortion_loss(ray, t, t + 0.1, torch.rand(4), 1)
+    with pytest.raises(ValueError, match="distortion_loss: ray"):
+        distortion_loss(ray.int(), t, t + 0.1, torch.rand(3), 1)
+
+
+def test_near_optical_depth_matches_loop(gen):
+    ray, t0, _, _ = random_packed(gen, COUNTS)
+    s = torch.rand(ray.shape[0], generator=gen, dtype=torch.float64).requires_grad_()
+    limit = torch.rand(len(COUNTS), generator=gen, dtype=torch.float64) * 6 + 2
+    got = near_optical_depth(ray, t0, s, limit)
+    want = torch.stack([s[(ray == r) & (t0 < limit[r])].sum() for r in range(len(COUNTS))])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+    assert torch.autograd.gradcheck(lambda x: near_optical_depth(ray, t0, x, limit), (s,))
+    with pytest.raises(ValueError, match="near_optical_depth: t"):
+        near_optical_depth(ray, t0[:-1], s, limit)
+
+
+def dense_model():
+    """A small model whose density is random and visible (the default init is nearly transparent)."""
+    model = make_model(seed=3, resolution_start=20, early_termination=0.0)
+    with torch.no_grad():
+        model.density.grid.normal_(0.0, 3.0).add_(4.0)
+    return model
+
+
+def camera_batch(count: int = 64):
+    torch.manual_seed(1)
+    origins = torch.tensor([0.0, 0.0, 4.0]).expand(count, 3) + 0.1 * torch.randn(count, 3)
+    directions = torch.nn.functional.normalize(-origins + 0.3 * torch.randn(count, 3), dim=-1)
+    return origins, directions
+
+
+def test_render_exposes_packed_samples():
+    model = dense_model().train()
+    origins, directions = camera_batch()
+    out = model.render_rays(origins, directions, jitter=torch.rand(origins.shape[0]))
+    packed = out["packed"]
+    assert isinstance(packed, RenderedSamples) and packed.step == pytest.approx(model.step_size)
+    weights = packed.weights(origins.shape[0])
+    # the regularisers see the rendered rays: their weights add up to each ray's opacity
+    per_ray = torch.zeros(origins.shape[0]).index_add(0, packed.ray, weights)
+    torch.testing.assert_close(per_ray, out["opacity"], rtol=1e-5, atol=1e-6)
+    assert out["opacity"].min() < 0.99 and out["opacity"].max() > 0.5  # neither empty nor saturated
+    # intervals centred on the samples, distances in the given unit
+    unit = 2.5
+    want = distortion_loss(packed.ray, (packed.t - packed.step / 2) / unit, (packed.t + packed.step / 2) / unit,
+                           weights, origins.shape[0])  # fmt: skip
+    torch.testing.assert_close(packed.distortion(origins.shape[0], unit), want)
+    packed.distortion(origins.shape[0]).mean().backward()
+    assert model.density.grid.grad.abs().sum() > 0
+
+
+def test_near_density_loss_only_touches_voxels_near_the_cameras():
+    model = dense_model().train()
+    origins, directions = camera_batch()
+    out = model.render_rays(origins, directions, jitter=torch.full((origins.shape[0],), 0.5))
+    centre = torch.zeros(3)
+    cfg = OmegaConf.create({"near_density_loss": 1.0, "near_density_fraction": 0.8})  # cameras ~4 from the centre
+    loss = floater_losses(out, origins, cfg, centre, unit=1.0)
+    loss.backward()
+    grad = model.density.grid.grad[..., 0]
+    assert grad.abs().sum() > 0
+    # vertices farther than the limit (about 0.8 * 4 = 3.2) from every camera, plus a voxel, get no gradient
+    limit = 0.8 * (origins - centre).norm(dim=-1)
+    shape = grad.shape
+    axes = [torch.linspace(float(model.bbox[0, k]), float(model.bbox[1, k]), shape[k]) for k in range(3)]
+    vertices = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1)
+    distance = (vertices[..., None, :] - origins).norm(dim=-1).amin(-1)
+    voxel = float(model.step_size / model.config.step_ratio)
+    far = distance > float(limit.max()) + 2 * voxel
+    assert far.float().mean() > 0.5 and grad[far].abs().max() == 0
+    assert grad[distance < 3.0].abs().sum() > 0
+    # and it is the mean near optical depth
+    torch.testing.assert_close(loss.detach(), out["packed"].near_density(limit).mean().detach())
+
+
+def test_floater_losses_off_by_default():
+    cfg = OmegaConf.create({})
+    assert floater_losses({}, torch.zeros(2, 3), cfg, torch.zeros(3), 1.0) == 0.0  # nothing is computed
+
+
+def test_floater_losses_weights():
+    model = dense_model().train()
+    origins, directions = camera_batch(32)
+    out = model.render_rays(origins, directions, jitter=torch.full((32,), 0.5))
+    packed = out["packed"]
+    cfg = OmegaConf.create({"distortion_loss": 0.01, "near_density_loss": 0.1, "near_density_fraction": 0.3})
+    got = floater_losses(out, origins, cfg, torch.zeros(3), 5.0)
+    want = 0.01 * packed.distortion(32, 5.0).mean() + 0.1 * packed.near_density(0.3 * origins.norm(dim=-1)).mean()
+    torch.testing.assert_close(got, want)
+
+
+def test_photometric_losses(gen):
+    rgb, target = torch.rand(50, 3, generator=gen), torch.rand(50, 3, generator=gen)
+    d = rgb - target
+    torch.testing.assert_close(photometric_loss(rgb, target, "mse"), d.square().mean())
+    torch.testing.assert_close(photometric_loss(rgb, target, "l1"), d.abs().mean())
+    torch.testing.assert_close(photometric_loss(rgb, target, "charbonnier"), torch.sqrt(d.square() + 1e-6).mean())
+    with pytest.raises(ValueError, match="train.loss"):
+        photometric_loss(rgb, target, "l2")
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("train.loss", "huber", "train.loss: unknown photometric loss"),
+        ("train.distortion_loss", -0.1, "train.distortion_loss: must be >= 0"),
+        ("train.near_density_loss", math.inf, "train.near_density_loss: must be finite"),
+        ("train.near_density_fraction", -1.0, "train.near_density_fraction: must be >= 0"),
+    ],
+)
+def test_bad_config(key, value, message):
+    cfg = typed({"data": {"name": "synthetic"}})
+    OmegaConf.update(cfg, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
+
+
+def test_compositing_weights_used_are_the_renderers(gen):
+    # RenderedSamples.weights is models.render.compositing_weights: no second formula to drift
+    s = torch.rand(30, generator=gen)
+    ray = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 15, 5]))
+    packed = RenderedSamples(ray, torch.linspace(2, 5, 30), s, 0.1)
+    torch.testing.assert_close(packed.weights(3), compositing_weights(s, ray, 3))
