@@ -201,11 +201,14 @@ def check_march_inputs(
     box: Any,
     step: Any,
     max_samples: Any,
+    t_split: Any = None,
     op: str = "march_rays",
 ) -> tuple[float, int]:
-    """Rays: origins, directions (B, 3) float32/float64; t_start, t_end, offset (B,) and box (2, 3) of their dtype
-    and device; occupancy (R0, R1, R2) bool on their device; step a finite number > 0; max_samples an int in
-    [1, 2^24]. Returns (step, max_samples) as a float and an int."""
+    """Rays: origins, directions (B, 3) float32/float64; t_start, t_end, offset (B,), t_split (B,) when not None, and
+    box (2, 3) of their dtype and device; occupancy (R0, R1, R2) bool on their device; step a finite number > 0;
+    max_samples an int in [1, 2^24]. Returns (step, max_samples) as a float and an int."""
+    if t_split is not None:
+        check_tensor(op, "t_split", t_split)
     for name, value in (
         ("origins", origins),
         ("directions", directions),
@@ -234,7 +237,8 @@ def check_march_inputs(
         lambda: f"{op}: directions must have shape ({rays}, 3), got {_shape(directions)}",
     )
     check_same_device_and_dtype(op, "directions", directions, "origins", origins)
-    for name, value in (("t_start", t_start), ("t_end", t_end), ("offset", offset)):
+    per_ray = (("t_start", t_start), ("t_end", t_end), ("offset", offset), ("t_split", t_split))
+    for name, value in (item for item in per_ray if item[1] is not None):
         require(
             value.dim() == 1 and value.shape[0] == rays,
             ValueError,

@@ -1,5 +1,9 @@
 """Ray marching into packed samples: the typed wrapper of ``torch.ops.cuda_ext.march_rays`` and its fake kernel.
 
+Two spaces: bounded (the occupancy grid spans the box; samples uniform in t) and contracted (``t_split`` given:
+the grid spans the L-inf scene contraction of mip-NeRF 360 / DirectVoxGO v2 around the box, the cube [-2, 2]^3
+as the grid's [-1, 1]^3; samples uniform in t up to ``t_split``, then uniform in disparity out to infinity).
+
 The kernels (csrc/cpu/march.cpp, csrc/cuda/march.cu; the math in csrc/march.h) write the kept samples of each
 ray straight into packed arrays, where the PyTorch reference (cuda_ext.reference.march_rays) builds the dense
 (B, S) distances, points and mask and compacts them with nonzero(). Not differentiable: the samples' positions
@@ -25,13 +29,21 @@ def march_rays(
     box: torch.Tensor,
     step: float,
     max_samples: int,
+    t_split: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uniform samples along B rays, kept where the occupancy grid is set, packed ray by ray.
+    """Samples along B rays, kept where the occupancy grid is set, packed ray by ray.
 
-    Sample k < max_samples of ray b lies at ``t = t_start[b] + (k + offset[b]) * step``; it is kept when
-    ``t < t_end[b]`` and the occupancy cell holding its box coordinates ``u = (o + t d - lo) * 2 / (hi - lo) - 1``
-    is True (cell ``trunc((u + 1) * R / 2)`` per axis, clamped to the grid: points outside use the border cell).
-    Each operation is rounded on its own, so the result is bit for bit the reference's.
+    Bounded (``t_split`` None): sample k < max_samples of ray b lies at ``t = t_start[b] + (k + offset[b]) * step``;
+    its point is the box coordinate ``u = (o + t d - lo) * 2 / (hi - lo) - 1``.
+    Contracted (``t_split`` given): the first ``K = clamp(ceil((t_split[b] - t_start[b]) / step - offset[b]), 0,
+    max_samples)`` samples are those linear ones; sample k >= K lies at ``t = (t_split[b] - P) + P / den`` with
+    ``den = 1 - (k - K + offset[b]) * (step / P)`` (P: the box's smallest half size), uniform in disparity about
+    ``t_split[b] - P`` with the linear step at ``t_split[b]``, while den > 0 (den -> 0: t -> infinity). Its point is
+    the contracted coordinate ``u * ((2 - 1 / m) / m) / 2`` with ``m = max |u_a|`` where m > 1, else ``u / 2``: the
+    box is the grid's middle [-0.5, 0.5]^3 and infinity its border.
+    A sample is kept when the occupancy cell holding its point is True (cell ``trunc((p + 1) * R / 2)`` per axis,
+    clamped to the grid); the ray ends at its first sample with ``t >= t_end[b]`` (or den <= 0). Each operation is
+    rounded on its own, so the result is bit for bit the reference's.
 
     Args:
         origins, directions: (B, 3) float32 or float64 rays (directions need not be unit).
@@ -40,8 +52,9 @@ def march_rays(
         occupancy: (R0, R1, R2) bool cells over the box, on the rays' device.
         box: (2, 3) the box's min and max corners (the same dtype and device).
         step: distance between samples, a number > 0; max_samples: samples per ray at most, in [1, 2^24].
+        t_split: None (bounded), or (B,) where each ray's linear spacing ends (same dtype and device; contracted).
     Returns:
-        ray (N,) int64 in increasing order, t (N,) increasing within each ray, points (N, 3) box coordinates,
+        ray (N,) int64 in increasing order, t (N,) increasing within each ray, points (N, 3) grid coordinates,
         ray_offsets (B + 1,) int64: ray b's samples are [ray_offsets[b], ray_offsets[b + 1]). One device sync
         on CUDA (the output size).
     Raises:
@@ -49,14 +62,18 @@ def march_rays(
         max_samples out of range.
     """
     step, max_samples = _step_checks.check_march_inputs(
-        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
     )
-    return torch.ops.cuda_ext.march_rays(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples)
+    return torch.ops.cuda_ext.march_rays(
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
+    )
 
 
 @torch.library.register_fake("cuda_ext::march_rays")
-def _march_rays_fake(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples):
-    _step_checks.check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples)
+def _march_rays_fake(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split=None):
+    _step_checks.check_march_inputs(
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
+    )
     n = torch.library.get_ctx().new_dynamic_size()  # data-dependent: how many samples the occupancy keeps
     return (
         origins.new_empty((n,), dtype=torch.int64),

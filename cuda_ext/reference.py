@@ -19,6 +19,7 @@ __all__ = [
     "gelu",
     "volume_render",
     "march_rays",
+    "contract_points",
     "sparse_adam_step",
 ]
 
@@ -169,20 +170,53 @@ def march_rays(
     box: torch.Tensor,
     step: float,
     max_samples: int,
+    t_split: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed samples along rays where the occupancy grid is set (cuda_ext.march_rays' contract), with torch ops:
-    the dense (B, S) distances, (B, S, 3) box coordinates and keep-mask, compacted with nonzero() (one sync)."""
+    """Packed samples along rays where the occupancy grid is set (cuda_ext.march_rays' contract, bounded or
+    contracted), with torch ops: the dense (B, S) distances, (B, S, 3) grid coordinates and keep-mask, compacted
+    with nonzero() (one sync). Each formula is evaluated in the kernels' order, one rounding per operation."""
     step, max_samples = _step_checks.check_march_inputs(
-        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
     )
     k = torch.arange(max_samples, device=origins.device, dtype=origins.dtype)
     t = t_start[:, None] + (k[None, :] + offset[:, None]) * step
+    alive = t < t_end[:, None]
+    if t_split is not None:
+        t, alive = _disparity_samples(t, alive, t_start, t_end, offset, box, step, t_split)
+    alive = torch.cummin(alive.to(torch.uint8), 1).values.bool()  # a ray ends at its first sample past its end
     world = origins[:, None, :] + t[..., None] * directions[:, None, :]
     unit = (world - box[0]) * (2.0 / (box[1] - box[0])) - 1.0
+    if t_split is not None:
+        unit = contract_points(unit)
     s0, s1, s2 = occupancy.shape
     c0, c1, c2 = (((unit[..., a] + 1) * (0.5 * s)).long().clamp(0, s - 1) for a, s in enumerate((s0, s1, s2)))
-    kept = (t < t_end[:, None]) & occupancy.reshape(-1)[(c0 * s1 + c1) * s2 + c2]
+    kept = alive & occupancy.reshape(-1)[(c0 * s1 + c1) * s2 + c2]
     flat = kept.reshape(-1).nonzero().squeeze(1)
     ray = torch.div(flat, max_samples, rounding_mode="floor")
     ray_offsets = torch.searchsorted(ray, torch.arange(origins.shape[0] + 1, device=ray.device))
     return ray, t.reshape(-1)[flat], unit.reshape(-1, 3)[flat], ray_offsets
+
+
+def _disparity_samples(t, alive, t_start, t_end, offset, box, step, t_split):
+    """(B, S) linear distances and their t < t_end -> those of the contracted march: samples past each ray's linear
+    count K uniform in disparity about t_split - P (march_rays' docstring), alive while den > 0 and t < t_end."""
+    k = torch.arange(t.shape[1], device=t.device)
+    radius = ((box[1] - box[0]) * 0.5).min()
+    step_t = torch.tensor(step, dtype=t.dtype, device=t.device)  # the kernels' T(step)
+    count = torch.ceil((t_split - t_start) / step_t - offset)
+    cap = float(t.shape[1])
+    count = torch.where(count > 0, torch.where(count < cap, count, cap), 0.0).long()  # NaN -> 0, as the kernels
+    linear = k[None, :] < count[:, None]
+    j = (k[None, :] - count[:, None]).to(t.dtype)
+    den = 1.0 - (j + offset[:, None]) * (step_t / radius)
+    far = ((t_split - radius)[:, None] + radius / den).to(t.dtype)
+    return torch.where(linear, t, far), torch.where(linear, alive, (den > 0) & (far < t_end[:, None]))
+
+
+def contract_points(unit: torch.Tensor) -> torch.Tensor:
+    """(..., 3) box coordinates -> grid coordinates of the L-inf scene contraction (march_rays' contracted points):
+    u / 2 inside the box (m = max |u_a| <= 1), else u * ((2 - 1 / m) / m) / 2: the contracted cube [-2, 2]^3
+    (infinity on its surface) halved to the grid's [-1, 1]^3. Any dtype; differentiable."""
+    norm = unit.abs().amax(-1, keepdim=True)
+    shrink = torch.where(norm > 1, (2.0 - 1.0 / norm) / norm, torch.ones_like(norm))
+    return unit * shrink * 0.5

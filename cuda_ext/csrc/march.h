@@ -1,28 +1,38 @@
-// march_rays: uniform samples along rays, kept where the occupancy grid says the space is not empty, written
-// packed (ray by ray, in order along each ray) without the dense (B, S) sample tensor and mask. Argument
-// checks and the per-sample math shared by the CPU kernel (cpu/march.cpp) and the CUDA kernel
-// (cuda/march.cu).
+// march_rays: samples along rays, kept where the occupancy grid says the space is not empty, written packed (ray
+// by ray, in order along each ray) without the dense (B, S) sample tensor and mask. Argument checks and the
+// per-sample math shared by the CPU kernel (cpu/march.cpp) and the CUDA kernel (cuda/march.cu).
 //
-// Sample k < max_samples of ray b sits at t_k = t_start_b + (k + offset_b) * step and is kept when
-// t_k < t_end_b and the occupancy cell holding its box coordinates u = (o + t_k d - lo) * (2 / (hi - lo)) - 1
-// is set; the cell along axis a is trunc((u_a + 1) * (0.5 * R_a)) clamped to [0, R_a - 1]. Every operation
-// is rounded separately, in the order written (no fused multiply-add), so the samples are bit for bit those
-// of the PyTorch reference (cuda_ext.reference.march_rays), which evaluates the same formulas one tensor op
-// at a time.
+// Bounded (no t_split): sample k < max_samples of ray b sits at t_k = t_start_b + (k + offset_b) * step; its
+// point is the box coordinate u = (o + t_k d - lo) * (2 / (hi - lo)) - 1 and the occupancy grid spans the box.
+// Contracted (t_split given): the first K_b = clamp(ceil((t_split_b - t_start_b) / step - offset_b), 0, max_samples)
+// samples are the linear ones above; sample k >= K_b (j = k - K_b) is spaced uniformly in disparity about the
+// pivot t_split_b - P (P: the box's smallest half size), continuing the linear step at t_split_b:
+//   den = 1 - (j + offset_b) * (step / P),  t_k = (t_split_b - P) + P / den   (only while den > 0: t -> infinity),
+// and its point is the contracted coordinate: with m = max_a |u_a|, u * ((2 - 1 / m) / m) where m > 1 (u inside
+// the box stays), halved so that the contracted cube [-2, 2]^3 is the grid's [-1, 1]^3.
+// Either way a sample is kept when the occupancy cell holding its point is set (cell trunc((p_a + 1) * (0.5 * R_a))
+// clamped to [0, R_a - 1]); a ray ends at its first sample with t >= t_end (or den <= 0). Every operation is
+// rounded separately, in the order written (no fused multiply-add; divisions correctly rounded), so the samples are
+// bit for bit those of the PyTorch reference (cuda_ext.reference.march_rays), which evaluates the same formulas
+// one tensor op at a time.
 #pragma once
+
+#include <cmath>
 
 #include "kernel_common.h"
 
 namespace cuda_ext {
 
 // Separately rounded arithmetic: under nvcc the intrinsics stop the compiler from contracting a * b + c into
-// an FMA (which would round once and move samples across cell borders); the C++ build is compiled with
-// -ffp-contract=off.
+// an FMA (which would round once and move samples across cell borders) and keep divisions IEEE-rounded; the C++
+// build is compiled with -ffp-contract=off.
 #if defined(__CUDA_ARCH__)
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 #else
 template <typename T>
 inline T mul_rn(T a, T b) {
@@ -32,14 +42,40 @@ template <typename T>
 inline T add_rn(T a, T b) {
   return a + b;
 }
+template <typename T>
+inline T div_rn(T a, T b) {
+  return a / b;
+}
 #endif
 
-// One ray's constants: origin, direction, the box's low corner and 2 / (hi - lo), the grid's half sizes.
+// max(a, b) that returns NaN when either is NaN (as torch.amax does), |x| and ceil(x) on host and device.
+template <typename T>
+CUDA_EXT_HOST_DEVICE T nan_max(T a, T b) {
+  return (a != a || a > b) ? a : b;
+}
+template <typename T>
+CUDA_EXT_HOST_DEVICE T magnitude(T x) {
+  return x < T(0) ? -x : x;
+}
+template <typename T>
+CUDA_EXT_HOST_DEVICE T ceil_of(T x) {
+#if defined(__CUDA_ARCH__)
+  return ceil(x);
+#else
+  return std::ceil(x);
+#endif
+}
+
+// One ray's constants: origin, direction, the box's low corner and 2 / (hi - lo), the grid's half sizes; with the
+// contraction, its linear sample count and the disparity spacing's pivot, radius P and step / P.
 template <typename T>
 struct MarchRay {
   T origin[3], direction[3], low[3], scale[3], half_cells[3];
   T t_start, t_end, offset, step;
   int64_t cells[3];
+  bool contract = false;
+  int64_t linear_count = 0;
+  T pivot = T(0), radius = T(0), ratio = T(0);
 
   CUDA_EXT_HOST_DEVICE MarchRay(const T* o, const T* d, const T* box, const int64_t* shape, T t0, T t1, T off, T dt)
       : t_start(t0), t_end(t1), offset(off), step(dt) {
@@ -53,14 +89,46 @@ struct MarchRay {
     }
   }
 
-  CUDA_EXT_HOST_DEVICE T distance(int64_t k) const { return add_rn(t_start, mul_rn(add_rn(T(k), offset), step)); }
+  // Switch to the contracted space: linear samples up to t_split, then disparity spacing (see the top).
+  CUDA_EXT_HOST_DEVICE void contract_at(T t_split, const T* box, int64_t max_samples) {
+    contract = true;
+    radius = mul_rn(add_rn(box[3], -box[0]), T(0.5));
+    for (int a = 1; a < 3; ++a) {
+      const T half = mul_rn(add_rn(box[3 + a], -box[a]), T(0.5));
+      radius = half < radius ? half : radius;
+    }
+    ratio = div_rn(step, radius);
+    pivot = add_rn(t_split, -radius);
+    T count = ceil_of(add_rn(div_rn(add_rn(t_split, -t_start), step), -offset));
+    const T cap = static_cast<T>(max_samples);
+    count = count > T(0) ? (count < cap ? count : cap) : T(0);  // NaN -> 0, as in the reference
+    linear_count = static_cast<int64_t>(count);
+  }
 
-  // Box coordinates of the point at distance t, and the flat index of its occupancy cell.
+  // Distance of sample k; false when the ray has ended there (t >= t_end, or past infinity).
+  CUDA_EXT_HOST_DEVICE bool sample(int64_t k, T* t) const {
+    if (!contract || k < linear_count) {
+      *t = add_rn(t_start, mul_rn(add_rn(T(k), offset), step));
+      return *t < t_end;
+    }
+    const T den = add_rn(T(1), -mul_rn(add_rn(T(k - linear_count), offset), ratio));
+    *t = add_rn(pivot, div_rn(radius, den));
+    return den > T(0) && *t < t_end;
+  }
+
+  // Grid coordinates of the point at distance t (box or contracted), and the flat index of its occupancy cell.
   CUDA_EXT_HOST_DEVICE int64_t locate(T t, T* unit) const {
-    int64_t index = 0;
     for (int a = 0; a < 3; ++a) {
       const T world = add_rn(origin[a], mul_rn(t, direction[a]));
       unit[a] = add_rn(mul_rn(add_rn(world, -low[a]), scale[a]), T(-1));
+    }
+    if (contract) {
+      const T norm = nan_max(nan_max(magnitude(unit[0]), magnitude(unit[1])), magnitude(unit[2]));
+      const T shrink = norm > T(1) ? div_rn(add_rn(T(2), -div_rn(T(1), norm)), norm) : T(1);
+      for (int a = 0; a < 3; ++a) unit[a] = mul_rn(mul_rn(unit[a], shrink), T(0.5));
+    }
+    int64_t index = 0;
+    for (int a = 0; a < 3; ++a) {
       T cell = mul_rn(add_rn(unit[a], T(1)), half_cells[a]);
       const T last = static_cast<T>(cells[a] - 1);
       cell = cell > T(0) ? (cell < last ? cell : last) : T(0);  // NaN -> 0, as clamp(long(NaN)) in the reference
@@ -72,7 +140,8 @@ struct MarchRay {
 
 inline void check_march_inputs(const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start,
                                const at::Tensor& t_end, const at::Tensor& offset, const at::Tensor& occupancy,
-                               const at::Tensor& box, double step, int64_t max_samples, at::DeviceType device) {
+                               const at::Tensor& box, double step, int64_t max_samples,
+                               const std::optional<at::Tensor>& t_split, at::DeviceType device) {
   const char* op = "march_rays";
   TORCH_CHECK(origins.dim() == 2 && origins.size(1) == 3, op, ": origins must have shape (B, 3), got ",
               origins.sizes());
@@ -84,8 +153,9 @@ inline void check_march_inputs(const at::Tensor& origins, const at::Tensor& dire
               directions.sizes());
   check_same_device_and_dtype(directions, origins, op, "directions", "origins");
   const std::pair<const at::Tensor*, const char*> per_ray[] = {
-      {&t_start, "t_start"}, {&t_end, "t_end"}, {&offset, "offset"}};
+      {&t_start, "t_start"}, {&t_end, "t_end"}, {&offset, "offset"}, {t_split ? &*t_split : nullptr, "t_split"}};
   for (const auto& [tensor, name] : per_ray) {
+    if (tensor == nullptr) continue;
     TORCH_CHECK(tensor->dim() == 1 && tensor->size(0) == rays, op, ": ", name, " must have shape (", rays, ",), got ",
                 tensor->sizes());
     check_same_device_and_dtype(*tensor, origins, op, name, "origins");

@@ -44,10 +44,11 @@ std::tuple<at::Tensor, at::Tensor> volume_render_backward_cpu(
     const at::Tensor& out, const at::Tensor& opacity, const at::Tensor& depth, double early_stop);
 
 // march_rays: packed samples of (B, 3) rays where the (R0, R1, R2) occupancy grid is set -> (ray (N,),
-// t (N,), points (N, 3) in box coordinates, ray_offsets (B + 1,)).
+// t (N,), points (N, 3) in grid coordinates, ray_offsets (B + 1,)); t_split given: the contracted space.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
-    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples);
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    const std::optional<at::Tensor>& t_split);
 
 // sparse_adam_step: Adam on the listed rows of a (M, C) parameter, in place.
 void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -57,7 +58,8 @@ void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const
 #ifdef WITH_CUDA
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
-    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples);
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    const std::optional<at::Tensor>& t_split);
 void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
                            double beta2, double eps);

@@ -11,46 +11,62 @@ namespace {
 
 constexpr int64_t kRayGrain = 64;  // rays per task: a ray is up to max_samples lookups
 
-// Calls emit(k, t, unit) for each kept sample of ray b, in order; stops at the first sample past t_end.
+// Calls emit(t, unit) for each kept sample of ray b, in order; stops at the first sample where the ray ends.
 template <typename scalar_t, typename Emit>
 void for_each_kept(const MarchRay<scalar_t>& ray, const bool* occupied, int64_t max_samples, Emit&& emit) {
-  scalar_t unit[3];
+  scalar_t unit[3], t;
   for (int64_t k = 0; k < max_samples; ++k) {
-    const scalar_t t = ray.distance(k);
-    if (!(t < ray.t_end)) break;  // t grows with k
+    if (!ray.sample(k, &t)) break;
     if (occupied[ray.locate(t, unit)]) emit(t, unit);
   }
 }
 
+// The op's per-ray inputs, read-only; split is null for the bounded case.
 template <typename scalar_t>
-MarchRay<scalar_t> ray_at(int64_t b, const scalar_t* o, const scalar_t* d, const scalar_t* t0, const scalar_t* t1,
-                          const scalar_t* off, const scalar_t* box, const int64_t* shape, double step) {
-  return MarchRay<scalar_t>(o + 3 * b, d + 3 * b, box, shape, t0[b], t1[b], off[b], static_cast<scalar_t>(step));
-}
+struct RayInputs {
+  const scalar_t *o, *d, *t0, *t1, *off, *box, *split;
+  const int64_t* shape;
+  scalar_t step;
+  int64_t max_samples;
+
+  MarchRay<scalar_t> at(int64_t b) const {
+    MarchRay<scalar_t> ray(o + 3 * b, d + 3 * b, box, shape, t0[b], t1[b], off[b], step);
+    if (split != nullptr) ray.contract_at(split[b], box, max_samples);
+    return ray;
+  }
+};
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
-    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples) {
-  check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, at::kCPU);
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    const std::optional<at::Tensor>& t_split) {
+  check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, at::kCPU);
   const auto o = origins.contiguous(), d = directions.contiguous(), t0 = t_start.contiguous(), t1 = t_end.contiguous(),
              off = offset.contiguous(), grid = occupancy.contiguous(), bx = box.contiguous();
+  const at::Tensor split = t_split ? t_split->contiguous() : at::Tensor();
   const int64_t rays = o.size(0);
   const int64_t shape[3] = {grid.size(0), grid.size(1), grid.size(2)};
   const bool* occupied = grid.const_data_ptr<bool>();
   at::Tensor ray_offsets = at::zeros({rays + 1}, o.options().dtype(at::kLong));
   at::Tensor ray_index, t, points;
   AT_DISPATCH_FLOATING_TYPES(o.scalar_type(), "march_rays_cpu", [&] {
-    const scalar_t *po = o.const_data_ptr<scalar_t>(), *pd = d.const_data_ptr<scalar_t>(),
-                   *p0 = t0.const_data_ptr<scalar_t>(), *p1 = t1.const_data_ptr<scalar_t>(),
-                   *pf = off.const_data_ptr<scalar_t>(), *pb = bx.const_data_ptr<scalar_t>();
+    const RayInputs<scalar_t> in{o.const_data_ptr<scalar_t>(),
+                                 d.const_data_ptr<scalar_t>(),
+                                 t0.const_data_ptr<scalar_t>(),
+                                 t1.const_data_ptr<scalar_t>(),
+                                 off.const_data_ptr<scalar_t>(),
+                                 bx.const_data_ptr<scalar_t>(),
+                                 split.defined() ? split.const_data_ptr<scalar_t>() : nullptr,
+                                 shape,
+                                 static_cast<scalar_t>(step),
+                                 max_samples};
     int64_t* counts = ray_offsets.data_ptr<int64_t>() + 1;  // counts, then inclusive sums in place
     at::parallel_for(0, rays, kRayGrain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         int64_t count = 0;
-        for_each_kept(ray_at(b, po, pd, p0, p1, pf, pb, shape, step), occupied, max_samples,
-                      [&](scalar_t, const scalar_t*) { ++count; });
+        for_each_kept(in.at(b), occupied, max_samples, [&](scalar_t, const scalar_t*) { ++count; });
         counts[b] = count;
       }
     });
@@ -65,13 +81,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
     at::parallel_for(0, rays, kRayGrain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         int64_t i = first[b];
-        for_each_kept(ray_at(b, po, pd, p0, p1, pf, pb, shape, step), occupied, max_samples,
-                      [&](scalar_t distance, const scalar_t* unit) {
-                        out_ray[i] = b;
-                        out_t[i] = distance;
-                        for (int a = 0; a < 3; ++a) out_points[3 * i + a] = unit[a];
-                        ++i;
-                      });
+        for_each_kept(in.at(b), occupied, max_samples, [&](scalar_t distance, const scalar_t* unit) {
+          out_ray[i] = b;
+          out_t[i] = distance;
+          for (int a = 0; a < 3; ++a) out_points[3 * i + a] = unit[a];
+          ++i;
+        });
       }
     });
   });

@@ -3,9 +3,10 @@
 // Each pass walks the ray in chunks of 32 consecutive samples, one per lane: a ballot of the kept samples
 // gives the chunk's count (first pass) and, through the lanes below, each kept sample's slot (second pass),
 // so the samples come out in order along the ray with no atomics, and 32 lanes write 32 neighbouring slots.
-// A ray stops at the first chunk that reaches t_end. Between the passes an inclusive sum of the counts gives
-// the ray offsets, and one device-to-host copy of the total sizes the outputs (the op's only sync, where
-// nonzero() on a dense (B, S) mask had one too).
+// A ray stops at the first chunk holding a sample where it ends (t >= t_end, or past infinity in the contracted
+// space); lanes after the first such sample keep nothing, as the CPU loop stops there. Between the passes an inclusive
+// sum of the counts gives the ray offsets, and one device-to-host copy of the total sizes the outputs (the op's only
+// sync, where nonzero() on a dense (B, S) mask had one too).
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -26,7 +27,7 @@ struct GridShape {
 
 template <typename scalar_t>
 struct MarchArgs {
-  const scalar_t *origins, *directions, *t_start, *t_end, *offset, *box;
+  const scalar_t *origins, *directions, *t_start, *t_end, *offset, *box, *t_split;  // t_split null: bounded
   const unsigned char* occupied;  // bool cells, read as bytes (__ldg has no bool overload)
   GridShape shape;
   scalar_t step;
@@ -40,15 +41,19 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
   const int64_t b = (static_cast<int64_t>(blockIdx.x) * kBlockThreads + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (b >= args.rays) return;  // b is the same for the whole warp
-  const MarchRay<scalar_t> ray(args.origins + 3 * b, args.directions + 3 * b, args.box, args.shape.cells,
-                               args.t_start[b], args.t_end[b], args.offset[b], args.step);
+  MarchRay<scalar_t> ray(args.origins + 3 * b, args.directions + 3 * b, args.box, args.shape.cells, args.t_start[b],
+                         args.t_end[b], args.offset[b], args.step);
+  if (args.t_split != nullptr) ray.contract_at(args.t_split[b], args.box, args.max_samples);
   int64_t slot = kWrite ? counts_or_offsets[b] : 0;
   for (int64_t first = 0; first < args.max_samples; first += kWarp) {
     const int64_t k = first + lane;
-    const scalar_t t = ray.distance(k);
-    const bool inside = k < args.max_samples && t < ray.t_end;
+    scalar_t t;
+    const bool inside = k < args.max_samples && ray.sample(k, &t);
+    const unsigned outside_lanes = __ballot_sync(kAll, !inside);
+    // the ray ends at the first lane outside: the lanes below it are the chunk's live samples
+    const unsigned live_lanes = outside_lanes ? (1u << (__ffs(outside_lanes) - 1)) - 1u : kAll;
     scalar_t unit[3];
-    const bool kept = inside && __ldg(args.occupied + ray.locate(t, unit)) != 0;
+    const bool kept = ((live_lanes >> lane) & 1u) && __ldg(args.occupied + ray.locate(t, unit)) != 0;
     const unsigned kept_lanes = __ballot_sync(kAll, kept);
     if (kWrite && kept) {
       const int64_t i = slot + __popc(kept_lanes & ((1u << lane) - 1u));
@@ -58,7 +63,7 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
       for (int a = 0; a < 3; ++a) out_points[3 * i + a] = unit[a];
     }
     slot += __popc(kept_lanes);
-    if (__ballot_sync(kAll, inside) != kAll) break;  // t grows with k: the rest of the ray is past t_end
+    if (outside_lanes != 0) break;  // the rest of the ray is past its end
   }
   if (!kWrite && lane == 0) counts_or_offsets[b] = slot;
 }
@@ -67,11 +72,14 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
-    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples) {
-  check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, at::kCUDA);
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    const std::optional<at::Tensor>& t_split) {
+  check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split,
+                     at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(origins.device());
   const auto o = origins.contiguous(), d = directions.contiguous(), t0 = t_start.contiguous(), t1 = t_end.contiguous(),
              off = offset.contiguous(), grid = occupancy.contiguous(), bx = box.contiguous();
+  const at::Tensor split = t_split ? t_split->contiguous() : at::Tensor();
   const int64_t rays = o.size(0);
   at::Tensor ray_offsets = at::zeros({rays + 1}, o.options().dtype(at::kLong));
   at::Tensor ray_index, t, points;
@@ -82,6 +90,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
                              t1.const_data_ptr<scalar_t>(),
                              off.const_data_ptr<scalar_t>(),
                              bx.const_data_ptr<scalar_t>(),
+                             split.defined() ? split.const_data_ptr<scalar_t>() : nullptr,
                              reinterpret_cast<const unsigned char*>(grid.const_data_ptr<bool>()),
                              GridShape{{grid.size(0), grid.size(1), grid.size(2)}},
                              static_cast<scalar_t>(step),
