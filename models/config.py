@@ -21,6 +21,7 @@ DIR_ENCODING = re.compile(r"^(none|sh[0-3]|pe[0-9]+)$")
 GELU_MODES = ("none", "tanh")
 SHADING_MODES = ("deferred", "per_sample")
 DECODER_PRECISIONS = ("float32", "bfloat16")
+CONTRACTIONS = ("none", "inf")  # models.contraction
 
 
 @dataclass
@@ -62,6 +63,7 @@ class ModelConfig:
     shading: str = "deferred"
     shrink_at: Any = None  # null, a step (int) or a fraction of training (float)
     shrink_threshold: float = 1.0e-3
+    contraction: str = "none"  # none: the grids span the box; inf: the L-inf scene contraction around it
     appearance: str = "none"  # none | embedding | affine: per-training-image appearance (models/appearance.py)
     appearance_dim: int = 16  # width of the per-image embedding (appearance=embedding)
 
@@ -123,6 +125,13 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError(f"model.decoder_precision: expected 'float32' or 'bfloat16', got {c.decoder_precision!r}")
     if c.appearance not in APPEARANCE_MODES:
         raise ValueError(f"model.appearance: expected one of {', '.join(APPEARANCE_MODES)}, got {c.appearance!r}")
+    if c.contraction not in CONTRACTIONS:
+        raise ValueError(f"model.contraction: expected 'none' or 'inf', got {c.contraction!r}")
+    if c.contraction != "none" and c.shrink_at is not None:
+        raise ValueError(
+            f"model.shrink_at: must be null with model.contraction={c.contraction} (the grids span all of space), "
+            f"got {c.shrink_at!r}"
+        )
     if c.shading not in SHADING_MODES:
         raise ValueError(f"model.shading: expected 'deferred' or 'per_sample', got {c.shading!r}")
     for item in c.grow_at:

@@ -24,16 +24,15 @@ import torch.nn as nn
 from data.rays import camera_rays
 from data.samplers import PatchBatch
 from models.config import ModelConfig, parse_model_config
+from models.contraction import SceneSpace
 from models.decoder import DIFFUSE_CHANNELS, Decoder, SampleDecoder
 from models.field import (
     OccupancyGrid,
     TouchedRows,
     VoxelGrid,
-    grid_shape,
     optical_depth,
     resample_box,
     visible_box,
-    voxel_size,
 )
 from models.ops import OpSet
 from models.regularizers import RenderedSamples
@@ -42,8 +41,6 @@ from models.render import (
     check_rays,
     checked_box,
     compact,
-    num_samples_per_ray,
-    ray_box_intersect,
     survivors_and_weights,
 )
 
@@ -68,6 +65,7 @@ class VoxelNeRF(nn.Module):
         if not 0.0 <= near < far:
             raise ValueError(f"near, far: need 0 <= near < far, got near={near}, far={far}")
         self.config: ModelConfig = parse_model_config(cfg)
+        self.space = SceneSpace(self.config.contraction)  # the box, or the contracted cube around it (unbounded)
         self.ops = ops
         self.near, self.far = float(near), float(far)
         # the scene's box: sets the voxel budget (resolution counts vertices along its longest side) and the
@@ -83,7 +81,7 @@ class VoxelNeRF(nn.Module):
         self.shrunk = False
         shape = self.shape_at(self._resolution)
         # density in units of the final grid's voxel (scene box): its meaning survives growth and shrinking
-        self.base_voxel = voxel_size(self.initial_extent, grid_shape(self.initial_extent, c.resolution_end))
+        self.base_voxel = self.space.voxel(self.initial_extent, self.space.shape(self.initial_extent, c.resolution_end))
         self.density = VoxelGrid(shape, 1)
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)
@@ -128,7 +126,7 @@ class VoxelNeRF(nn.Module):
     def shape_at(self, resolution: int) -> tuple[int, int, int]:
         """Grid shape over the current box for ``resolution``: the scene box's voxel count at that resolution."""
         if self.extent == self.initial_extent:
-            return grid_shape(self.extent, resolution)
+            return self.space.shape(self.extent, resolution)
         voxel = max(self.initial_extent) / (resolution - 1)
         voxel *= (math.prod(self.extent) / math.prod(self.initial_extent)) ** (1.0 / 3.0)
         return tuple(max(2, round(e / voxel) + 1) for e in self.extent)
@@ -136,7 +134,7 @@ class VoxelNeRF(nn.Module):
     @property
     def step_size(self) -> float:
         """Distance between samples along a ray: ``step_ratio`` voxels of the current grid."""
-        return self.config.step_ratio * voxel_size(self.extent, self.grid_shape)
+        return self.config.step_ratio * self.space.voxel(self.extent, self.grid_shape)
 
     def resolution_at(self, step: int, total_steps: int) -> int:
         """Grid resolution scheduled after ``step`` optimiser steps: geometric from start to end over grow_at."""
@@ -192,8 +190,9 @@ class VoxelNeRF(nn.Module):
     @torch.no_grad()
     def refresh_occupancy(self) -> None:
         """Rebuild the occupancy grid from the density grid at the current sampling step."""
+        steps = self.space.vertex_steps(self.grid_shape, self.bbox.device)  # contracted: grows outwards
         sigma_delta = optical_depth(
-            self.density.grid[..., 0], self.config.density_shift, self.step_size / self.base_voxel
+            self.density.grid[..., 0], self.config.density_shift, self.step_size / self.base_voxel * steps
         )
         alpha = -torch.expm1(-sigma_delta)
         self.occupancy.update(alpha, self.config.occupancy.threshold, self.config.occupancy.dilate)
@@ -252,17 +251,18 @@ class VoxelNeRF(nn.Module):
         c = self.config
         num_rays = origins.shape[0]
         step = self.step_size
-        num_samples = num_samples_per_ray(self.extent, self.near, self.far, step, c.max_samples)
-        t_start, t_end = ray_box_intersect(origins, directions, self.bbox, self.near, self.far)
+        space = self.space
+        t_start, t_end, t_split, num_samples = space.march_range(
+            origins, directions, self.bbox, self.near, self.far, step, c.max_samples
+        )
         if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
             jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
         jitter = jitter.reshape(num_rays).to(origins.device, origins.dtype)
         ray, t, points, offsets = self.ops.march_rays(
-            origins, directions, t_start, t_end, jitter, self.occupancy.mask, self.bbox, step, num_samples
+            origins, directions, t_start, t_end, jitter, self.occupancy.mask, self.bbox, step, num_samples, t_split
         )
-        samples = PackedSamples(ray, t, points)
-
-        step_scale = step / self.base_voxel
+        samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
+        step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, self.bbox) / self.base_voxel
         keep = None  # (N,) which samples are shaded (None: all)
         if (c.early_termination > 0 or c.weight_threshold > 0) and len(samples) > 0:
             # one no-grad pass: drop samples behind an opaque prefix (early termination; the survivors keep their
@@ -279,6 +279,7 @@ class VoxelNeRF(nn.Module):
                 keep = compact(shows, shown_count) if c.weight_threshold > 0 else None
         if self.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
             self.touched.mark_points(samples.points, self.grid_shape)
+        step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, self.bbox) / self.base_voxel
         sigma_delta = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
         shaded = samples if keep is None else samples.take(keep)
         feats = self.features(shaded.points, self.ops)
