@@ -20,6 +20,9 @@
 #             simulated browser (needs viser and its dependencies as py3.12 wheels in .whl); extra train.py
 #             overrides in $VIEWER_OVERRIDES (e.g. a shorter run: "train.iters=2000 train.eval_final_views=8")
 # variants:   bench/quality_runs.py, one run at a time (timed alone), over $VARIANTS ("NAME=OVERRIDES;NAME=...")
+# peers:      ours and 3DGS (gsplat, needs its wheel in .whl) on each scene of $PEER_SCENES, each run alone, into
+#             $OUT/peers/<date>-<scene>.json and .png (bench/peers/gpu_stage.sh: $PEER_DATA, $PEER_STEPS,
+#             $CAPTURE_OVERRIDES, $OURS_EXTRA)
 # grid-channels: the grid op against F.grid_sample at each of $GRID_CHANNELS (default 1,3,4,7,12,16,24,32)
 #                channels -> $OUT/grid_channels.json, .md
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
@@ -104,6 +107,7 @@ for s in "${stages[@]}"; do
       'model.grow_at=[]' train.eval_every=0 train.turntable_frames=0 hydra.run.dir="$OUT/profile" ;;
     viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
       -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ${VIEWER_OVERRIDES:-} ;;
+    peers) source bench/peers/gpu_stage.sh ;;
     variants)
       args=(); IFS=';' read -ra specs <<<"${VARIANTS:-base=}"
       for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
@@ -118,5 +122,6 @@ find "$OUT" \( -name "*.pt" -o -name "*.mp4" \) -delete
 find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -delete  # three views per run come back
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
+for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
 for f in variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

@@ -391,6 +391,44 @@ def test_cli_records_our_run(tmp_path, capsys):
     assert "--ours-run" in capsys.readouterr().err
 
 
+def toy_rasterization(means, quats, scales, opacities, colors, viewmats, Ks, width, height, sh_degree, **_):
+    """A pure-PyTorch stand-in for gsplat.rasterization (isotropic screen-space blobs, order-free compositing, SH
+    degree 0) with the outputs DefaultStrategy reads: the trainer's plumbing runs on the CPU with it."""
+    camera = (viewmats[0, :3, :3] @ means.T).T + viewmats[0, :3, 3]
+    depth = camera[:, 2].clamp_min(1e-3)
+    means2d = (camera[:, :2] / depth[:, None] * Ks[0, [0, 1], [0, 1]] + Ks[0, :2, 2])[None]
+    sigma = scales.max(-1).values * Ks[0, 0, 0] / depth + 0.3
+    rows, cols = torch.meshgrid(torch.arange(height) + 0.5, torch.arange(width) + 0.5, indexing="ij")
+    pixels = torch.stack([cols, rows], -1).to(means)
+    d2 = ((pixels[None] - means2d[0][:, None, None]) ** 2).sum(-1) / sigma[:, None, None] ** 2
+    a = (opacities[:, None, None] * torch.exp(-0.5 * d2) * (camera[:, 2] > 0)[:, None, None]).clamp(max=0.99)
+    alpha = 1 - torch.prod(1 - a, 0)
+    rgb = (a[..., None] * (0.5 + SH_C0 * colors[:, 0])[:, None, None]).sum(0) / a.sum(0).clamp_min(1e-6)[..., None]
+    radii = ((3 * sigma).ceil() * (camera[:, 2] > 0)).int()[None, :, None].expand(1, -1, 2)
+    info = {"means2d": means2d, "radii": radii, "gaussian_ids": None, "width": width, "height": height, "n_cameras": 1}
+    return (rgb * alpha[..., None])[None], alpha[None, ..., None], info
+
+
+@needs_gsplat
+def test_trainer_runs_on_the_cpu_with_a_stand_in_rasteriser(blender_scene):
+    """The whole loop (DefaultStrategy's densification and pruning, the opacity reset, evaluations, the clock)
+    with toy_rasterization: the entry's bookkeeping is right and densification changed the Gaussians."""
+    from bench.peers.gsplat_trainer import train_gsplat
+
+    scene = load_peer_scene(blender_scene)
+    recipe = Recipe(init_points=300, refine_start=5, refine_every=5, reset_every=20, refine_stop=30, sh_interval=10)
+    result = train_gsplat(scene, [20, 40], recipe, curve_every=10, curve_count=2, log=lambda line: None,
+                          device="cpu", rasterization=toy_rasterization)  # fmt: skip
+    assert [e["step"] for e in result["evaluations"]] == [20, 40] and [c["step"] for c in result["curve"]] == [
+        10, 20, 30, 40]  # fmt: skip
+    assert [c["views"] for c in result["curve"]] == [2, 3, 2, 3]  # the listed steps evaluate every view
+    seconds = [c["train_seconds"] for c in result["curve"]]
+    assert seconds == sorted(seconds) and seconds[0] > 0 and result["peak_memory_bytes"] is None
+    assert result["evaluations"][0]["model_bytes"] > 300 * 59 * 4  # every Gaussian's 59 floats, saved
+    assert result["evaluations"][-1]["num_gaussians"] != 300  # densified or pruned
+    assert all(math.isfinite(c["psnr"]) for c in result["curve"])
+
+
 # ------------------------------------------------------------------------------------------------ on the GPU
 @needs_gsplat_gpu
 def test_one_gaussian_lands_on_our_pixel():

@@ -117,9 +117,9 @@ class Splats:
                 os.remove(path)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _targets(scene: Scene, device: torch.device) -> dict[str, torch.Tensor]:
@@ -140,20 +140,24 @@ def train_gsplat(
     curve_count: int = 4,
     keep_model: str | None = None,
     log: Callable[[str], None] = print,
+    device: str | torch.device = "cuda",
+    rasterization: Callable | None = None,
 ) -> dict:
     """Train 3DGS on ``scene.train`` for max(steps) steps (the means' rate decays over that many) and evaluate on
     every view of ``scene.eval`` at each of ``steps``, and on ``curve_count`` spread views every ``curve_every``
-    steps (the curve). Returns the method's results (see bench/README.md "Peers harness")."""
+    steps (the curve). Returns the method's results (see bench/README.md "Peers harness"). ``rasterization``:
+    gsplat's unless given (a test's stand-in on the CPU, with ``device="cpu"``)."""
     gsplat = import_gsplat()
     recipe = recipe or Recipe()
     from gsplat.strategy import DefaultStrategy
     from gsplat.strategy.ops import reset_opa
 
-    device = torch.device("cuda")
+    device = torch.device(device)
     total = max(steps)
     generator = torch.Generator(device=device).manual_seed(seed)
     order_generator = torch.Generator().manual_seed(seed)
-    torch.cuda.reset_peak_memory_stats(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     train, evaluation = _targets(scene.train, device), scene.eval.to(device)
     background = torch.tensor(scene.train.background, dtype=torch.float32, device=device)
     extent = scene_scale(scene.train.c2w)
@@ -162,7 +166,7 @@ def train_gsplat(
     box, box_source = init_box(scene, recipe)
     points = random_points(box.to(device), recipe.init_points, generator)
     colours = torch.rand(points.shape[0], 3, generator=generator, device=device)
-    splats = Splats(initial_gaussians(points, colours, recipe, generator), gsplat.rasterization)
+    splats = Splats(initial_gaussians(points, colours, recipe, generator), rasterization or gsplat.rasterization)
     optimizers = make_optimizers(splats.params, learning_rates(recipe, extent))
     strategy = DefaultStrategy(
         refine_start_iter=recipe.refine_start,
@@ -173,7 +177,7 @@ def train_gsplat(
     )
     strategy.check_sanity(splats.params, optimizers)
     state = strategy.initialize_state(scene_scale=extent)
-    _sync()
+    _sync(device)
     init_seconds = time.perf_counter() - start
 
     evaluations, curve, train_seconds, order = [], [], 0.0, []
@@ -208,7 +212,7 @@ def train_gsplat(
         is_final, is_curve = done in steps, curve_every > 0 and done % curve_every == 0
         if not (is_final or is_curve):
             continue
-        _sync()
+        _sync(device)
         train_seconds += time.perf_counter() - clock
         render = splats.renderer(sh_degree_at(step, recipe), background)
         views = None if is_final else curve_views(evaluation, curve_count)
@@ -238,7 +242,7 @@ def train_gsplat(
             f"3dgs step {done}/{total}: loss {loss.item():.4f}, {entry['num_gaussians']} Gaussians, "
             f"{train_seconds:.1f} s training, held-out PSNR {entry['psnr']:.2f} dB ({entry['views']} views)"
         )
-        _sync()
+        _sync(device)
         clock = time.perf_counter()
 
     return {
@@ -251,7 +255,7 @@ def train_gsplat(
         "scene_scale": extent,
         "init_seconds": init_seconds,
         "train_seconds": train_seconds,
-        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
         "evaluations": evaluations,
         "curve": curve,
     }

@@ -62,6 +62,7 @@ def our_entry(run_dir: str | Path) -> dict:
     if missing:
         raise ValueError(f"--ours-run: {path} lacks {missing}: not a finished run's metrics")
     model = next((run_dir / name for name in OUR_MODEL_FILES if (run_dir / name).is_file()), None)
+    model_bytes = metrics.get("model_bytes") or (model.stat().st_size if model else None)
     final = {
         "step": metrics["iters"],
         "train_seconds": metrics["train_seconds"],
@@ -72,7 +73,7 @@ def our_entry(run_dir: str | Path) -> dict:
         "worst_views": metrics.get("worst_views"),
         "per_view": metrics.get("per_view"),
         "eval_seconds": metrics.get("eval_seconds"),
-        "model_bytes": model.stat().st_size if model else None,
+        "model_bytes": model_bytes,
         "model_file": model.name if model else None,
     }
     history = [dict(entry) for entry in metrics.get("eval_history", [])]
