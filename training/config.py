@@ -93,6 +93,7 @@ class TrainConfig:
     log_every: int = 25
     checkpoint_every: int = 500
     keep_checkpoints: int = 1  # last.pt plus the newest keep_checkpoints - 1 periodic step_<step>.pt files
+    keep_resumable: bool = False  # keep checkpoints/last.pt after a successful end (else only model.pt stays)
     eval_every: int = 0
     eval_views: int = 4
     eval_final_views: int = 0  # 0: every eval view; K: K views spread evenly over the eval split

@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,9 +18,11 @@ import torch
 from tqdm import tqdm
 
 from data.cameras import look_at, orbit_positions
-from training.metrics import psnr, ssim
+from training.inference import HostPipeline, expected_depth, render_frames, render_view
+from training.metrics import psnr_tensor, ssim_tensor
 from training.run_dir import RunError, write_error, write_json
 from training.scenes import describe_device
+from training.timing import process_seconds
 from training.visualize import (
     colorize_depth,
     comparison_image,
@@ -53,60 +56,67 @@ def render(trainer: Trainer, view: int) -> dict[str, torch.Tensor]:
     """Render view ``view`` of the eval split with its own camera and intrinsics."""
     scene = trainer.eval_scene
     c2w, intrinsics = scene.c2w[view], scene.intrinsics[view]
-    return trainer.model.render_image(c2w, scene.height, scene.width, intrinsics, chunk=trainer.train_cfg.render_chunk)
+    return render_view(trainer.model, c2w, scene.height, scene.width, intrinsics, trainer.train_cfg.render_chunk)
+
+
+class RenderWriteError(OSError):
+    """A render file could not be written: ``path`` names it, ``cause`` is the error."""
+
+    def __init__(self, path: str, cause: BaseException):
+        super().__init__(str(cause))
+        self.path, self.cause = path, cause
+
+
+def _write_view(stem: Path, near: float, far: float, maps: dict[str, np.ndarray]) -> None:
+    """A view's files from its host maps (worker thread): prediction, gt | pred | error, depth PNGs; the raw depth
+    (H, W) float32, NaN where opacity < 0.5, and opacity (H, W) as .npy."""
+    pred, gt, depth = maps["rgb"], maps["gt"].astype(np.float32) / 255.0, maps["depth"].astype(np.float32)
+    files = [
+        ("pred.png", iio.imwrite, lambda: to_uint8(pred)),
+        ("compare.png", iio.imwrite, lambda: comparison_image(gt, pred)),
+        ("depth.png", iio.imwrite, lambda: depth_with_legend(depth, near, far)),
+        ("depth.npy", np.save, lambda: depth),
+        ("opacity.npy", np.save, lambda: maps["opacity"].astype(np.float32)),
+    ]
+    for suffix, write, content in files:
+        path = f"{stem}_{suffix}"
+        try:
+            write(path, content())
+        except Exception as error:  # named and raised in write_outputs
+            raise RenderWriteError(path, error) from error
 
 
 @torch.no_grad()
 def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: ThreadPoolExecutor | None = None) -> dict:
     """Render ``views`` of the eval split -> dict(psnr, ssim (means), per_view, seconds, first_rgb: the first
-    view's (H, W, 3) float image as numpy); PNGs when asked."""
+    view's (H, W, 3) float image as numpy); PNGs when asked, written by ``writer``'s threads while the next view
+    renders. PSNR and SSIM stay on the device until the last view (one host sync for all of them)."""
+    if write_images and writer is None:
+        raise ValueError("evaluate: write_images=True needs a writer (a ThreadPoolExecutor)")
     was_training = trainer.model.training
     trainer.model.eval()
     scene = trainer.eval_scene
-    per_view = []
-    first_rgb = None
+    pipeline = HostPipeline(writer) if write_images else None
+    scores, first_rgb = [], None
     start = time.perf_counter()
     for view in views:
         out = render(trainer, view)
         target = scene.images[view].float() / 255.0
+        scores.append(torch.stack([psnr_tensor(out["rgb"], target), ssim_tensor(out["rgb"], target)]))
         if first_rgb is None:
             first_rgb = out["rgb"].cpu().numpy()
-        per_view.append(
-            {
-                "view": view,
-                "name": scene.names[view],
-                "psnr": psnr(out["rgb"], target),
-                "ssim": ssim(out["rgb"], target),
-            }
-        )
-        if write_images:
-            if writer is None:
-                raise ValueError("evaluate: write_images=True needs a writer (a ThreadPoolExecutor)")
-            pred, gt = out["rgb"].cpu().numpy(), target.cpu().numpy()
-            depth = (
-                torch.where(
-                    out["opacity"] > 0.5,
-                    out["depth"] / out["opacity"].clamp_min(1e-6),
-                    torch.full_like(out["depth"], float("nan")),
-                )
-                .cpu()
-                .numpy()
-            )
+        if pipeline is not None:
             stem = trainer.paths.renders / f"{view:03d}"
-            for name, image in (
-                ("pred", to_uint8(pred)),
-                ("compare", comparison_image(gt, pred)),
-                ("depth", depth_with_legend(depth, scene.near, scene.far)),
-            ):
-                path = f"{stem}_{name}.png"
-                trainer.pending_writes.append((path, writer.submit(iio.imwrite, path, image)))
-            # the raw maps beside the pictures: depth (H, W) float32, NaN where opacity < 0.5; opacity (H, W)
-            opacity = out["opacity"].float().cpu().numpy()
-            for name, array in (("depth", depth.astype(np.float32)), ("opacity", opacity)):
-                path = f"{stem}_{name}.npy"
-                trainer.pending_writes.append((path, writer.submit(np.save, path, array)))
-    sync(trainer.device)
+            maps = {"rgb": out["rgb"], "gt": scene.images[view], "depth": expected_depth(out)}
+            maps["opacity"] = out["opacity"]
+            future = pipeline.submit(maps, partial(_write_view, stem, scene.near, scene.far))
+            trainer.pending_writes.append((f"{stem}_pred.png", future))
+    values = torch.stack(scores).tolist() if scores else []  # the loop's one sync
     trainer.model.train(was_training)
+    per_view = [
+        {"view": view, "name": scene.names[view], "psnr": value[0], "ssim": value[1]}
+        for view, value in zip(views, values)
+    ]
     ranked = sorted(per_view, key=lambda v: v["psnr"])
     worst = ranked[: max(1, math.ceil(len(ranked) / 10))]  # the held-out bar is about the worst views too
     return {
@@ -116,6 +126,7 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
         "worst_views": [v["view"] for v in worst],
         "per_view": per_view,
         "seconds": time.perf_counter() - start,
+        "rays": len(views) * scene.height * scene.width,
         "first_rgb": first_rgb,
     }
 
@@ -197,8 +208,10 @@ def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> d
                     xlabel="training seconds",
                 )
         for path, future in trainer.pending_writes:
-            if future.exception() is not None:
-                raise RunError(f"cannot write the render {path}: {write_error(future.exception())}")
+            error = future.exception()
+            if error is not None:
+                path, cause = (error.path, error.cause) if isinstance(error, RenderWriteError) else (path, error)
+                raise RunError(f"cannot write the render {path}: {write_error(cause)}")
         files_seconds = time.perf_counter() - files_start
         metrics = run_metrics(trainer, result, render_only, data_seconds, files_seconds)
         write_json(trainer.paths.metrics, metrics)
@@ -207,12 +220,10 @@ def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> d
     return metrics
 
 
-def rgb_depth_frame(out: dict[str, torch.Tensor], near: float, far: float) -> np.ndarray:
-    """A render's (H, W) maps -> one (H, 2W, 3) uint8 video frame: RGB | depth coloured over [near, far] (black
-    where the opacity is below 0.5, as the evaluation's depth maps)."""
-    depth = out["depth"].float().cpu().numpy()
-    depth[out["opacity"].float().cpu().numpy() < 0.5] = np.nan
-    return np.concatenate([to_uint8(out["rgb"].cpu().numpy()), colorize_depth(depth, near, far)], axis=1)
+def rgb_depth_frame(maps: dict[str, np.ndarray], near: float, far: float) -> np.ndarray:
+    """A view's host maps (training.inference.render_frames: rgb, depth NaN where the opacity is below 0.5) -> one
+    (H, 2W, 3) uint8 video frame: RGB | depth coloured over [near, far] (black where NaN)."""
+    return np.concatenate([to_uint8(maps["rgb"]), colorize_depth(maps["depth"], near, far)], axis=1)
 
 
 @torch.no_grad()
@@ -231,13 +242,29 @@ def render_turntable(trainer: Trainer) -> Path | None:
     sx, sy = (width, scene.width), (height, scene.height)
     scaled = [fx * sx[0] / sx[1], fy * sy[0] / sy[1], cx * sx[0] / sx[1], cy * sy[0] / sy[1]]
     intrinsics = torch.tensor(scaled, dtype=torch.float64)
+    cameras = orbit_cameras(scene.c2w, count)
+    frame = partial(rgb_depth_frame, near=scene.near, far=scene.far)
     chunk = trainer.train_cfg.render_chunk
-    model = trainer.model
-    frames = [
-        rgb_depth_frame(model.render_image(c2w, height, width, intrinsics, chunk), scene.near, scene.far)
-        for c2w in orbit_cameras(scene.c2w, count)
-    ]
+    frames = render_frames(trainer.model, cameras, [intrinsics] * count, (height, width), frame, chunk)
     return write_turntable(frames, trainer.paths.renders / "turntable.mp4", fps=20.0)
+
+
+def command_seconds(trainer: Trainer, result: dict, files_seconds: float) -> dict:
+    """Where the whole command's time went: ``startup_seconds`` (process start to the first training step, or to the
+    evaluation with render_only: imports, config, data loading, model build, CUDA context), ``wall_seconds`` (process
+    start to now, metrics.json's write) and ``seconds``: the breakdown, the rest as ``other``."""
+    wall = process_seconds()
+    trained = trainer.startup_seconds is not None  # else render_only: everything before the evaluation is start-up
+    startup = trainer.startup_seconds if trained else wall - result["seconds"] - files_seconds
+    parts = {
+        "startup": startup,
+        "train": trainer.train_seconds if trained else 0.0,
+        "eval": result["seconds"],
+        "checkpoint": trainer.checkpoint_seconds,
+        "output": files_seconds,
+    }
+    parts["other"] = wall - sum(parts.values())
+    return {"startup_seconds": startup, "wall_seconds": wall, "seconds": parts}
 
 
 def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds: float, files_seconds: float) -> dict:
@@ -251,9 +278,13 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         "iters": trainer.step,
         "train_seconds": trainer.train_seconds,
         "eval_seconds": result["seconds"],
-        "checkpoint_seconds": trainer.checkpoint_seconds,
+        "eval_rays_per_second": result["rays"] / max(result["seconds"], 1e-9),
+        "checkpoint_seconds": trainer.checkpoint_seconds,  # training blocked by checkpoints (writes run behind it)
+        "checkpoint_write_seconds": trainer.checkpoints.write_seconds,  # the background writes themselves
+        "model_bytes": trainer.paths.model.stat().st_size if trainer.paths.model.is_file() else None,
         "output_seconds": files_seconds,
         "data_seconds": data_seconds,
+        **command_seconds(trainer, result, files_seconds),
         "rays_per_second": trainer.rays_done / seconds if trainer.train_seconds > 0 else None,
         "pixels_per_second": trainer.pixels_done / seconds if trainer.train_seconds > 0 else None,
         "ops": dict(trainer.ops.backends),

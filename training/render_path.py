@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data.cameras import look_at, orbit_positions
+from training import inference
 from training.evaluation import rgb_depth_frame
 from training.export import ExportError, load_run
 from training.scenes import load_scenes, resolve_device
@@ -98,17 +100,13 @@ def eval_path(data_cfg: dict, size: int):
     return scene.c2w.numpy(), scene.intrinsics.double().numpy() * scale, shape
 
 
-def render_frames(model, c2w: np.ndarray, intrinsics: np.ndarray, shape: tuple[int, int], chunk: int) -> list:
-    """(H, 2W, 3) uint8 frames: RGB | depth over [near, far]."""
-    device = model.bbox.device
-    return [
-        rgb_depth_frame(
-            model.render_image(torch.as_tensor(camera, device=device), *shape, torch.as_tensor(k), chunk=chunk),
-            model.near,
-            model.far,
-        )
-        for camera, k in zip(c2w, intrinsics)
-    ]
+def render_frames(
+    model, c2w: np.ndarray, intrinsics: np.ndarray, shape: tuple[int, int], chunk: int | None = None
+) -> list:
+    """(H, 2W, 3) uint8 frames: RGB | depth over [near, far] (training.inference: the shared inference path, the
+    frames assembled by worker threads while the next renders)."""
+    frame = partial(rgb_depth_frame, near=model.near, far=model.far)
+    return inference.render_frames(model, c2w, intrinsics, shape, frame, chunk)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fps", type=float, default=30.0)
     parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/renders/path_<name>)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--chunk", type=int, default=65536, help="rays per render chunk")
+    parser.add_argument("--chunk", type=int, default=None, help="rays per chunk (default 65536; CUDA: >= 262144)")
     args = parser.parse_args(argv)
     try:
         if args.frames < 1 or (args.size is not None and args.size < 8):

@@ -16,7 +16,7 @@ from data import PatchSampler, RaySampler, Scene
 from models.model import VoxelNeRF
 from models.ops import OpSet
 from training import evaluation
-from training.checkpoint import InterruptGuard, StepCheckpoints, save_checkpoint
+from training.checkpoint import InterruptGuard, StepCheckpoints
 from training.config import ConfigError
 from training.distributed import Group
 from training.evaluation import sync
@@ -24,9 +24,11 @@ from training.floors import adam_bytes
 from training.losses import floater_losses, opacity_loss, photometric_loss
 from training.optim import SparseGridAdam
 from training.profiler import StepProfiler
-from training.resume import restore_trainer, trainer_state
-from training.run_dir import RunError, RunPaths, write_error, write_json
+from training.resume import restore_trainer
+from training.run_checkpoints import RunCheckpoints
+from training.run_dir import RunPaths, write_json
 from training.tensorboard import TensorBoardLogger
+from training.timing import process_seconds
 
 EXIT_OK = 0
 EXIT_DIVERGED = 3  # NaN / inf loss
@@ -102,6 +104,8 @@ class Trainer:
         self.checkpoint_seconds = 0.0  # kept out of train_seconds, reported beside it
         self.last_saved_step: int | None = None
         self.step_checkpoints: StepCheckpoints | None = None  # train.keep_checkpoints > 1: built at the first save
+        self.checkpoints = RunCheckpoints(self)  # last.pt written behind training; model.pt at the end
+        self.startup_seconds: float | None = None  # process start to the first step (imports, data, set-up)
         self.pending_writes: list = []  # (path, future) of the render writes in flight
         self.viewer = None  # training.viewer.Viewer with train.viewer=true (set by training.app)
 
@@ -243,6 +247,7 @@ class Trainer:
         code = EXIT_OK
         with InterruptGuard() as guard:
             sync(self.device)
+            self.startup_seconds = process_seconds() if self.startup_seconds is None else self.startup_seconds
             segment_start = window_start = time.perf_counter()
             window_rays, window_samples = self.rays_done, self.samples_done
             while self.step < self.iters:
@@ -290,7 +295,7 @@ class Trainer:
                     self.train_seconds += time.perf_counter() - segment_start
                     pause = True
                 if periodic_checkpoint or stop:
-                    if not self._save_if_finite(loss, periodic=bool(periodic_checkpoint)):
+                    if not self.checkpoints.save_if_finite(loss, bool(periodic_checkpoint), background=not stop):
                         code = self._diverged(step, loss.item())
                         break
                 if stop:
@@ -320,8 +325,9 @@ class Trainer:
         bar.close()
         if code != EXIT_OK:
             return code
-        if not self._save_if_finite(loss):
+        if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())):
             return self._diverged(self.step, loss.item())
+        self.checkpoints.finish()  # model.pt; last.pt only with train.keep_resumable
         if self.profiler.enabled:
             report = self.profiler.report()
             write_json(self.paths.profile, report)
@@ -334,6 +340,7 @@ class Trainer:
         self.history["psnr"].append(batch_psnr)
 
     def _diverged(self, step: int, loss: float) -> int:
+        self.checkpoints.wait()  # the write in flight decides which step is on disk
         kept = (
             f"the last good checkpoint (step {self.last_saved_step}) is kept at {self.paths.checkpoint}"
             if self.last_saved_step is not None
@@ -348,45 +355,10 @@ class Trainer:
         return EXIT_DIVERGED
 
     # ---------------------------------------------------------------- checkpoints
-    def _parameters_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-
-    def _save_if_finite(self, loss: torch.Tensor, periodic: bool = False) -> bool:
-        """Save a checkpoint unless the loss or the parameters went NaN / inf (then keep the previous one)."""
-        if not (bool(torch.isfinite(loss)) and self._parameters_finite()):
-            return False
-        self.save(periodic)
-        return True
-
     def save(self, periodic: bool = False) -> None:
-        """Write the checkpoint atomically; a write error (disk full, read-only, I/O) becomes a RunError that
-        says the previous checkpoint is kept (the atomic save never touches it). Rank 0 alone writes. A periodic
-        save with ``train.keep_checkpoints`` > 1 also keeps a step_<step>.pt copy (training.checkpoint)."""
-        if not self.group.is_main:
-            self.last_saved_step = self.step
-            return
-        start = time.perf_counter()
-        try:
-            self._write_checkpoint(periodic)
-        except (OSError, RuntimeError) as error:
-            kept = (
-                f"the previous checkpoint (step {self.last_saved_step}) is kept"
-                if self.last_saved_step is not None
-                else "no earlier checkpoint exists"
-            )
-            raise RunError(
-                f"cannot write the checkpoint {self.paths.checkpoint}: {write_error(error)}; {kept}"
-            ) from None
-        self.last_saved_step = self.step
-        self.checkpoint_seconds += time.perf_counter() - start
-
-    def _write_checkpoint(self, periodic: bool = False) -> None:
-        keep = int(self.train_cfg.get("keep_checkpoints", 1))
-        if not (periodic and keep > 1):
-            return save_checkpoint(self.paths.checkpoint, trainer_state(self))
-        if self.step_checkpoints is None:  # on resume, the step files up to the restored step are this run's
-            self.step_checkpoints = StepCheckpoints(self.paths.checkpoints, keep, adopt_upto=self.last_saved_step)
-        self.step_checkpoints.save(self.paths.checkpoint, trainer_state(self), self.step)
+        """Write the resumable checkpoint now and wait for it (training.run_checkpoints: the loop's saves run
+        behind training)."""
+        self.checkpoints.save(periodic, background=False)
 
     def restore(self, state: dict, with_training_state: bool) -> None:
         """Load a checkpoint (training.resume.restore_trainer)."""
