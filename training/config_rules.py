@@ -18,7 +18,6 @@ from omegaconf.errors import OmegaConfBaseException
 from models.config import parse_model_config
 from models.ops import EARLIER_KEYS, OP_NAMES
 from training.losses import PHOTOMETRIC_LOSSES
-from training.metrics import SSIM_WINDOW
 
 DEVICES = ("auto", "cpu", "cuda")
 OP_BACKENDS = ("custom", "torch")
@@ -173,7 +172,6 @@ def _check_train(cfg: DictConfig) -> None:
     for key in ("train.distortion_loss", "train.near_density_loss", "train.near_density_fraction"):
         _check_nonnegative_number(cfg, key)  # the floater regularisers (training/losses.py)
     _check_choice(cfg, "train.loss", PHOTOMETRIC_LOSSES, "photometric loss")
-    _check_dssim(cfg)
     _check_nonnegative_number(cfg, "train.dist_timeout")
     _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
     for key in (
@@ -207,17 +205,6 @@ def _check_train(cfg: DictConfig) -> None:
     eps = _get(cfg, "train.adam_eps")
     if eps is not _ABSENT and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1):
         raise ConfigError(f"train.adam_eps: must be a number in (0, 1) (got {eps!r})")
-
-
-def _check_dssim(cfg: DictConfig) -> None:
-    _check_nonnegative_number(cfg, "train.dssim")
-    if (_get(cfg, "train.dssim") or 0) > 0:  # absent counts as 0
-        upsample, side = _get(cfg, "model.upsample"), _get(cfg, "train.patch_size")
-        if upsample == 1 or upsample * side < SSIM_WINDOW:
-            raise ConfigError(
-                f"train.dssim: needs patch batches of at least {SSIM_WINDOW} pixels a side (model.upsample > 1 and "
-                f"train.patch_size * model.upsample >= {SSIM_WINDOW}), got upsample={upsample}, patch_size={side}"
-            )
 
 
 def _check_viewer(cfg: DictConfig) -> None:

@@ -3,8 +3,9 @@
     python -m training.export mesh RUN_DIR [--level 0.5] [--resolution R] [--out PATH]
     python -m training.export weights RUN_DIR [--half] [--out PATH]
 
-Both read ``RUN_DIR/checkpoints/last.pt`` and rebuild the model from the checkpoint's own config with the
-PyTorch reference ops (no compiled extension needed), on the CPU.
+Both read the run's finished model ``RUN_DIR/model.pt`` (training.compact_model) or its resumable checkpoint
+``RUN_DIR/checkpoints/last.pt``, the newer when both exist, and rebuild the model from the file's own config with
+the PyTorch reference ops (no compiled extension needed), on the CPU.
 
 **Mesh.** The density is turned into a per-voxel opacity, the alpha of one step of one final-grid voxel,
 ``alpha = 1 - exp(-softplus(density + shift))`` (the model's optical depth at ``step_scale = 1``: what a ray
@@ -46,6 +47,8 @@ from models.field import grid_shape, optical_depth, to_unit
 from models.model import VoxelNeRF
 from models.ops import OP_NAMES, OpSet, build_ops
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from training.compact_model import MODEL_NAME, read_model
+from training.run_dir import model_source
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -68,13 +71,17 @@ def reference_ops() -> OpSet:
 
 
 def checkpoint_path(run_dir: str | os.PathLike) -> Path:
-    """``RUN_DIR/checkpoints/last.pt``, or ExportError when the folder or the file is missing."""
+    """The file of a run folder's newest model: ``RUN_DIR/model.pt`` or ``RUN_DIR/checkpoints/last.pt``
+    (training.run_dir.model_source), or ExportError when the folder or both files are missing."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run folder")
-    path = run_dir / "checkpoints" / "last.pt"
-    if not path.is_file():
-        raise ExportError(f"{path}: checkpoint not found (train the run first, or check the folder)")
+    path = model_source(run_dir)
+    if path is None:
+        raise ExportError(
+            f"{run_dir / 'checkpoints' / 'last.pt'}: checkpoint not found, nor {run_dir / MODEL_NAME} (train the run "
+            "first, or check the folder)"
+        )
     return path
 
 
@@ -95,10 +102,15 @@ def build_model(model_cfg: dict, scene: dict, state_dict: dict, ops: OpSet | Non
 
 
 def load_run(run_dir: str | os.PathLike, ops: OpSet | None = None) -> tuple[VoxelNeRF, dict]:
-    """(model, checkpoint state) of a run folder's ``checkpoints/last.pt``."""
+    """(model, state) of a run folder's newest model file (:func:`checkpoint_path`): the state holds ``config``,
+    ``step`` and ``history`` (and, from a checkpoint, the optimiser and RNG states)."""
     path = checkpoint_path(run_dir)
     try:
-        state = load_checkpoint(path, map_location="cpu")
+        if path.name == MODEL_NAME:
+            weights, run = read_model(path)
+            state = {**run, "model": weights}
+        else:
+            state = load_checkpoint(path, map_location="cpu")
     except CheckpointError as error:
         raise ExportError(str(error)) from None
     config = state.get("config") or {}

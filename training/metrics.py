@@ -6,8 +6,6 @@ do not depend on the precision the model rendered in.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -49,9 +47,14 @@ def psnr(pred: torch.Tensor | np.ndarray, target: torch.Tensor | np.ndarray) -> 
     pred, target: float images of the same shape, usually (H, W, 3) in [0, 1] (any shape works, e.g. a
     (N, 3) batch of ray colours). Identical inputs give ``inf``.
     """
-    pred, target = _pair(pred, target)
-    mse = torch.mean((pred - target) ** 2).item()
-    return math.inf if mse == 0.0 else -10.0 * math.log10(mse)
+    return float(psnr_tensor(*_pair(pred, target)))
+
+
+def psnr_tensor(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """:func:`psnr` as a 0-dim float64 tensor on ``pred``'s device, computed without a host sync and without the
+    input checks (for renders an evaluation loop collects and reads once at the end); ``inf`` when identical."""
+    mse = torch.mean((pred.double() - target.to(pred.device).double()) ** 2)
+    return -10.0 * torch.log10(mse)
 
 
 def gaussian_window(
@@ -73,7 +76,12 @@ def ssim_map(
     round-off in flat regions cannot push a value outside [-1, 1].
     """
     pred, target = _pair(pred, target)
-    if pred.dim() != 3:
+    return _ssim_map(pred, target, data_range)
+
+
+def _ssim_map(pred: torch.Tensor, target: torch.Tensor, data_range: float) -> torch.Tensor:
+    """:func:`ssim_map` of two float64 tensors on one device, without the finiteness check (no host sync)."""
+    if pred.dim() != 3 or pred.shape != target.shape:
         raise ValueError(f"pred and target must be (H, W, C) images, got shape {tuple(pred.shape)}")
     height, width, channels = pred.shape
     if height < SSIM_WINDOW or width < SSIM_WINDOW:
@@ -105,3 +113,8 @@ def ssim_map(
 def ssim(pred: torch.Tensor | np.ndarray, target: torch.Tensor | np.ndarray, data_range: float = 1.0) -> float:
     """Mean SSIM over pixels and channels of two (H, W, C) float images in [0, 1]; see :func:`ssim_map`."""
     return ssim_map(pred, target, data_range).mean().item()
+
+
+def ssim_tensor(pred: torch.Tensor, target: torch.Tensor, data_range: float = 1.0) -> torch.Tensor:
+    """:func:`ssim` as a 0-dim float64 tensor on ``pred``'s device, without a host sync or the finiteness check."""
+    return _ssim_map(pred.double(), target.to(pred.device).double(), data_range).mean()

@@ -16,25 +16,33 @@ if TYPE_CHECKING:
 CHECKPOINT_FORMAT = 1
 
 
-def trainer_state(trainer: Trainer) -> dict:
-    """Everything :func:`restore_trainer` needs, as a dict for training.checkpoint.save_checkpoint."""
+def trainer_counters(trainer: Trainer) -> dict:
+    """The run's small state: step, config, histories and counters (no tensors but the sampler's state)."""
     return {
         "format": CHECKPOINT_FORMAT,
         "step": trainer.step,
         "iters": trainer.iters,
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
-        "rng": capture_rng_state(),
-        "sampler_generator": trainer.generator.get_state(),
         "config": OmegaConf.to_container(trainer.cfg, resolve=True),
-        "history": trainer.history,
-        "eval_history": trainer.eval_history,
+        "history": {key: list(values) for key, values in trainer.history.items()},
+        "eval_history": [dict(entry) for entry in trainer.eval_history],
         "train_seconds": trainer.train_seconds,
         "rays": trainer.rays_done,
         "pixels": trainer.pixels_done,
         "samples": trainer.samples_done,
         "checkpoint_seconds": trainer.checkpoint_seconds,
         "seed": trainer.seed,
+    }
+
+
+def trainer_state(trainer: Trainer) -> dict:
+    """Everything :func:`restore_trainer` needs, as a dict for training.checkpoint.save_checkpoint. Its tensors are
+    the live ones (training.checkpoint_writer.snapshot copies them for a write behind training)."""
+    return {
+        **trainer_counters(trainer),
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "rng": capture_rng_state(),
+        "sampler_generator": trainer.generator.get_state(),
     }
 
 

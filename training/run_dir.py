@@ -11,6 +11,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from training.checkpoint import CheckpointError, load_checkpoint, step_checkpoints
+from training.compact_model import MODEL_NAME, read_model
+from training.resume import CHECKPOINT_FORMAT
 
 
 class RunError(RuntimeError):
@@ -44,6 +46,11 @@ class RunPaths:
     @property
     def checkpoint(self) -> Path:
         return self.checkpoints / "last.pt"
+
+    @property
+    def model(self) -> Path:
+        """The finished model (training.compact_model): the run's deliverable, written when training ends."""
+        return self.root / MODEL_NAME
 
     @property
     def checkpoints(self) -> Path:
@@ -83,6 +90,15 @@ def config_from_checkpoint(cfg: DictConfig, saved: dict) -> DictConfig:
     return OmegaConf.create(merged)
 
 
+def model_source(root: str | os.PathLike) -> Path | None:
+    """Which file holds a run folder's newest model: ``model.pt`` (the finished model) or ``checkpoints/last.pt``
+    (the resumable checkpoint), the newer of the two when both exist (a finished run resumed for more steps
+    writes last.pt after model.pt); None when neither does."""
+    paths = RunPaths(Path(root))
+    found = [p for p in (paths.model, paths.checkpoint) if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None  # max keeps model.pt on a tie
+
+
 def load_run_checkpoint(cfg: DictConfig, paths: RunPaths) -> dict | None:
     if cfg.render_only:
         key = "render_only"
@@ -90,7 +106,14 @@ def load_run_checkpoint(cfg: DictConfig, paths: RunPaths) -> dict | None:
         key = "train.resume"
     else:
         return None
+    if cfg.render_only and model_source(paths.root) == paths.model:
+        return model_state(paths.model)
     if not paths.checkpoint.is_file():
+        if paths.model.is_file():  # a finished run that kept only its model
+            raise RunError(
+                f"{key}: the run in {paths.root} finished and kept its model ({paths.model.name}) but not its "
+                "resumable checkpoint (train.keep_resumable=true keeps it); render_only=true renders it"
+            )
         raise RunError(f"{key}: no checkpoint at {paths.checkpoint} (pass the hydra.run.dir of a run that saved one)")
     state = load_checkpoint(paths.checkpoint, map_location="cpu")
     missing = {"format", "step", "model", "optimizer", "rng", "sampler_generator", "config"} - set(state)
@@ -99,11 +122,25 @@ def load_run_checkpoint(cfg: DictConfig, paths: RunPaths) -> dict | None:
     return state
 
 
+def model_state(path: Path) -> dict:
+    """A model file (training.compact_model) as the subset of a trainer checkpoint that render_only restores."""
+    weights, run = read_model(path)
+    return {"format": CHECKPOINT_FORMAT, "model": weights, "history": {"step": [], "loss": [], "psnr": []}} | {
+        "eval_history": [],
+        "train_seconds": 0.0,
+        "rays": 0,
+        "pixels": 0,
+        "step": 0,
+        "seed": run["config"].get("seed"),
+        **run,
+    }
+
+
 def refuse_to_overwrite(cfg: DictConfig, paths: RunPaths) -> None:
     """A new run (no resume, no render_only) never replaces a run folder's checkpoint or metrics silently."""
     if cfg.render_only or cfg.train.resume or cfg.train.get("overwrite", False):
         return
-    existing = [p for p in (paths.checkpoint, paths.metrics) if p.exists()]
+    existing = [p for p in (paths.checkpoint, paths.model, paths.metrics) if p.exists()]
     existing += [path for _, path in sorted(step_checkpoints(paths.checkpoints).items())][-1:]  # kept ones too
     if existing:
         names = " and ".join(str(p.relative_to(paths.root)) for p in existing)
