@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import tempfile
 
 import numpy as np
 import pytest
@@ -135,7 +136,9 @@ def test_capture_split_is_every_eighth_frame_by_name(tmp_path):
     assert peer.eval.names == names[::8] and peer.train.names == [n for i, n in enumerate(names) if i % 8]
 
 
-def test_distorted_capture_is_undistorted_from_the_same_split(tmp_path):
+def test_distorted_capture_is_undistorted_from_the_same_split(tmp_path, monkeypatch):
+    (tmp_path / "temp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))  # where the shadow folder goes
     plain = load_peer_scene(_capture(tmp_path / "plain", None))
     distorted = load_peer_scene(_capture(tmp_path / "distorted", DISTORTION))
     assert distorted.distortion is not None and distorted.eval.names == plain.eval.names
@@ -143,7 +146,8 @@ def test_distorted_capture_is_undistorted_from_the_same_split(tmp_path):
         expected = torch.stack([undistort_image(image, k, DISTORTION) for image, k in zip(raw.images, raw.intrinsics)])
         assert torch.equal(mine.images, expected) and torch.equal(mine.c2w, raw.c2w)
         assert not torch.equal(mine.images, raw.images)
-    assert not list(tmp_path.glob("peers-scene-*"))  # the shadow folder is gone (it lives in the temp dir)
+    assert not list((tmp_path / "temp").iterdir())  # the shadow folder is gone
+    assert len(list((tmp_path / "distorted" / "images").iterdir())) == 17  # and the scene's files are not
 
 
 def test_scene_kind_and_overrides_errors(tmp_path):
