@@ -1,9 +1,9 @@
 # The `peers` stage of bench/gpu_session.sh, sourced by it (uses its stage, log, failures, $OUT and $LEGO).
 #
 # Builds gsplat's CUDA code once (JIT, ~104 s on the H100; kept in build/torch_extensions, which a warm machine
-# keeps between calls), runs tests/test_peers.py there (its gsplat + GPU tests), then for each scene of
-# $PEER_SCENES (default "lego_400 fruit", folders under $PEER_DATA, default .scenes; lego_400 falls back to
-# $LEGO), each run alone on the GPU:
+# keeps between calls), runs tests/test_peers.py there (its gsplat + GPU tests; PEER_TESTS=0 skips them), then
+# for each scene of $PEER_SCENES (default "lego_400 fruit", folders under $PEER_DATA, default .scenes; lego_400
+# falls back to $LEGO), each run alone on the GPU:
 #   ours:  python3 train.py +experiment=blender data.root=ROOT (a capture: $CAPTURE_OVERRIDES instead of
 #          +experiment=blender, default "+experiment=blender data=nerfstudio"), plus $OURS_EXTRA (default
 #          train.turntable_frames=0: no turntable video; training itself is the shipped config)
@@ -16,7 +16,7 @@ peer_out="$OUT/peers" peer_date=$(date +%F)  # one date for every run of the sta
 mkdir -p "$peer_out"
 stage peers_gsplat_build env MAX_JOBS="${PEER_MAX_JOBS:-32}" python3 -c \
   "from gsplat.cuda._backend import _C; assert _C is not None, 'gsplat: no CUDA extension built'; print('gsplat built')"
-stage peers_tests python3 -m pytest -q -rs tests/test_peers.py
+[ "${PEER_TESTS:-1}" = 1 ] && stage peers_tests python3 -m pytest -q -rs tests/test_peers.py
 for scene in ${PEER_SCENES:-lego_400 fruit}; do
   root="${PEER_DATA:-.scenes}/$scene"
   [ ! -d "$root" ] && [ "$scene" = lego_400 ] && [ -n "${LEGO:-}" ] && root=$LEGO
