@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_train import finished_run, scene_cache  # noqa: F401  (fixtures: a 12-step CPU run of the built-in scene)
 
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import save_checkpoint
 from training.export import load_run, reference_ops
 from training.render_path import main, orbit_path, render_frames
 from training.visualize import to_uint8
@@ -22,7 +22,8 @@ from training.visualize import to_uint8
 def textured_run(finished_run, tmp_path_factory):  # noqa: F811
     """The finished run with random density and colour grids: renders with structure in every view."""
     run = tmp_path_factory.mktemp("textured")
-    state = load_checkpoint(finished_run / "checkpoints" / "last.pt")
+    model, state = load_run(finished_run)  # a finished run keeps model.pt (training.compact_model)
+    state = {"config": state["config"], "step": state["step"], "model": model.state_dict()}
     generator = torch.Generator().manual_seed(0)
     for key in ("density.grid", "features.grid"):
         grid = state["model"][key]

@@ -17,6 +17,7 @@ import training.app as app_module
 import training.trainer as trainer_module
 from data import SceneError, load_blender
 from data.blender import write_blender_split
+from training import run_checkpoints
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import ConfigError, validate_config
 from training.preflight import PreflightError, check_disk, check_memory, check_writable
@@ -58,12 +59,16 @@ def test_a_sweep_runs_every_job_and_reports_the_failed_one(tmp_path, cache):
 def test_a_finished_run_is_never_overwritten_without_asking(tmp_path, cache, capsys):
     run_dir = tmp_path / "run"
     assert run_in_process(tiny_overrides(cache, 5) + ["train.turntable_frames=0"], run_dir) == 0
-    before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    before = (run_dir / "model.pt").read_bytes()  # a finished run keeps its model, not its resumable checkpoint
+    assert not (run_dir / "checkpoints").exists()
+    (run_dir / "metrics.json").unlink()  # model.pt alone makes the folder a run
     assert run_in_process(tiny_overrides(cache, 3) + ["train.turntable_frames=0"], run_dir) == 2
-    assert "already holds a run" in capsys.readouterr().err
-    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
-    assert read_metrics(run_dir)["iters"] == 5
+    assert "already holds a run (model.pt)" in capsys.readouterr().err
+    assert (run_dir / "model.pt").read_bytes() == before
+    assert run_in_process(tiny_overrides(cache, 5) + ["train.turntable_frames=0", "render_only=true"], run_dir) == 0
+    assert read_metrics(run_dir)["iters"] == 5 and read_metrics(run_dir)["render_only"]
     stale = run_dir / "checkpoints" / ".last.pt.killed.tmp"
+    stale.parent.mkdir()
     stale.write_bytes(b"half a checkpoint")
     assert run_in_process(tiny_overrides(cache, 3) + ["train.turntable_frames=0", "train.overwrite=true"], run_dir) == 0
     assert read_metrics(run_dir)["iters"] == 3 and not stale.exists()
@@ -79,7 +84,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, cache
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
         save_checkpoint(path, state)
 
-    monkeypatch.setattr(trainer_module, "save_checkpoint", full_disk)
+    monkeypatch.setattr(run_checkpoints, "save_checkpoint", full_disk)  # the background writer's save
     run_dir = tmp_path / "run"
     code = run_in_process(tiny_overrides(cache, 12) + ["train.checkpoint_every=5", "train.turntable_frames=0"], run_dir)
     assert code == 2
@@ -95,6 +100,41 @@ def test_a_failed_render_write_fails_the_run_naming_the_file(tmp_path, cache, ca
     err = capsys.readouterr().err
     assert "cannot write the render" in err and "000_pred.png" in err and "Traceback" not in err
     assert not (run_dir / "metrics.json").exists()
+
+
+def test_a_finished_run_keeps_its_model_and_an_unfinished_one_its_checkpoint(tmp_path, cache, monkeypatch, capsys):
+    run_dir, overrides = tmp_path / "run", tiny_overrides(cache, 8) + ["train.turntable_frames=0"]
+    original = trainer_module.Trainer.train_step
+
+    def stop_at_five(self):  # as a SIGTERM at step 5 would: the loop saves, joins the write and stops
+        out = original(self)
+        if self.step == 5:
+            import signal
+
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", stop_at_five)
+    assert run_in_process(overrides + ["train.checkpoint_every=2"], run_dir) == 128 + 15
+    monkeypatch.undo()
+    assert load_checkpoint(run_dir / "checkpoints" / "last.pt")["step"] == 5 and not (run_dir / "model.pt").exists()
+    # resume continues the unfinished run; at its successful end model.pt stays and last.pt goes
+    assert run_in_process(overrides + ["train.resume=true"], run_dir) == 0
+    metrics = read_metrics(run_dir)
+    assert metrics["iters"] == 8 and not (run_dir / "checkpoints" / "last.pt").exists()
+    assert metrics["model_bytes"] == (run_dir / "model.pt").stat().st_size
+    assert metrics["startup_seconds"] > 0 and metrics["wall_seconds"] >= metrics["startup_seconds"]
+    assert set(metrics["seconds"]) == {"startup", "train", "eval", "checkpoint", "output", "other"}
+    assert metrics["eval_rays_per_second"] > 0
+    # resuming a finished run that kept only its model says what to do
+    assert run_in_process(overrides + ["train.resume=true", "train.iters=10"], run_dir) == 2
+    assert "train.keep_resumable=true keeps it" in capsys.readouterr().err
+    # train.keep_resumable keeps both, and the resumable one continues
+    kept = tmp_path / "kept"
+    assert run_in_process(overrides + ["train.keep_resumable=true"], kept) == 0
+    assert load_checkpoint(kept / "checkpoints" / "last.pt")["step"] == 8 and (kept / "model.pt").is_file()
+    assert run_in_process(overrides[:2] + ["train.iters=10", "train.resume=true"] + overrides[3:], kept) == 0
+    assert read_metrics(kept)["iters"] == 10
 
 
 def test_exploding_loss_stops_the_run_naming_the_cause(tmp_path, cache, monkeypatch, capsys):
@@ -150,7 +190,7 @@ def test_degenerate_cameras_are_refused_naming_the_frame(tmp_path, rotation, mes
 def test_resume_across_device_types_and_render_only_keep_their_configs_apart(tmp_path, cache, capsys):
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(cache, 6) + ["train.turntable_frames=0", "train.checkpoint_every=3"]
-    assert run_in_process(overrides[:2] + ["train.iters=3"] + overrides[3:], run_dir) == 0
+    assert run_in_process(overrides[:2] + ["train.iters=3", "train.keep_resumable=true"] + overrides[3:], run_dir) == 0
     path = run_dir / "checkpoints" / "last.pt"
     state = load_checkpoint(path)
     state["sampler_generator"] = torch.zeros(16, dtype=torch.uint8)  # what a CUDA generator's state looks like
