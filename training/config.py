@@ -113,6 +113,7 @@ class TrainConfig:
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0
     dist_grad_sync: str = "touched"  # touched | dense (training.distributed)
+    shard_optimizer: Any = "auto"  # auto | true | false: the grids' Adam sharded over the ranks (training.optim)
     random_background: bool = False
     overwrite: bool = False
     viewer: bool = False  # live viewer in the browser (training/viewer.py; needs viser)

@@ -176,6 +176,11 @@ def _check_train(cfg: DictConfig) -> None:
     _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
     for key in (
         "train.batch_rays",
+    shard = _get(cfg, "train.shard_optimizer")
+    if shard is not _ABSENT and str(shard).lower() not in ("auto", "true", "false"):
+        raise ConfigError(f"train.shard_optimizer: expected auto, true or false, got {shard!r}")
+    if str(shard).lower() == "true" and _get(cfg, "train.sparse_adam") is True:
+        raise ConfigError("train.shard_optimizer: true shards dense Adam; not with train.sparse_adam=true")
         "train.patch_size",
         "train.patches_per_batch",
         "train.log_every",

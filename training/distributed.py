@@ -60,9 +60,20 @@ class Group:
         """
         if not self.active:
             return
+        grads = []
         for parameter in parameters:
-            _collective("all_reduce", dist.all_reduce, _grad(parameter))
-            parameter.grad.div_(self.world)
+            grad = _grad(parameter)
+            if grad.numel() >= _FLATTEN_BELOW:  # a grid: reduced in place (a copy into a flat buffer would cost more)
+                _collective("all_reduce", dist.all_reduce, grad)
+                grad.div_(self.world)
+            else:
+                grads.append(grad)
+        if grads:  # the small ones in one all-reduce (the decoder's dozen tensors: one launch, not a dozen)
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            _collective("all_reduce", dist.all_reduce, flat)
+            flat.div_(self.world)
+            for grad, part in zip(grads, flat.split([grad.numel() for grad in grads])):
+                grad.copy_(part.view_as(grad))
         by_rows: dict[int, list[torch.Tensor]] = {}
         for parameter in row_sparse:
             grad = _grad(parameter)
@@ -73,7 +84,8 @@ class Group:
 
     def average_model_gradients(self, module: torch.nn.Module, row_sparse: list[torch.nn.Parameter], mode: str) -> None:
         """Average all of ``module``'s gradients: ``row_sparse`` (its voxel grids) on their touched rows with
-        ``mode="touched"``, everything whole with ``mode="dense"`` (``train.dist_grad_sync``)."""
+        ``mode="touched"``, everything whole with ``mode="dense"`` (``train.dist_grad_sync``); with ``mode="sharded"``
+        everything but ``row_sparse``, whose gradients training.optim.ShardedGridAdam reduce-scatters itself."""
         if not self.active:
             return
         if mode == "dense":
@@ -81,7 +93,7 @@ class Group:
             return
         sparse_ids = {id(parameter) for parameter in row_sparse}
         others = [parameter for parameter in module.parameters() if id(parameter) not in sparse_ids]
-        self.average_gradients(others, row_sparse=row_sparse)
+        self.average_gradients(others, row_sparse=() if mode == "sharded" else row_sparse)
 
     def _average_touched_rows(self, grads: list[torch.Tensor]) -> None:
         """Average (R, C_i) row views of gradients over the ranks, moving only the rows non-zero somewhere."""
@@ -98,6 +110,32 @@ class Group:
         for grad in grads:  # rows outside the union are zero on every rank already
             grad.index_copy_(0, rows, packed[:, start : start + grad.shape[1]])
             start += grad.shape[1]
+
+    def shard_of(self, rows: int) -> RowShard:
+        """This rank's part of a (rows, C) tensor split by rows (training.optim.ShardedGridAdam)."""
+        return RowShard(rows, self.world, self.rank)
+
+    def reduce_scatter_rows(self, rows: torch.Tensor, shard: RowShard) -> tuple[torch.Tensor, torch.Tensor]:
+        """Average a (R, C) gradient over the ranks, keeping this rank's rows only: the body's shard, (S, C),
+        through one reduce-scatter (each rank receives 1/N of it: no rank ever holds the whole averaged gradient),
+        and the (T, C) tail rows, T < N, all-reduced (every rank steps them)."""
+        if not self.active:
+            return rows[: shard.body], rows[shard.body :]
+        part = rows.new_empty(shard.size, rows.shape[1])
+        _collective("reduce_scatter", _REDUCE_SCATTER, part, rows[: shard.body].contiguous())
+        tail = rows[shard.body :].clone()
+        if tail.numel():
+            _collective("all_reduce", dist.all_reduce, tail)
+        return part.div_(self.world), tail.div_(self.world)
+
+    def all_gather_rows(self, rows: torch.Tensor, shard: RowShard) -> None:
+        """Every rank's updated shard into every rank's (R, C) ``rows`` (in place: one all-gather)."""
+        if not self.active:
+            return
+        mine = rows[shard.start : shard.stop]
+        if dist.get_backend() != "nccl":  # NCCL documents in-place all-gather (input inside output); gloo does not
+            mine = mine.clone()
+        _collective("all_gather", _ALL_GATHER, rows[: shard.body], mine)
 
     def mean(self, *values: float) -> tuple[float, ...]:
         """The means of scalars over the ranks, in one all-reduce (every rank then takes the same decision)."""
@@ -119,6 +157,39 @@ class Group:
     def barrier(self) -> None:
         if self.active:
             _collective("barrier", dist.barrier)
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """Rank ``rank``'s contiguous rows of a tensor of ``rows`` rows split ``world`` ways: rows [start, stop) of the
+    first ``body`` = world * size rows; the last rows % world rows (the tail) belong to every rank."""
+
+    rows: int
+    world: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.rows // self.world
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.size
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.size
+
+    @property
+    def body(self) -> int:
+        return self.size * self.world
+
+
+_FLATTEN_BELOW = 1 << 22  # elements: gradients smaller than this share one all-reduce
+
+# torch >= 2.14 names them *_single; torch 2.4 - 2.13 have the *_tensor names alone (same arguments)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:

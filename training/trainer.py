@@ -22,7 +22,7 @@ from training.distributed import Group
 from training.evaluation import sync
 from training.floors import adam_bytes
 from training.losses import floater_losses, opacity_loss, photometric_loss
-from training.optim import SparseGridAdam
+from training.optim import ShardedGridAdam, SparseGridAdam, shard_optimizer
 from training.profiler import StepProfiler
 from training.resume import restore_trainer
 from training.run_checkpoints import RunCheckpoints
@@ -147,6 +147,8 @@ class Trainer:
             model = self.model
             rows_fn = (lambda: model.touched.take(model.grid_shape)) if model.touched.enabled else None
             return SparseGridAdam(groups, self.ops.sparse_adam_step, betas=ADAM_BETAS, eps=eps, rows_fn=rows_fn)
+        if shard_optimizer(self.train_cfg.get("shard_optimizer", "auto"), self.group):  # ZeRO-2 over the ranks
+            return ShardedGridAdam(groups, self.group, ADAM_BETAS, eps, fused=self.device.type == "cuda")
         return torch.optim.Adam(groups, betas=ADAM_BETAS, eps=eps, fused=self.device.type == "cuda")
 
     def _rebuild_optimizer(self) -> None:
@@ -190,7 +192,9 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
-                self.group.average_model_gradients(self.model, grids, self.train_cfg.get("dist_grad_sync", "touched"))
+                sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
+                sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
+                self.group.average_model_gradients(self.model, grids, sync_mode)
             with profiler.section("optimizer"):
                 self.optimizer.step()
             if profiler.enabled and not isinstance(self.optimizer, SparseGridAdam):
@@ -291,6 +295,7 @@ class Trainer:
                 periodic_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.iters
                 periodic_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < self.iters
                 if periodic_checkpoint or periodic_eval or stop:
+                    self._gather_optimizer_state()
                     sync(self.device)
                     self.train_seconds += time.perf_counter() - segment_start
                     pause = True
@@ -322,6 +327,7 @@ class Trainer:
                 self.train_seconds += time.perf_counter() - segment_start
         self.profiler.recording = False
         self.tensorboard.close()
+        self._gather_optimizer_state()
         bar.close()
         if code != EXIT_OK:
             return code
@@ -352,7 +358,13 @@ class Trainer:
             "(likely cause: a learning rate too high for this scene: try a lower train.lr / train.lr_decoder)",
             file=sys.stderr,
         )
+        self._gather_optimizer_state()
         return EXIT_DIVERGED
+    def _gather_optimizer_state(self) -> None:
+        """Before a save, on every rank: a sharded optimiser gathers its moments for rank 0's checkpoint."""
+        if isinstance(self.optimizer, ShardedGridAdam):
+            self.optimizer.gather()
+
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, periodic: bool = False) -> None:
