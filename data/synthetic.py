@@ -40,6 +40,7 @@ SUPERSAMPLE = 2  # rays per pixel side; pixels are their area average (antialias
 LIGHT = (0.45, -0.5, 0.75)  # towards the light (normalised below)
 AMBIENT = 0.3
 RAYS_PER_CHUNK = 1 << 18
+BACKGROUND_RADIUS = 40.0  # the unbounded variant's room: a textured sphere ~13x the scene box's side
 
 PEDESTAL = Cylinder(center=(0.0, 0.0, -0.4), radius=1.2, half_height=0.1)
 SHAPES = (
@@ -178,12 +179,28 @@ def _materials(noise: ValueNoise) -> list[Material]:
 # ---- rendering -------------------------------------------------------------------------------------------------
 
 
+def background_colour(origins: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+    """The unbounded variant's room seen by (N, 3) rays from inside it (unit directions) -> (N, 3) colour: an unlit
+    sphere of radius BACKGROUND_RADIUS around the origin, a soft latitude/longitude checker (12 sectors, 6 bands)
+    in sky colours above the horizon and earth colours below, so it shows parallax and is learnable at low res."""
+    b = dot(origins, directions)
+    t = -b + torch.sqrt(b * b - (dot(origins, origins) - BACKGROUND_RADIUS**2))  # the far root: origins are inside
+    v = (origins + t.unsqueeze(-1) * directions) / BACKGROUND_RADIUS
+    longitude = torch.atan2(v[:, 1], v[:, 0]) / (2 * math.pi) * 12
+    latitude = torch.asin(v[:, 2].clamp(-1, 1)) / math.pi * 6
+    checker = _soft_checker(longitude, latitude)
+    sky = _mix((0.55, 0.7, 0.92), (0.95, 0.85, 0.6), checker)
+    ground = _mix((0.35, 0.25, 0.15), (0.55, 0.6, 0.35), checker)
+    return torch.where((v[:, 2] > 0).unsqueeze(-1), sky, ground)
+
+
 def _shade(
-    origins: torch.Tensor, directions: torch.Tensor, materials: list[Material]
+    origins: torch.Tensor, directions: torch.Tensor, materials: list[Material], unbounded: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, 3) rays -> colour (N, 3) in [0, 1] (0 where missed) and coverage (N,) in {0, 1}."""
+    """(N, 3) rays -> colour (N, 3) in [0, 1] (0 where missed) and coverage (N,) in {0, 1}; ``unbounded``: rays
+    that miss the solids see the background room (:func:`background_colour`; coverage 1 everywhere)."""
     hit = intersect(origins, directions)
-    colour = torch.zeros_like(origins)
+    colour = background_colour(origins, directions) if unbounded else torch.zeros_like(origins)
     light = torch.tensor(LIGHT, dtype=origins.dtype)
     light = light / torch.linalg.vector_norm(light)
     for index, material in enumerate(materials):
@@ -199,7 +216,7 @@ def _shade(
         specular = material.specular * dot(n, half).clamp_min(0.0) ** material.shininess * lit
         shaded = material.albedo(p, n) * (AMBIENT + (1.0 - AMBIENT) * diffuse).unsqueeze(-1) + specular.unsqueeze(-1)
         colour[rows] = shaded.clamp(0.0, 1.0)
-    return colour, hit.hit.to(origins.dtype)
+    return colour, torch.ones_like(hit.t) if unbounded else hit.hit.to(origins.dtype)
 
 
 def render_views(
@@ -208,8 +225,10 @@ def render_views(
     seed: int,
     intrinsics: np.ndarray | None = None,
     size: tuple[int, int] | None = None,
+    unbounded: bool = False,
 ) -> np.ndarray:
     """(V, 4, 4) camera-to-world -> (V, R, R, 4) uint8 RGBA (straight alpha), supersampled and area-averaged.
+    ``unbounded``: inside a textured room far outside the scene box (:func:`background_colour`), every pixel opaque.
 
     With ``intrinsics`` (V, 4) fx, fy, cx, cy per view (pixels, data.rays conventions) and ``size`` (H, W), the
     views are (V, H, W, 4) through those pinhole cameras instead of the blender field of view.
@@ -225,7 +244,7 @@ def render_views(
         rays = camera_rays(camera, height * SUPERSAMPLE, width * SUPERSAMPLE, k)
         origins, directions = (x.reshape(-1, 3) for x in rays)
         chunks = [
-            _shade(origins[i : i + RAYS_PER_CHUNK], directions[i : i + RAYS_PER_CHUNK], materials)
+            _shade(origins[i : i + RAYS_PER_CHUNK], directions[i : i + RAYS_PER_CHUNK], materials, unbounded)
             for i in range(0, origins.shape[0], RAYS_PER_CHUNK)
         ]
         shape = (height * SUPERSAMPLE, width * SUPERSAMPLE)
@@ -268,8 +287,10 @@ def ensure_synthetic_scene(
     n_val: int = 8,
     n_test: int = 16,
     seed: int = 0,
+    unbounded: bool = False,
 ) -> Path:
-    """Write the procedural scene in blender format under ``cache_dir`` once and return its folder.
+    """Write the procedural scene in blender format under ``cache_dir`` once and return its folder. ``unbounded``:
+    the variant inside a textured room far outside the box (data.synthetic.background_colour), for contraction.
 
     The folder name carries a hash of the parameters and the generator version, so each parameter set is rendered
     once; it is written to a temporary folder and renamed into place, so a folder that exists is complete.
@@ -282,16 +303,20 @@ def ensure_synthetic_scene(
         "n_test": _check_count("n_test", n_test, 0),
         "seed": _check_count("seed", seed, 0),
     }
+    if unbounded:  # only then a key: the bounded scene keeps its folder name
+        params["unbounded"] = True
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
     cache_dir = Path(cache_dir)
-    root = cache_dir / f"procedural_{resolution}px_seed{seed}_{digest}"
+    variant = "_unbounded" if unbounded else ""
+    root = cache_dir / f"procedural{variant}_{resolution}px_seed{seed}_{digest}"
     if root.is_dir():
         return root
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=cache_dir))
     try:
         for split, c2w in split_cameras(seed, n_train, n_val, n_test).items():
-            write_blender_split(staging, split, render_views(c2w, resolution, seed), c2w, CAMERA_ANGLE_X)
+            views = render_views(c2w, resolution, seed, unbounded=unbounded)
+            write_blender_split(staging, split, views, c2w, CAMERA_ANGLE_X)
         (staging / "procedural_scene.json").write_text(json.dumps(params, indent=4) + "\n", encoding="utf-8")
         os.chmod(staging, 0o755)  # mkdtemp makes it private
         try:

@@ -1,5 +1,6 @@
-"""cuda_ext.march_rays (packed samples along rays, empty space skipped): the kernels against the reference bit
-for bit, against a per-sample loop, CPU against CUDA, poisoned outputs, edge cases, opcheck, bad input, the bench."""
+"""cuda_ext.march_rays (packed samples along rays, empty space skipped), bounded and contracted (``t_split``): the
+kernels against the reference bit for bit, against a per-sample loop, CPU against CUDA, poisoned outputs, edge
+cases, opcheck, bad input, the bench. tests/test_contraction.py checks the contracted samples' definition."""
 
 from __future__ import annotations
 
@@ -14,11 +15,23 @@ from cuda_ext import reference
 requires_cuda = pytest.mark.requires_cuda
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 DTYPES = [torch.float32, torch.float64]
+SPACES = ["bounded", "contracted"]
 
 
-def scene(rays: int, dtype=torch.float64, device="cpu", seed=0, cells=(17, 23, 19), occupied=0.4, step=0.013):
+def scene(
+    rays: int,
+    dtype=torch.float64,
+    device="cpu",
+    seed=0,
+    cells=(17, 23, 19),
+    occupied=0.4,
+    step=0.013,
+    space="bounded",
+):
     """Rays from outside a box towards points near it (some miss), their box entries and exits clipped to
-    near = 0.1, random offsets, a random occupancy grid: the op's arguments, as a dict."""
+    near = 0.1, random offsets, a random occupancy grid: the op's arguments, as a dict. ``space="contracted"``:
+    rays from near = 0.1, linear up to the box exit (or near), then in disparity to infinity on most rays and to a
+    finite t_end on every fourth (both ways of ending), the occupancy grid over the contracted cube."""
     generator = torch.Generator().manual_seed(seed)
     origins = (torch.rand(rays, 3, generator=generator, dtype=torch.float64) * 2 - 1) * 4
     targets = (torch.rand(rays, 3, generator=generator, dtype=torch.float64) - 0.5) * 3
@@ -30,13 +43,17 @@ def scene(rays: int, dtype=torch.float64, device="cpu", seed=0, cells=(17, 23, 1
     offset = torch.rand(rays, generator=generator, dtype=torch.float64)
     occupancy = torch.rand(*cells, generator=generator) < occupied
     args = dict(origins=origins, directions=directions, t_start=t_start, t_end=t_end, offset=offset, box=box)
+    if space == "contracted":
+        ends = torch.where(torch.arange(rays) % 4 == 0, 30.0, math.inf).double()
+        args |= {"t_start": torch.full_like(t_start, 0.1), "t_end": ends, "t_split": t_start.maximum(t_end)}
     args = {k: v.to(dtype=dtype, device=device) for k, v in args.items()}
-    return args | {"occupancy": occupancy.to(device), "step": step, "max_samples": 300}
+    samples = 300 if space == "bounded" else 900  # the contracted rays: up to ~350 linear + ~540 in disparity
+    return args | {"occupancy": occupancy.to(device), "step": step, "max_samples": samples}
 
 
 def call(fn, args: dict):
     order = ("origins", "directions", "t_start", "t_end", "offset", "occupancy", "box", "step", "max_samples")
-    return fn(*(args[k] for k in order))
+    return fn(*(args[k] for k in order), *(() if args.get("t_split") is None else (args["t_split"],)))
 
 
 def assert_identical(got, want):
@@ -48,13 +65,17 @@ def assert_identical(got, want):
 # ------------------------------------------------------------------------------------------ correctness
 
 
+@pytest.mark.parametrize("space", SPACES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernels_equal_the_reference_bit_for_bit(device, dtype):
-    args = scene(3000, dtype=dtype, device=device)
+def test_kernels_equal_the_reference_bit_for_bit(device, dtype, space):
+    args = scene(3000, dtype=dtype, device=device, space=space)
     got = call(cuda_ext.march_rays, args)
     assert got[0].numel() > 10_000  # the case is not trivially empty
     assert_identical(got, call(reference.march_rays, args))
+    if space == "contracted":  # samples past the box, out to very far, and both ways of ending a ray are covered
+        far = got[1] > 1e3 * args["step"]
+        assert bool(far.any()) and bool((got[2].abs().amax(1) > 0.5).any()) and bool((got[2].abs() <= 1).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,11 +119,12 @@ def test_everything_occupied_keeps_every_sample_before_t_end(device):
 
 
 @requires_cuda
+@pytest.mark.parametrize("space", SPACES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_equals_cpu_and_writes_every_output(dtype):
+def test_cuda_equals_cpu_and_writes_every_output(dtype, space):
     """Bit for bit the CPU kernel; the caching allocator is first filled with NaN, so a slot the kernel never
     wrote would show (outputs come from freshly freed, poisoned blocks)."""
-    args = scene(4000, dtype=dtype, seed=5)
+    args = scene(4000, dtype=dtype, seed=5, space=space)
     want = call(cuda_ext.march_rays, args)
     cuda_args = {k: v.cuda() if torch.is_tensor(v) else v for k, v in args.items()}
     for size in (want[0].numel(), 3 * want[0].numel()):
@@ -113,10 +135,11 @@ def test_cuda_equals_cpu_and_writes_every_output(dtype):
     assert_identical([g.cpu() for g in got], want)
 
 
+@pytest.mark.parametrize("space", SPACES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["no-rays", "all-miss", "empty-occupancy", "one-sample"], ids=lambda c: c)
-def test_edge_cases(device, case):
-    args = scene(64, device=device, seed=2)
+def test_edge_cases(device, case, space):
+    args = scene(64, device=device, seed=2, space=space)
     if case == "no-rays":
         args = {k: v[:0] if torch.is_tensor(v) and k not in ("occupancy", "box") else v for k, v in args.items()}
     elif case == "all-miss":
@@ -171,10 +194,11 @@ def test_compact_equals_nonzero_without_a_sync(device, fraction):
     assert torch.equal(compact(mask, count), mask.nonzero().squeeze(1))
 
 
+@pytest.mark.parametrize("space", SPACES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(device, dtype):
-    args = scene(50, dtype=dtype, device=device, seed=6)
+def test_opcheck(device, dtype, space):
+    args = scene(50, dtype=dtype, device=device, seed=6, space=space)
     # the output size is data: the fake kernel gives it as a dynamic size, which AOT dispatch tests cannot trace
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.cuda_ext.march_rays.default, tuple(call(lambda *a: a, args)), test_utils=tests)
@@ -205,11 +229,14 @@ BAD = [
     ("max_samples-0", {"max_samples": 0}, ValueError, r"max_samples must be in \[1, 2\^24\]"),
     ("max_samples-huge", {"max_samples": 1 << 25}, ValueError, r"max_samples must be in \[1, 2\^24\]"),
     ("max_samples-float", {"max_samples": 3.5}, TypeError, "max_samples must be an integer"),
+    ("t_split-list", {"t_split": lambda t: t.tolist()}, TypeError, "t_split must be a torch.Tensor"),
+    ("t_split-rows", {"t_split": lambda t: t[:3]}, ValueError, r"t_split must have shape \(64,\)"),
+    ("t_split-dtype", {"t_split": lambda t: t.float()}, TypeError, "t_split and origins must have the same dtype"),
 ]
 
 
 def _bad_args(change: dict) -> dict:
-    args = scene(64, seed=7)
+    args = scene(64, seed=7, space="contracted" if "t_split" in change else "bounded")
     for key, fn in change.items():
         args[key] = fn(args[key]) if callable(fn) else fn
     return args
@@ -223,7 +250,9 @@ def test_bad_input_names_the_argument(fn, change, error, match):
     assert type(info.value) is error and str(info.value).startswith("march_rays: ")
 
 
-RAW_BAD = [b for b in BAD if b[0] not in ("origins-list", "step-str", "max_samples-float", "origins-half")]
+RAW_BAD = [
+    b for b in BAD if b[0] not in ("origins-list", "step-str", "max_samples-float", "origins-half", "t_split-list")
+]
 
 
 @pytest.mark.parametrize("change,error,match", [b[1:] for b in RAW_BAD], ids=[b[0] for b in RAW_BAD])

@@ -1,0 +1,229 @@
+"""The scene contraction (models/contraction.py, march_rays with ``t_split``): the map in float64 (the box kept,
+continuity at its surface, monotone outwards, infinity on the cube's surface), the contracted samples against a
+per-sample loop of their definition, each sample's world step against the march's dt/dk, the occupancy steps, the
+config rules, and a model on the unbounded procedural scene beating the same model without contraction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_march import call, scene
+from test_model import TORCH_OPS, make_cfg, make_model, one_thread, randomize_density, rays_towards_centre  # noqa: F401
+
+import cuda_ext
+from data import RaySampler, ensure_synthetic_scene, load_blender
+from models import VoxelNeRF, build_ops
+from models.config import parse_model_config
+from models.contraction import SceneSpace, box_radius, contract_points, split_distances
+
+F64 = torch.float64
+
+
+def random_directions(count: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(count, 3, generator=generator, dtype=F64), dim=1)
+
+
+# ------------------------------------------------------------------------------------------------- the map
+
+
+def test_the_box_is_kept_and_halved():
+    generator = torch.Generator().manual_seed(0)
+    inside = torch.rand(1000, 3, generator=generator, dtype=F64) * 2 - 1
+    torch.testing.assert_close(contract_points(inside), inside / 2, rtol=0, atol=0)
+
+
+def test_continuous_at_the_box_surface():
+    """Just inside and just outside the box surface the contracted points agree to first order in the gap."""
+    directions = random_directions(500, 1)
+    on_surface = directions / directions.abs().amax(1, keepdim=True)  # max |u_a| = 1
+    for gap in (1e-3, 1e-6, 1e-9):
+        inner, outer = contract_points(on_surface * (1 - gap)), contract_points(on_surface * (1 + gap))
+        assert (outer - inner).abs().max() < 3 * gap
+
+
+def test_monotone_outwards_and_infinity_on_the_cube_surface():
+    directions = random_directions(300, 2)
+    radii = torch.logspace(-2, 12, 200, dtype=F64)
+    points = contract_points(directions[:, None, :] * radii[None, :, None])  # (rays, radii, 3)
+    norm = points.abs().amax(-1)
+    assert bool((norm[:, 1:] > norm[:, :-1]).all())  # strictly increasing with the distance
+    assert bool((norm < 1).all())  # every finite point inside the grid's [-1, 1]^3
+    torch.testing.assert_close(norm[:, -1], torch.ones(300, dtype=F64), rtol=0, atol=1e-11)
+    # radial: a point keeps its direction (the contraction only shrinks the L-inf norm)
+    cosine = torch.nn.functional.cosine_similarity(points, directions[:, None, :].expand_as(points), dim=-1)
+    torch.testing.assert_close(cosine, torch.ones_like(cosine))
+    # outside the box: norm = (2 - 1 / m) / 2 with m the L-inf norm of the box coordinate
+    m = (directions[:, None, :] * radii[None, :, None]).abs().amax(-1)
+    torch.testing.assert_close(norm[m > 1], ((2 - 1 / m) / 2)[m > 1], rtol=1e-14, atol=0)
+
+
+# ------------------------------------------------------------------------------------------ the samples
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_contracted_samples_follow_the_definition(dtype):
+    """A per-sample loop in float64 over march_rays' docstring: linear up to t_split, then uniform in disparity about
+    t_split - P while 1 - (j + offset) step / P > 0, points contracted (cells compared away from borders only)."""
+    args = scene(24, dtype=dtype, seed=3, step=0.05, space="contracted")
+    ray, t, points, offsets = call(cuda_ext.march_rays, args)
+    a = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in args.items()}
+    box, cells, step = a["box"], torch.tensor(args["occupancy"].shape, dtype=F64), args["step"]
+    radius = float(((box[1] - box[0]) / 2).min())
+    expected_rays, expected_t, expected_points = [], [], []
+    for b in range(24):
+        linear = max(0, math.ceil((a["t_split"][b] - a["t_start"][b]).item() / step - a["offset"][b].item()))
+        for k in range(args["max_samples"]):
+            if k < linear:
+                tk = a["t_start"][b] + (k + a["offset"][b]) * step
+            else:
+                den = 1 - (k - linear + a["offset"][b]) * step / radius
+                if den <= 0:
+                    break
+                tk = a["t_split"][b] - radius + radius / den
+            if not tk < a["t_end"][b]:
+                break
+            unit = (a["origins"][b] + tk * a["directions"][b] - box[0]) * 2 / (box[1] - box[0]) - 1
+            point = contract_points(unit)
+            cell = ((point + 1) * cells / 2).floor().clamp(torch.zeros(3), cells - 1).long()
+            if args["occupancy"][tuple(cell.tolist())]:
+                expected_rays.append(b), expected_t.append(tk.item()), expected_points.append(point)
+    assert ray.tolist() == expected_rays  # no sample near a border in this case: the same cells
+    tol = 1e-9 if dtype == torch.float64 else 2e-4  # far samples: t up to ~1e5 from a 1 - x near 0
+    torch.testing.assert_close(t.double(), torch.tensor(expected_t, dtype=F64), rtol=tol, atol=tol)
+    torch.testing.assert_close(points.double(), torch.stack(expected_points), rtol=tol, atol=tol)
+    assert offsets.tolist() == [0] + torch.cumsum(torch.bincount(ray, minlength=24), 0).tolist()
+
+
+def test_sample_steps_are_the_march_spacing():
+    """SceneSpace.sample_steps (the optical depth's world step) is dt/dk of the march: the derivative of each
+    sample's t with respect to the ray's offset, by central differences in float64, everywhere occupied."""
+    args = scene(200, seed=4, step=0.02, space="contracted") | {"occupancy": torch.ones(1, 1, 1, dtype=torch.bool)}
+    args["offset"] = args["offset"].clamp(0.1, 0.9)
+    h = 1e-6
+    low, high = (call(cuda_ext.march_rays, args | {"offset": args["offset"] + d}) for d in (-h, h))
+    assert torch.equal(low[0], high[0])  # the same samples (no linear count or ending changed)
+    ray, t, _, _ = call(cuda_ext.march_rays, args)
+    steps = SceneSpace("inf").sample_steps(t, ray, args["t_split"], args["step"], args["box"])
+    finite = high[1] < 1e4  # beyond, the difference quotient loses its digits
+    derivative = (high[1] - low[1]) / (2 * h)
+    torch.testing.assert_close(steps[finite], derivative[finite], rtol=1e-4, atol=0)
+    assert float(steps.max()) > 100 * args["step"] and float(steps.min()) == args["step"]
+    assert SceneSpace("none").sample_steps(t, ray, None, 0.5, args["box"]) == 0.5
+
+
+def test_split_distances():
+    """The box exit for rays that hit the box (from outside and from inside), the closest approach to the centre for
+    rays that miss it, never before near."""
+    box = torch.tensor([[-1.0, -2.0, -1.0], [1.0, 2.0, 3.0]], dtype=F64)
+    origins = torch.tensor([[-5.0, 0, 1], [0, 0, 1], [-5.0, 10, 1], [0.5, 0, 1]], dtype=F64)
+    directions = torch.tensor([[1.0, 0, 0], [0, 1, 0], [1, 0, 0], [-1, 0, 0]], dtype=F64)
+    got = split_distances(origins, directions, box, near=0.2)
+    torch.testing.assert_close(got, torch.tensor([6.0, 2.0, 5.0, 1.5], dtype=F64))
+    assert float(split_distances(origins[3:], -directions[3:], box, near=0.7)[0]) == 0.7  # exit at 0.5 < near
+    assert float(box_radius(box)) == 1.0
+
+
+def test_vertex_steps_grow_outwards_and_cover_their_cells():
+    r = 21
+    steps = SceneSpace("inf").vertex_steps((r, r, r), torch.device("cpu")).double()
+    centre = r // 2
+    assert bool((steps[centre - 4 : centre + 5, centre - 4 : centre + 5, centre - 4 : centre + 5] == 1).all())
+    line = steps[centre, centre, centre:]
+    assert bool((line[1:] >= line[:-1]).all()) and float(line[-1]) >= 1e29  # infinity at the border
+    # every sample position in a cell has a world (distance / P)^2 below the cell's corners' steps
+    g = (torch.rand(5000, 3, dtype=F64) * 2 - 1) * 0.999
+    m = (2 * g).abs().amax(1)
+    distance = torch.where(m > 1, 1 / (2 - m), torch.ones_like(m))
+    corners = ((g + 1) * (r - 1) / 2).floor().long()
+    cell_max = torch.stack(
+        [steps[tuple((corners + torch.tensor([i, j, k])).T)] for i in (0, 1) for j in (0, 1) for k in (0, 1)]
+    ).amax(0)
+    assert bool((distance.square() <= cell_max * (1 + 1e-9)).all())
+    assert SceneSpace("none").vertex_steps((r, r, r), torch.device("cpu")) == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [({"contraction": "sphere"}, "model.contraction: expected"), ({"contraction": "inf", "shrink_at": 0.5}, "shrink")],
+)
+def test_bad_contraction_config_names_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        parse_model_config(make_cfg(**overrides))
+
+
+def test_contracted_model_grid_is_a_cube_with_the_box_in_its_middle_half():
+    bbox = torch.tensor([[-1.0, -1.5, -0.5], [1.0, 1.5, 0.5]])
+    model = make_model(bbox=bbox, contraction="inf", grow_at=[])
+    assert model.grid_shape == (20, 20, 20)
+    assert model.step_size == pytest.approx(model.config.step_ratio * 3.0 / 9.5)  # longest side over 19 / 2 voxels
+    bounded = make_model(bbox=bbox, grow_at=[])
+    assert bounded.grid_shape == (14, 20, 7) and bounded.step_size == pytest.approx(1.0 / 6.0)
+
+
+def test_contracted_model_marches_the_same_samples_with_either_backend():
+    outs = []
+    for backend in ("custom", "torch"):
+        model = make_model(ops=build_ops(TORCH_OPS | {"march_rays": backend}), contraction="inf", grow_at=[])
+        randomize_density(model, mean=-4.0, std=6.0)  # partly transparent: light reaches the shell
+        with torch.no_grad():  # empty slabs through the box and the shell: the occupancy grid skips them
+            model.density.grid[:7].fill_(-30.0)
+            model.density.grid[:, 12:16].fill_(-30.0)
+        model.refresh_occupancy()
+        model.eval()
+        outs.append(model.render_rays(*rays_towards_centre(128)))
+        skipped = 1.0 - model.occupancy.occupied_fraction()
+    assert outs[0]["samples"].item() > 0 and 0.02 < skipped < 0.98
+    for key in ("rgb", "depth", "opacity", "samples"):
+        assert torch.equal(outs[0][key], outs[1][key]), key
+
+
+@pytest.fixture(scope="module")
+def unbounded_scene(tmp_path_factory):
+    root = ensure_synthetic_scene(
+        tmp_path_factory.mktemp("unbounded"), resolution=32, n_train=16, n_val=3, n_test=0, seed=1, unbounded=True
+    )
+    return load_blender(root, "train"), load_blender(root, "val")
+
+
+def train_and_evaluate(train, val, contraction: str, iters: int = 100) -> float:
+    """Held-out PSNR of a small model trained ``iters`` steps of 512 rays on ``train`` (custom ops, CPU)."""
+    torch.manual_seed(0)
+    cfg = make_cfg(
+        resolution_start=24, resolution_end=24, grow_at=[], upsample=1, tv_samples=1024, contraction=contraction
+    )
+    custom = {name: "custom" for name in TORCH_OPS}
+    model = VoxelNeRF(train.bbox, train.near, train.far, cfg, build_ops(custom))
+    sampler = RaySampler(train, 512, torch.Generator().manual_seed(0))
+    optimizer = torch.optim.Adam(model.param_groups(0.1, 3e-3))
+    for step in range(1, iters + 1):
+        batch = sampler.sample()
+        mse = ((model.render_rays(batch.origins, batch.directions)["rgb"] - batch.rgb) ** 2).mean()
+        optimizer.zero_grad()
+        (mse + model.regularization()).backward()
+        optimizer.step()
+        if model.on_step(step, iters):
+            optimizer = torch.optim.Adam(model.param_groups(0.1, 3e-3))
+    model.eval()
+    errors = [
+        ((model.render_image(val.c2w[v], val.height, val.width, val.intrinsics[v])["rgb"] - val.images[v] / 255) ** 2)
+        .mean()
+        .item()
+        for v in range(val.num_views)
+    ]
+    return -10 * math.log10(sum(errors) / len(errors))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_contraction_beats_the_box_on_an_unbounded_scene(unbounded_scene):
+    """Same grid size, steps and rays: the contracted model puts the far room where it is; the bounded one paints it
+    on the box (and cuts rays at far), which held-out views see from elsewhere."""
+    train, val = unbounded_scene
+    assert bool((train.images.float().mean((1, 2, 3)) > 0).all()) and train.alpha.float().min() == 255  # all opaque
+    contracted, bounded = train_and_evaluate(train, val, "inf"), train_and_evaluate(train, val, "none")
+    assert contracted > bounded + 2.0, (contracted, bounded)
