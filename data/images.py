@@ -96,11 +96,11 @@ def composite_uint8(pixels: np.ndarray, background: tuple[float, float, float]) 
 
 
 def load_composited(
-    path: Path, background: tuple[float, float, float], downscale: int, crop: bool = False
+    path: Path, background: tuple[float, float, float], downscale: int, crop: tuple[int, int] | None = None
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Read one image, composite it on ``background`` and area-downscale it. ``crop``: drop the last rows and
-    columns that do not fill a downscale x downscale block (the pixels' positions, hence cx and cy, stay), instead
-    of refusing a size that is not divisible.
+    """Read one image, composite it on ``background`` and area-downscale it. ``crop``: (H, W) to keep of the
+    full-size image first, its top-left part (the pixels' positions, hence cx and cy, stay): for a size that is
+    not divisible by ``downscale``.
 
     Returns (H/d, W/d, 3) uint8 colour and the (H/d, W/d) uint8 alpha it was composited with (area-averaged the
     same way), or None for an image without alpha. With both, the image on any other background B' is
@@ -108,8 +108,8 @@ def load_composited(
     """
     pixels = read_rgba(path)
     height, width = pixels.shape[:2]
-    if crop:
-        height, width = height - height % downscale, width - width % downscale
+    if crop is not None:
+        height, width = min(height, crop[0]), min(width, crop[1])
         pixels = pixels[:height, :width]
     if height % downscale or width % downscale:
         raise SceneError(f"{path}: image size {height}x{width} is not divisible by downscale={downscale}")

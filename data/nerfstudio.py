@@ -262,9 +262,12 @@ def load_nerfstudio_split(
     downscale: int = 1,
     background: Sequence[float] = (1.0, 1.0, 1.0),
     num_workers: int | None = None,
+    multiple: int = 1,
 ) -> Scene:
     """Split ``"train"`` or ``capture.eval_split`` as a :class:`Scene` with per-view intrinsics (scaled by
-    1/downscale: pixel positions scale, so fx, fy, cx, cy all divide), composited on ``background``."""
+    1/downscale: pixel positions scale, so fx, fy, cx, cy all divide), composited on ``background``. The
+    reduced size is rounded down to a multiple of ``multiple`` (e.g. the model's upsample factor) and of 1 /
+    ``downscale`` of the original: the last rows and columns are dropped, as ns-process-data's reduced copies do."""
     if isinstance(downscale, bool) or not isinstance(downscale, int) or downscale < 1:
         raise ValueError(f"load_nerfstudio_split: downscale must be a positive int, got {downscale!r}")
     background = tuple(float(c) for c in ((background,) * 3 if isinstance(background, (int, float)) else background))
@@ -275,16 +278,19 @@ def load_nerfstudio_split(
     indices = capture.splits[split]
     workers = _worker_count(num_workers, len(indices))
     height, width = _check_sizes(capture, indices, split, workers)
-    if height < downscale or width < downscale:
-        raise SceneError(f"{capture.path}: image size {width}x{height} is smaller than downscale={downscale}")
-    if height % downscale or width % downscale:  # as ns-process-data's reduced copies: the size rounds down
+    block = downscale * multiple
+    if height < block or width < block:
+        raise SceneError(f"{capture.path}: image size {width}x{height} is smaller than {block} (downscale x multiple)")
+    kept = (height - height % block, width - width % block)
+    if kept != (height, width):
         print(
-            f"note: {width}x{height} images lose their last {width % downscale} column(s) and {height % downscale} "
-            f"row(s) to downscale={downscale}"
+            f"note: {width}x{height} images lose their last {width - kept[1]} column(s) and {height - kept[0]} "
+            f"row(s) to downscale={downscale} x {multiple}"
         )
     frames = [capture.frames[i] for i in indices]
     with ThreadPoolExecutor(workers) as pool:
-        decoded = list(pool.map(lambda frame: load_composited(frame.image, background, downscale, True), frames))
+        decoded = list(pool.map(lambda frame: load_composited(frame.image, background, downscale, kept), frames))
+    height, width = kept
     alpha, opaque = None, np.full((height // downscale, width // downscale), 255, np.uint8)
     if any(a is not None for _, a in decoded):  # images without alpha are opaque
         alpha = torch.from_numpy(np.stack([opaque if a is None else a for _, a in decoded]))
@@ -320,12 +326,14 @@ def load_nerfstudio(
     eval_interval: int = 8,
     num_workers: int | None = None,
     orient: str = "up",
+    multiple: int = 1,
 ) -> tuple[Scene, Scene, Bounds]:
     """(train, eval, bounds) of a nerfstudio scene; ``near``, ``far``, ``scene_box`` None: derived (data.bounds),
     all in the frame ``orient`` gives (data/orientation.py)."""
     capture = read_capture(root, eval_interval, orient)
     bounds = nerfstudio_bounds(capture, scene_box, near, far)
     options = dict(bounds=bounds, downscale=downscale, background=background, num_workers=num_workers)
+    options["multiple"] = multiple
     train = load_nerfstudio_split(capture, "train", **options)
     return train, load_nerfstudio_split(capture, capture.eval_split, **options), bounds
 

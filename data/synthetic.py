@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from data.blender import write_blender_split
+from data.camera_models import Lens
 from data.cameras import look_at, orbit_positions, random_zone_positions
 from data.geometry import Box, Cylinder, Ellipsoid, Sphere, dot
 from data.images import area_downscale, round_to_uint8
@@ -225,13 +226,15 @@ def render_views(
     seed: int,
     intrinsics: np.ndarray | None = None,
     size: tuple[int, int] | None = None,
+    lens: Lens | None = None,
     unbounded: bool = False,
 ) -> np.ndarray:
     """(V, 4, 4) camera-to-world -> (V, R, R, 4) uint8 RGBA (straight alpha), supersampled and area-averaged.
     ``unbounded``: inside a textured room far outside the scene box (:func:`background_colour`), every pixel opaque.
 
     With ``intrinsics`` (V, 4) fx, fy, cx, cy per view (pixels, data.rays conventions) and ``size`` (H, W), the
-    views are (V, H, W, 4) through those pinhole cameras instead of the blender field of view.
+    views are (V, H, W, 4) through those pinhole cameras instead of the blender field of view; ``lens`` (coefficients
+    (V, 6), data.camera_models) distorts them as a real lens would (a capture with known distortion).
     """
     materials = _materials(ValueNoise(seed))
     height, width = (resolution, resolution) if size is None else size
@@ -241,7 +244,9 @@ def render_views(
     for index, camera in enumerate(cameras):
         # supersampled pixel positions are SUPERSAMPLE x the image's, and so are fx, fy, cx, cy
         k = focal if intrinsics is None else torch.tensor(intrinsics[index], dtype=torch.float64) * SUPERSAMPLE
-        rays = camera_rays(camera, height * SUPERSAMPLE, width * SUPERSAMPLE, k)
+        # distortion acts on normalised coordinates: the same coefficients at any pixel scale
+        view_lens = None if lens is None else lens.take(torch.tensor(index))
+        rays = camera_rays(camera, height * SUPERSAMPLE, width * SUPERSAMPLE, k, lens=view_lens)
         origins, directions = (x.reshape(-1, 3) for x in rays)
         chunks = [
             _shade(origins[i : i + RAYS_PER_CHUNK], directions[i : i + RAYS_PER_CHUNK], materials, unbounded)

@@ -331,3 +331,108 @@ def test_nerfstudio_config_composes_and_validates(tmp_path, capture):
             bad.data.near = 1.0
         with pytest.raises(ConfigError, match=message):
             validate_config(bad)
+
+
+# ---- instant-ngp / nerfstudio variants and orientation --------------------------------------------------------
+
+
+def test_camera_angles_float_sizes_and_the_default_principal_point(tmp_path):
+    """instant-ngp's file: camera_angle_x (and _y) instead of fl_x / fl_y, w and h as floats, no cx / cy."""
+    intrinsics = write_capture(tmp_path, count=4, per_frame=False)
+    fx, fy = intrinsics[0, :2]
+
+    def angles(meta, with_y):
+        for key in ("fl_x", "fl_y", "cx", "cy"):
+            meta.pop(key)
+        meta.update(w=16.0, h=12.0, camera_angle_x=2 * math.atan(8.0 / fx))
+        if with_y:
+            meta.update(camera_angle_y=2 * math.atan(6.0 / fy))
+
+    edit(tmp_path, lambda m: angles(m, True))
+    train, _, _ = load_nerfstudio(tmp_path, orient="none")
+    assert torch.allclose(train.intrinsics, torch.tensor([[fx, fy, 8.0, 6.0]] * 3, dtype=torch.float64))
+    edit(tmp_path, lambda m: m.pop("camera_angle_y"))  # one angle gives both focal lengths (square pixels)
+    assert torch.allclose(load_nerfstudio(tmp_path)[0].intrinsics[0], torch.tensor([fx, fx, 8.0, 6.0]).double())
+    edit(tmp_path, lambda m: m.update(w=16.5))
+    with pytest.raises(SceneError, match="w must be a whole number of pixels, got 16.5"):
+        load_nerfstudio(tmp_path)
+
+
+def test_aabb_scale_scale_and_offset_give_the_extent(tmp_path):
+    write_capture(tmp_path, count=4)
+    assert load_nerfstudio(tmp_path, orient="none")[2].extent is None
+    edit(tmp_path, lambda m: m.update(aabb_scale=16))  # instant-ngp's defaults: scale 0.33, offset 0.5
+    bounds = load_nerfstudio(tmp_path, orient="none")[2]
+    assert np.allclose(bounds.extent, [[-8 / 0.33] * 3, [8 / 0.33] * 3]) and "aabb_scale box" in bounds.describe()
+    edit(tmp_path, lambda m: m.update(scale=0.5, offset=[0.5, 0.0, 1.0]))
+    assert np.allclose(load_nerfstudio(tmp_path, orient="none")[2].extent, [[-16, -15, -17], [16, 17, 15]])
+    oriented = load_nerfstudio(tmp_path)[2]  # the same box in the oriented frame holds the moved cameras' box
+    assert (oriented.extent[0] < oriented.box[0]).all() and (oriented.extent[1] > oriented.box[1]).all()
+
+
+def tilted_capture(tmp_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The procedural capture with its world rotated (z up -> a tilted axis), moved and scaled; returns the
+    rotation and the original cameras."""
+    write_capture(tmp_path, count=9)
+    angle = 0.9
+    rotation = np.array(
+        [[1.0, 0.0, 0.0], [0.0, math.cos(angle), -math.sin(angle)], [0.0, math.sin(angle), math.cos(angle)]]
+    )
+    original = np.array(
+        [f["transform_matrix"] for f in json.loads((tmp_path / "transforms.json").read_text())["frames"]]
+    )
+
+    def tilt(meta):
+        for frame in meta["frames"]:
+            c2w = np.array(frame["transform_matrix"])
+            c2w[:3, :3] = rotation @ c2w[:3, :3]
+            c2w[:3, 3] = 3.0 * (rotation @ c2w[:3, 3]) + [5.0, -2.0, 1.0]
+            frame["transform_matrix"] = c2w.tolist()
+
+    edit(tmp_path, tilt)
+    return rotation, original
+
+
+def test_orient_up_makes_the_scene_upright_centred_and_unit_sized(tmp_path):
+    rotation, original = tilted_capture(tmp_path)
+    as_given = read_capture(tmp_path, orient="none")
+    up = np.stack([f.c2w[:3, 1] for f in as_given.frames]).mean(0)
+    assert abs(up[2]) < 0.9 * np.linalg.norm(up)  # tilted: the file's z is not the cameras' up
+    capture = read_capture(tmp_path, orient="up")
+    c2w = np.stack([f.c2w for f in capture.frames])
+    up = c2w[:, :3, 1].mean(0)
+    assert np.allclose(up[:2], 0.0, atol=1e-12) and up[2] > 0  # the mean camera up is +z
+    assert np.allclose(np.abs(c2w[:, :3, 3]).max(), 1.0)  # cameras in [-1, 1]^3, the farthest on a face
+    assert np.allclose(np.einsum("vij,vik->vjk", c2w[:, :3, :3], c2w[:, :3, :3]), np.eye(3), atol=1e-12)
+    # the procedural cameras look at the origin: after centring on their focus, the origin is where they look
+    from data.bounds import focus_point
+
+    assert np.allclose(focus_point(c2w), 0.0, atol=1e-9)
+    # a similarity: the distances between cameras keep their ratios, so the images still fit the poses
+    first = np.linalg.norm(original[:, :3, 3] - original[0, :3, 3], axis=-1)
+    now = np.linalg.norm(c2w[:, :3, 3] - c2w[0, :3, 3], axis=-1)
+    assert np.allclose(now / now.max(), first / first.max(), atol=1e-9)
+    _, _, bounds = load_nerfstudio(tmp_path)
+    assert (bounds.box[0] < 0).all() and (bounds.box[1] > 0).all() and bounds.far < 3.5  # derived in that frame
+
+
+def test_a_bad_orient_is_refused_and_the_lens_survives_downscale(tmp_path):
+    write_capture(tmp_path, count=4)
+    with pytest.raises(SceneError, match="data.orient must be one of up, none, got 'sideways'"):
+        load_nerfstudio(tmp_path, orient="sideways")
+    train = load_nerfstudio(tmp_path)[0]
+    assert train.lens is None  # zero distortion: the pinhole path
+    edit(tmp_path, lambda m: m.update(k1=0.05, p2=-0.002))
+    moved = load_nerfstudio(tmp_path, downscale=2)[0].to("cpu")
+    assert moved.lens.coefficients.shape == (3, 6) and moved.lens.coefficients[0, 0] == 0.05
+    assert moved.lens.coefficients[0, 5] == -0.002  # distortion is scale-free: the same at any downscale
+
+
+def test_sizes_that_do_not_divide_lose_their_last_rows_and_columns(capture):
+    root, intrinsics = capture
+    full = load_nerfstudio(root, orient="none")[0]
+    cropped = load_nerfstudio(root, downscale=1, multiple=5, orient="none")[0]  # 12x16 -> 10x15
+    assert (cropped.height, cropped.width) == (10, 15) and torch.equal(cropped.images, full.images[:, :10, :15])
+    assert torch.equal(cropped.intrinsics, full.intrinsics)  # top-left crop: every pixel keeps its position
+    reduced = load_nerfstudio(root, downscale=5, orient="none")[0]  # 12x16 -> 10x15 -> 2x3
+    assert (reduced.height, reduced.width) == (2, 3) and torch.allclose(reduced.intrinsics, full.intrinsics / 5)

@@ -77,7 +77,7 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
 
     data_start = time.perf_counter()
     try:
-        train_scene, eval_scene = load_scenes(cfg.data, device)
+        train_scene, eval_scene = load_scenes(cfg.data, device, multiple=cfg.model.upsample)  # captures crop to it
     except ValueError as error:  # option checks of the loader / generator (SceneError is about the files)
         raise ConfigError(f"data: {error}") from None
     data_seconds = time.perf_counter() - data_start
