@@ -6,9 +6,11 @@ config rules, and a model on the unbounded procedural scene beating the same mod
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from test_march import call, scene
 from test_model import TORCH_OPS, make_cfg, make_model, one_thread, randomize_density, rays_towards_centre  # noqa: F401
 
@@ -181,6 +183,16 @@ def test_contracted_model_marches_the_same_samples_with_either_backend():
     assert outs[0]["samples"].item() > 0 and 0.02 < skipped < 0.98
     for key in ("rgb", "depth", "opacity", "samples"):
         assert torch.equal(outs[0][key], outs[1][key]), key
+
+
+def test_capture_experiment_composes_with_the_contraction():
+    from hydra import compose, initialize_config_dir
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    with initialize_config_dir(config_dir=str(configs), version_base=None):
+        cfg = compose(config_name="config", overrides=["+experiment=capture", "data.root=/some/capture"])
+    assert cfg.data.name == "nerfstudio" and cfg.model.contraction == "inf" and cfg.model.shrink_at is None
+    assert parse_model_config(OmegaConf.to_container(cfg, resolve=True)["model"]).contraction == "inf"
 
 
 @pytest.fixture(scope="module")
