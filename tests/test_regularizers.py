@@ -14,7 +14,8 @@ from test_model import make_model
 from models.regularizers import RenderedSamples, distortion_loss, near_optical_depth
 from models.render import compositing_weights
 from training.config import ConfigError, typed, validate_config
-from training.losses import floater_losses, photometric_loss
+from training.losses import dssim, floater_losses, photometric_loss
+from training.metrics import ssim_map
 
 
 def random_packed(gen: torch.Generator, counts: list[int], dtype=torch.float64):
@@ -179,6 +180,21 @@ def test_photometric_losses(gen):
         photometric_loss(rgb, target, "l2")
 
 
+def test_dssim_matches_the_metric_and_has_gradients(gen):
+    pred, target = (
+        torch.rand(3, 13, 12, 3, generator=gen, dtype=torch.float64),
+        torch.rand(3, 13, 12, 3, generator=gen, dtype=torch.float64),
+    )
+    target[1] = 0.7 * pred[1] + 0.3 * target[1]  # one patch close to its target
+    want = 1.0 - torch.stack([ssim_map(p, t).mean() for p, t in zip(pred, target)]).mean()
+    torch.testing.assert_close(dssim(pred, target), want)
+    assert dssim(target, target).abs() < 1e-12
+    small = pred[:1, :11, :11].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: dssim(x, target[:1, :11, :11]), (small,))
+    with pytest.raises(ValueError, match="train.dssim"):
+        dssim(pred[:, :8, :8], target[:, :8, :8])
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [
@@ -186,10 +202,17 @@ def test_photometric_losses(gen):
         ("train.distortion_loss", -0.1, "train.distortion_loss: must be >= 0"),
         ("train.near_density_loss", math.inf, "train.near_density_loss: must be finite"),
         ("train.near_density_fraction", -1.0, "train.near_density_fraction: must be >= 0"),
+        ("train.dssim", -0.5, "train.dssim: must be >= 0"),
+        ("train.dssim", 0.2, "train.dssim: needs patch batches"),  # upsample 1 draws rays
+        ("train.patch_size", 5, "train.dssim: needs patch batches"),  # 5 * 2 < 11
     ],
 )
 def test_bad_config(key, value, message):
     cfg = typed({"data": {"name": "synthetic"}})
+    if key == "train.patch_size":
+        OmegaConf.update(cfg, "train.dssim", 0.2)
+    else:
+        OmegaConf.update(cfg, "model.upsample", 1)
     OmegaConf.update(cfg, key, value)
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
@@ -201,3 +224,53 @@ def test_compositing_weights_used_are_the_renderers(gen):
     ray = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 15, 5]))
     packed = RenderedSamples(ray, torch.linspace(2, 5, 30), s, 0.1)
     torch.testing.assert_close(packed.weights(3), compositing_weights(s, ray, 3))
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [
+        # deferred shading on patches: the affine transform per pixel, the regularisers on the low-res rays
+        [
+            "model.appearance=affine",
+            "train.loss=l1",
+            "train.dssim=0.25",
+            "train.patch_size=6",
+            "train.distortion_loss=0.01",
+            "train.near_density_loss=0.1",
+        ],
+        # per-sample shading on rays: the embedding per sample
+        [
+            "model.appearance=embedding",
+            "model.appearance_dim=3",
+            "model.upsample=1",
+            "model.shading=per_sample",
+            "train.batch_rays=64",
+            "train.loss=charbonnier",
+            "train.distortion_loss=0.01",
+        ],
+    ],
+)
+def test_training_with_the_levers(tmp_path, levers):
+    from test_train import read_metrics, run_train, tiny_overrides
+
+    run_dir = tmp_path / "run"
+    result = run_train(tiny_overrides(tmp_path / "cache", 8) + levers + [f"hydra.run.dir={run_dir}"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert math.isfinite(read_metrics(run_dir)["psnr"])
+    # the per-image table travels in the saved weights: one row per training image (data.n_train=6)
+    tables = [
+        value
+        for path in run_dir.rglob("*.pt")
+        for key, value in _flat(torch.load(path, map_location="cpu", weights_only=False))
+        if key.endswith("decoder.appearance.table")
+    ]
+    assert tables and all(t.shape[0] == 6 for t in tables)
+
+
+def _flat(state, prefix: str = ""):
+    """(dotted key, value) of every tensor in nested dicts."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _flat(value, f"{prefix}{key}.")
+    elif isinstance(state, torch.Tensor):
+        yield prefix[:-1], state

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from training.metrics import SSIM_K1, SSIM_K2, SSIM_WINDOW, gaussian_window
+
 
 def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """Mean squared difference between the rays' opacity and the training images' alpha: density where the
@@ -23,6 +25,26 @@ def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 
 PHOTOMETRIC_LOSSES = ("mse", "l1", "charbonnier")
 CHARBONNIER_EPS = 1e-3  # sqrt(d^2 + eps^2): L1 away from zero, smooth at it (as in Mip-NeRF / RawNeRF)
+
+
+def dssim(rgb: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean structural dissimilarity ``1 - SSIM`` of (n, S, S, 3) patches (S >= 11): the evaluation's 11-tap
+    Gaussian window (training.metrics) over each patch, 'valid' filtering, without its clipping (differentiable)."""
+    if rgb.dim() != 4 or rgb.shape != target.shape or min(rgb.shape[1:3]) < SSIM_WINDOW:
+        raise ValueError(
+            f"train.dssim: needs (n, S, S, 3) patches with S >= {SSIM_WINDOW}, got {tuple(rgb.shape)} "
+            "(raise train.patch_size * model.upsample)"
+        )
+    x, y = rgb.permute(0, 3, 1, 2), target.permute(0, 3, 1, 2)
+    channels = x.shape[1]
+    stack = torch.cat([x, y, x * x, y * y, x * y], 1).flatten(0, 1)[:, None]  # (n*5*3, 1, S, S)
+    window = gaussian_window(dtype=rgb.dtype, device=rgb.device)
+    stack = F.conv2d(F.conv2d(stack, window.view(1, 1, -1, 1)), window.view(1, 1, 1, -1))
+    mu_x, mu_y, xx, yy, xy = stack.reshape(x.shape[0], 5, channels, *stack.shape[-2:]).unbind(1)
+    c1, c2 = SSIM_K1**2, SSIM_K2**2
+    numerator = (2 * mu_x * mu_y + c1) * (2 * (xy - mu_x * mu_y) + c2)
+    denominator = (mu_x.square() + mu_y.square() + c1) * (xx - mu_x.square() + yy - mu_y.square() + c2)
+    return 1.0 - (numerator / denominator).mean()
 
 
 def photometric_loss(rgb: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
