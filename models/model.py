@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from data.rays import camera_rays
 from data.samplers import PatchBatch
+from models import render_views
 from models.config import ModelConfig, parse_model_config
 from models.contraction import SceneSpace
 from models.decoder import DIFFUSE_CHANNELS, Decoder, SampleDecoder
@@ -329,81 +329,15 @@ class VoxelNeRF(nn.Module):
         rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions, background, views)
         return {"rgb": rgb} | {key: out[key] for key in ("depth", "opacity", "samples", "packed")}
 
-    def _upsample(self, channels: torch.Tensor) -> torch.Tensor:
-        """(n, P, P, C) low-res composited channels -> (n, sP, sP, C) through ``ops.upsample_bilinear2d``."""
-        if self.upsample == 1:
-            return channels
-        upsampled = self.ops.upsample_bilinear2d(channels.permute(0, 3, 1, 2).contiguous(), self.upsample, False)
-        return upsampled.permute(0, 2, 3, 1)
-
+    # whole pictures live in models/render_views.py (training's patches, full views, the inference path)
     def render_patches(self, batch: PatchBatch, background: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Patch path: low-res rays (n,P,P,3) -> dict(rgb (n,sP,sP,3), depth (n,P,P), opacity (n,P,P)).
+        """Patch path: low-res rays (n,P,P,3) -> dict(rgb (n,sP,sP,3), depth (n,P,P), opacity (n,P,P), ...):
+        :func:`models.render_views.render_patches`."""
+        return render_views.render_patches(self, batch, background)
 
-        The composited diffuse colour, features and opacity are upsampled by s and decoded per full-res pixel
-        with ``batch.hr_directions`` (n,sP,sP,3). ``background``: optional (n,sP,sP,3) colours.
-        """
-        n, p = batch.origins.shape[:2]
-        side = p * self.upsample
-        for name, got, want in (
-            ("origins", batch.origins.shape, (n, p, p, 3)),
-            ("directions", batch.directions.shape, (n, p, p, 3)),
-            ("hr_directions", batch.hr_directions.shape, (n, side, side, 3)),
-        ):
-            if tuple(got) != want:
-                raise ValueError(f"render_patches: {name} must be {want} (upsample={self.upsample}), got {tuple(got)}")
-        jitter = batch.jitter if self.training and batch.jitter is not None else self.training
-        out = self.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=jitter)
-        low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
-        high = self._upsample(low).reshape(n * side * side, -1)
-        rgb = self.shade(
-            high[:, :DIFFUSE_CHANNELS],
-            high[:, DIFFUSE_CHANNELS:-1],
-            high[:, -1],
-            batch.hr_directions.reshape(-1, 3),
-            None if background is None else background.reshape(-1, 3),
-            None if batch.views is None else batch.views.repeat_interleave(side * side),  # per-image appearance
-        )
-        return {
-            "rgb": rgb.reshape(n, side, side, 3),
-            "depth": out["depth"].reshape(n, p, p),
-            "opacity": out["opacity"].reshape(n, p, p),
-            "samples": out["samples"],
-            "packed": out["packed"],
-        }
-
-    @torch.no_grad()
     def render_image(
-        self, c2w: torch.Tensor, height: int, width: int, focal: float | torch.Tensor, chunk: int = 8192
+        self, c2w: torch.Tensor, height: int, width: int, focal: float | torch.Tensor, chunk: int = 8192, lens=None
     ) -> dict[str, torch.Tensor]:
-        """Render a full view (no jitter): dict(rgb (H,W,3) in [0,1], depth (H,W), opacity (H,W)). ``focal``: a focal
-        length in pixels (principal point at the centre) or the view's (4,) intrinsics fx, fy, cx, cy (data.rays).
-
-        With upsample s > 1, rays are marched at (H/s, W/s) (H and W must be divisible by s), the composited
-        channels (depth included) upsampled to (H, W) and decoded per pixel.
-        """
-        if chunk < 1:
-            raise ValueError(f"render_image: chunk must be >= 1, got {chunk}")
-        device = self.bbox.device
-        c2w = torch.as_tensor(c2w, dtype=torch.float32, device=device)
-        origins, directions = camera_rays(c2w, height, width, focal, self.upsample)
-        low_h, low_w = origins.shape[:2]
-        origins, directions = origins.reshape(-1, 3), directions.reshape(-1, 3)
-        parts = []
-        for start in range(0, origins.shape[0], chunk):
-            out = self.march(origins[start : start + chunk], directions[start : start + chunk], jitter=False)
-            parts.append(
-                torch.cat([out["diffuse"], out["features"], out["depth"][:, None], out["opacity"][:, None]], 1)
-            )
-        low = torch.cat(parts).reshape(1, low_h, low_w, -1)
-        channels = self._upsample(low).reshape(height * width, -1)
-        if self.upsample > 1:
-            directions = camera_rays(c2w, height, width, focal, 1)[1].reshape(-1, 3)
-        pieces = [(channels[s : s + chunk], directions[s : s + chunk]) for s in range(0, channels.shape[0], chunk)]
-        rgb = torch.cat(
-            [self.shade(c[:, :DIFFUSE_CHANNELS], c[:, DIFFUSE_CHANNELS:-2], c[:, -1], d) for c, d in pieces]
-        )
-        return {
-            "rgb": rgb.clamp(0.0, 1.0).reshape(height, width, 3),
-            "depth": channels[:, -2].reshape(height, width),
-            "opacity": channels[:, -1].reshape(height, width),
-        }
+        """A full view through training's march: dict(rgb (H,W,3), depth (H,W), opacity (H,W)):
+        :func:`models.render_views.render_image` (``lens``: None or the view's data.camera_models.Lens)."""
+        return render_views.render_image(self, c2w, height, width, focal, chunk, lens)

@@ -1,0 +1,169 @@
+"""Rendering whole pictures of a :class:`models.model.VoxelNeRF`: training's patches, full views through training's
+own march (the reference), and the inference-only march that evaluation and every app render through.
+
+- :func:`render_patches`: low-res patches marched with gradients, the composited channels upsampled and decoded
+  per full-res pixel (training's deferred path).
+- :func:`render_image`: a full view through ``model.march`` (no jitter), in chunks: exactly what training renders.
+- :func:`infer_image`: the same picture without the training-only work: one density lookup per marched sample
+  (``march`` looks twice: its no-grad pass, then with gradients), no gradient or TV/touched-row bookkeeping, the
+  samples past the early-termination transmittance or below the weight threshold never decoded, compositing in one
+  ``volume_render`` over the march's own ray offsets, and a whole view per launch where the caller asks for it.
+  Two host syncs per chunk: the packed sample count (``march_rays``) and the decoded sample count.
+
+Both full-view paths share :func:`_view` (camera rays, chunks, upsampling, per-pixel shading), so they differ only
+in how a chunk of rays is composited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from data.camera_models import Lens
+from data.rays import camera_rays
+from data.samplers import PatchBatch
+from models.decoder import DIFFUSE_CHANNELS
+from models.field import optical_depth
+from models.render import compact, survivors_and_weights
+
+if TYPE_CHECKING:  # models.model imports this module
+    from models.model import VoxelNeRF
+
+Composite = Callable[[torch.Tensor, torch.Tensor], dict]  # (B, 3) origins, directions -> march()'s channels
+
+
+def upsample_channels(model: VoxelNeRF, channels: torch.Tensor) -> torch.Tensor:
+    """(n, P, P, C) low-res composited channels -> (n, sP, sP, C) through ``ops.upsample_bilinear2d``."""
+    if model.upsample == 1:
+        return channels
+    upsampled = model.ops.upsample_bilinear2d(channels.permute(0, 3, 1, 2).contiguous(), model.upsample, False)
+    return upsampled.permute(0, 2, 3, 1)
+
+
+def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor | None = None) -> dict:
+    """Patch path: low-res rays (n,P,P,3) -> dict(rgb (n,sP,sP,3), depth (n,P,P), opacity (n,P,P), samples, packed).
+
+    The composited diffuse colour, features and opacity are upsampled by s and decoded per full-res pixel
+    with ``batch.hr_directions`` (n,sP,sP,3). ``background``: optional (n,sP,sP,3) colours.
+    """
+    n, p = batch.origins.shape[:2]
+    side = p * model.upsample
+    for name, got, want in (
+        ("origins", batch.origins.shape, (n, p, p, 3)),
+        ("directions", batch.directions.shape, (n, p, p, 3)),
+        ("hr_directions", batch.hr_directions.shape, (n, side, side, 3)),
+    ):
+        if tuple(got) != want:
+            raise ValueError(f"render_patches: {name} must be {want} (upsample={model.upsample}), got {tuple(got)}")
+    jitter = batch.jitter if model.training and batch.jitter is not None else model.training
+    out = model.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=jitter)
+    low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
+    high = upsample_channels(model, low).reshape(n * side * side, -1)
+    rgb = model.shade(
+        high[:, :DIFFUSE_CHANNELS],
+        high[:, DIFFUSE_CHANNELS:-1],
+        high[:, -1],
+        batch.hr_directions.reshape(-1, 3),
+        None if background is None else background.reshape(-1, 3),
+        None if batch.views is None else batch.views.repeat_interleave(side * side),  # per-image appearance
+    )
+    return {
+        "rgb": rgb.reshape(n, side, side, 3),
+        "depth": out["depth"].reshape(n, p, p),
+        "opacity": out["opacity"].reshape(n, p, p),
+        "samples": out["samples"],
+        "packed": out["packed"],
+    }
+
+
+@torch.no_grad()
+def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``model.march(origins, directions, jitter=False)``'s channels without the training-only work: (B, 3) rays ->
+    dict(diffuse (B, 3), features (B, F-3) (B, 0) per sample, depth (B,) = sum w t, opacity (B,) = sum w).
+
+    Samples at interval midpoints in occupied cells (``march_rays``), each sample's density looked up once, the
+    survivors of early termination and the weight threshold found in one scan (models.render), only those
+    decoded (the decoder in the config's precision); the rest keep attenuating their ray with zero colour, as in
+    ``march``. Equal to ``march`` up to float rounding (the same compositing op over the same optical depths)."""
+    c, space = model.config, model.space
+    num_rays, step = origins.shape[0], model.step_size
+    t_start, t_end, t_split, num_samples = space.march_range(
+        origins, directions, model.bbox, model.near, model.far, step, c.max_samples
+    )
+    offset = torch.full((num_rays,), 0.5, device=origins.device, dtype=origins.dtype)
+    ray, t, points, offsets = model.ops.march_rays(
+        origins, directions, t_start, t_end, offset, model.occupancy.mask, model.bbox, step, num_samples, t_split
+    )
+    step_scale = space.sample_steps(t, ray, t_split, step, model.bbox) / model.base_voxel
+    sigma_delta = optical_depth(model.density(points, model.ops)[:, 0], c.density_shift, step_scale)
+    alive, weights = survivors_and_weights(sigma_delta, ray, num_rays, c.early_termination)
+    shows = alive & (weights > c.weight_threshold)  # the samples worth a colour
+    keep = compact(shows, int(shows.sum()))  # the pass's one sync: how many samples the decoder gets
+    feats = model.features(points[keep], model.ops)
+    if model.per_sample:
+        shown = model.decoder(feats, directions[ray[keep]], None)  # held-out views: the mean appearance
+    else:
+        shown = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
+    values = shown.new_zeros(len(t), shown.shape[1]).index_copy(0, keep, shown)
+    # dead samples (transmittance at or below early_termination) get no weight: the op's early stop
+    colour, opacity, depth = model.ops.volume_render(sigma_delta, values, t, offsets, c.early_termination)
+    return {"diffuse": colour[:, :DIFFUSE_CHANNELS], "features": colour[:, DIFFUSE_CHANNELS:], "depth": depth} | {
+        "opacity": opacity
+    }
+
+
+def _view(
+    model: VoxelNeRF, composite: Composite, c2w, height: int, width: int, focal, chunk: int, lens: Lens | None
+) -> dict[str, torch.Tensor]:
+    """A full view composited by ``composite`` in chunks of rays, upsampled and shaded per pixel (module doc)."""
+    if chunk < 1:
+        raise ValueError(f"render_image: chunk must be >= 1, got {chunk}")
+    device = model.bbox.device
+    c2w = torch.as_tensor(c2w, dtype=torch.float32, device=device)
+    origins, directions = camera_rays(c2w, height, width, focal, model.upsample, lens)
+    low_h, low_w = origins.shape[:2]
+    origins, directions = origins.reshape(-1, 3), directions.reshape(-1, 3)
+    parts = []
+    for start in range(0, origins.shape[0], chunk):
+        out = composite(origins[start : start + chunk], directions[start : start + chunk])
+        parts.append(torch.cat([out["diffuse"], out["features"], out["depth"][:, None], out["opacity"][:, None]], 1))
+    low = torch.cat(parts).reshape(1, low_h, low_w, -1)
+    channels = upsample_channels(model, low).reshape(height * width, -1)
+    if model.upsample > 1:
+        directions = camera_rays(c2w, height, width, focal, 1, lens)[1].reshape(-1, 3)
+    pieces = [(channels[s : s + chunk], directions[s : s + chunk]) for s in range(0, channels.shape[0], chunk)]
+    rgb = torch.cat([model.shade(c[:, :DIFFUSE_CHANNELS], c[:, DIFFUSE_CHANNELS:-2], c[:, -1], d) for c, d in pieces])
+    return {
+        "rgb": rgb.clamp(0.0, 1.0).reshape(height, width, 3),
+        "depth": channels[:, -2].reshape(height, width),
+        "opacity": channels[:, -1].reshape(height, width),
+    }
+
+
+@torch.no_grad()
+def render_image(
+    model: VoxelNeRF, c2w, height: int, width: int, focal, chunk: int = 8192, lens: Lens | None = None
+) -> dict[str, torch.Tensor]:
+    """Render a full view (no jitter) through ``model.march``: dict(rgb (H,W,3) in [0,1], depth (H,W), opacity
+    (H,W)). ``focal``: a focal length in pixels (principal point at the centre) or the view's (4,) intrinsics fx,
+    fy, cx, cy (data.rays); ``lens``: None (pinhole) or the view's distortion, coefficients (6,) (data.camera_models).
+
+    With upsample s > 1, rays are marched at (H/s, W/s) (H and W must be divisible by s), the composited
+    channels (depth included) upsampled to (H, W) and decoded per pixel.
+    """
+    march = lambda o, d: model.march(o, d, jitter=False)  # noqa: E731
+    return _view(model, march, c2w, height, width, focal, chunk, lens)
+
+
+@torch.no_grad()
+def infer_image(
+    model: VoxelNeRF, c2w, height: int, width: int, focal, chunk: int = 1 << 20, lens: Lens | None = None
+) -> dict[str, torch.Tensor]:
+    """:func:`render_image`'s picture through :func:`infer_march` (the inference path; same arguments, same
+    result up to float rounding); ``chunk``: rays per launch (default: an 800x800 view in one)."""
+    return _view(model, lambda o, d: infer_march(model, o, d), c2w, height, width, focal, chunk, lens)
+
+
+__all__ = ["upsample_channels", "render_patches", "infer_march", "render_image", "infer_image"]
