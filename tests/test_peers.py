@@ -20,6 +20,7 @@ from bench.peers.gaussians import (
     Recipe,
     initial_gaussians,
     learning_rates,
+    make_optimizers,
     means_lr_at,
     neighbour_distance,
     opacity_reset_due,
@@ -27,7 +28,7 @@ from bench.peers.gaussians import (
     sh_degree_at,
     sh_to_rgb,
 )
-from bench.peers.losses import photometric_loss, ssim_differentiable
+from bench.peers.losses import photometric_loss, separable_filter, separable_filter_conv, ssim_differentiable
 from bench.peers.metrics import curve_views, evaluate_views
 from bench.peers.plot import COLOURS, method_curves, plot_results
 from bench.peers.results import merge_method, our_entry, read_results, table_rows
@@ -336,6 +337,32 @@ def test_training_ssim_equals_the_metric_and_has_gradients():
         ssim_differentiable(pred, target[:, :10])
 
 
+def test_ssim_filter_is_the_convolution():
+    """The banded matrix products equal the 'valid' separable convolution (float64, odd non-square sizes) and so
+    does their gradient; a band first built under inference mode still takes part in a backward."""
+    gen = torch.Generator().manual_seed(12)
+    maps = torch.rand(15, 23, 31, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = separable_filter(maps)
+    assert out.shape == (15, 13, 21)
+    torch.testing.assert_close(out, separable_filter_conv(maps), rtol=0, atol=1e-15)
+    weights = torch.rand(out.shape, generator=gen, dtype=torch.float64)
+    (mine,) = torch.autograd.grad((out * weights).sum(), maps)
+    (reference,) = torch.autograd.grad((separable_filter_conv(maps) * weights).sum(), maps)
+    torch.testing.assert_close(mine, reference, rtol=0, atol=1e-15)
+    with torch.inference_mode():
+        separable_filter(torch.rand(2, 17, 19, dtype=torch.float64))
+    fresh = torch.rand(2, 17, 19, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(separable_filter, (fresh,), fast_mode=True)
+    with pytest.raises(ValueError, match="at least 11 pixels"):
+        ssim_differentiable(torch.rand(10, 20, 3), torch.rand(10, 20, 3))
+
+
+def test_adam_is_fused_only_on_cuda():
+    params = {"means": torch.nn.Parameter(torch.rand(5, 3))}
+    optimizer = make_optimizers(params, {"means": 0.1})["means"]
+    assert optimizer.defaults["fused"] is None and optimizer.defaults["eps"] == 1e-15
+
+
 # ------------------------------------------------------------------------------------------------ results, plot
 def _fake_run(folder, psnr_value=30.0):
     folder.mkdir(parents=True)
@@ -431,6 +458,62 @@ def test_trainer_runs_on_the_cpu_with_a_stand_in_rasteriser(blender_scene):
     assert result["evaluations"][0]["model_bytes"] > 300 * 59 * 4  # every Gaussian's 59 floats, saved
     assert result["evaluations"][-1]["num_gaussians"] != 300  # densified or pruned
     assert all(math.isfinite(c["psnr"]) for c in result["curve"])
+
+
+def _recording(rasterization, infos: list):
+    """``rasterization`` that culls every third Gaussian (radii 0, as gsplat marks one off screen) and keeps its
+    info dicts in ``infos``."""
+
+    def rasterize(*args, **kwargs):
+        out = rasterization(*args, **kwargs)
+        out[2]["radii"] = out[2]["radii"].clone()
+        out[2]["radii"][:, ::3] = 0
+        infos.append(out[2])
+        return out
+
+    return rasterize
+
+
+@needs_gsplat
+def test_densification_statistics_are_gsplats(blender_scene):
+    """After one step the strategy's running statistic is, per visible Gaussian, the norm of means2d's gradient
+    scaled to NDC (x width/2, y height/2, x n_cameras), and its count 1: the trainer retains means2d's gradient
+    before backward and hands gsplat's info (width, height, n_cameras, radii, gaussian_ids) to the strategy."""
+    from bench.peers.gsplat_trainer import GsplatTraining
+
+    scene, infos = load_peer_scene(blender_scene), []
+    training = GsplatTraining(
+        scene, 50, Recipe(init_points=200), 0, torch.device("cpu"), _recording(toy_rasterization, infos)
+    )
+    assert training.scene_scale == scene_scale(scene.train.c2w) == training.state["scene_scale"]
+    training.step(0)
+    info = infos[0]
+    grad = info["means2d"].grad[0].double() * torch.tensor([info["width"] / 2, info["height"] / 2]).double()
+    visible = (info["radii"][0] > 0).all(-1)
+    assert int(visible.sum()) == 200 - 67
+    expected = torch.where(visible, grad.norm(dim=-1), torch.zeros(()).double())
+    torch.testing.assert_close(training.state["grad2d"].double(), expected, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(training.state["count"], visible.float())
+    assert float(expected.max()) > 0
+
+
+@needs_gsplat
+def test_step_profile_runs_the_training_loop(blender_scene):
+    """bench.peers.step_profile on the CPU with the stand-in rasteriser: the plain timing, the phases of a step
+    under the profiler, the tables, and the SSIM and Adam A/B timings."""
+    from bench.peers.gsplat_trainer import GsplatTraining
+    from bench.peers.step_profile import adam_ab, profile_steps, ssim_ab
+
+    training = GsplatTraining(load_peer_scene(blender_scene), 50, Recipe(init_points=200, refine_start=2,
+                              refine_every=3), 0, torch.device("cpu"), toy_rasterization)  # fmt: skip
+    lines = []
+    result = profile_steps(training, 0, 4, 5, lines.append)
+    assert result["step_ms"] > 0 and set(result["phases_ms"]) == {
+        "3dgs/render", "3dgs/loss", "3dgs/backward", "3dgs/adam", "3dgs/densify"}  # fmt: skip
+    assert all(v["cpu_ms"] > 0 for v in result["phases_ms"].values())
+    assert "top 5 ops by self CPU time" in "\n".join(lines)
+    assert set(ssim_ab(16, 20, torch.device("cpu"), repeats=1)) == {"matmul", "conv"}
+    assert set(adam_ab(training.splats.params, repeats=1)) == {"foreach"}
 
 
 # ------------------------------------------------------------------------------------------------ on the GPU

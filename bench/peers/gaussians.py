@@ -127,9 +127,17 @@ def learning_rates(recipe: Recipe, scene_scale: float) -> dict[str, float]:
 
 
 def make_optimizers(params: dict[str, torch.nn.Parameter], rates: dict[str, float]) -> dict[str, torch.optim.Adam]:
-    """One Adam per parameter (gsplat's DefaultStrategy replaces parameters and their Adam state in place)."""
+    """One Adam per parameter (gsplat's DefaultStrategy replaces parameters and their Adam state in place).
+
+    On CUDA the fused implementation: the same update (gsplat's trainer uses the default, foreach), in one kernel
+    per parameter instead of a dozen; DefaultStrategy's state surgery copies every state entry but "step" either way.
+    """
     return {
-        name: torch.optim.Adam([{"params": [params[name]], "lr": rates[name], "name": name}], eps=1e-15)
+        name: torch.optim.Adam(
+            [{"params": [params[name]], "lr": rates[name], "name": name}],
+            eps=1e-15,
+            fused=True if params[name].is_cuda else None,
+        )
         for name in params
     }
 

@@ -1,7 +1,8 @@
 # The `peers` stage of bench/gpu_session.sh, sourced by it (uses its stage, log, failures, $OUT and $LEGO).
 #
 # Builds gsplat's CUDA code once (JIT, ~104 s on the H100; kept in build/torch_extensions, which a warm machine
-# keeps between calls), runs tests/test_peers.py there (its gsplat + GPU tests; PEER_TESTS=0 skips them), then
+# keeps between calls), runs tests/test_peers.py there (its gsplat + GPU tests; PEER_TESTS=0 skips them), profiles
+# 3DGS steps on lego_400 (bench.peers.step_profile, ~20 s, its summary printed; PEER_PROFILE=0 skips it), then
 # for each scene of $PEER_SCENES (default "lego_400 fruit", folders under $PEER_DATA, default .scenes; lego_400
 # falls back to $LEGO), each run alone on the GPU:
 #   ours:  python3 train.py +experiment=blender data.root=ROOT (a capture: $CAPTURE_OVERRIDES instead of
@@ -17,6 +18,15 @@ mkdir -p "$peer_out"
 stage peers_gsplat_build env MAX_JOBS="${PEER_MAX_JOBS:-32}" python3 -c \
   "from gsplat.cuda._backend import _C; assert _C is not None, 'gsplat: no CUDA extension built'; print('gsplat built')"
 [ "${PEER_TESTS:-1}" = 1 ] && stage peers_tests python3 -m pytest -q -rs tests/test_peers.py
+# where a 3DGS step's time goes (~20 s): phases, top ops, SSIM and Adam A/B; PEER_PROFILE=0 skips it
+if [ "${PEER_PROFILE:-1}" = 1 ]; then
+  profile_root="${PEER_DATA:-.scenes}/lego_400"
+  [ ! -d "$profile_root" ] && profile_root=${LEGO:-}
+  if [ -d "$profile_root" ]; then
+    stage peers_gsplat_profile python3 -m bench.peers.step_profile --data-root "$profile_root"
+    grep -E "mean step|3dgs/|SSIM|Adam|scene scale|warm-up" "$OUT/peers_gsplat_profile.log"  # the summary
+  fi
+fi
 for scene in ${PEER_SCENES:-lego_400 fruit}; do
   root="${PEER_DATA:-.scenes}/$scene"
   [ ! -d "$root" ] && [ "$scene" = lego_400 ] && [ -n "${LEGO:-}" ] && root=$LEGO

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
+from torch.profiler import record_function
 
 from bench.peers.cameras import intrinsics_matrices, scene_scale, viewmats_from_c2w
 from bench.peers.gaussians import (
@@ -131,6 +132,92 @@ def _targets(scene: Scene, device: torch.device) -> dict[str, torch.Tensor]:
     }
 
 
+class GsplatTraining:
+    """The 3DGS training state (Gaussians, Adam, DefaultStrategy) and one step of it: ``step(step)`` renders one
+    training view, steps the optimisers and densifies, and returns the loss (a 0-d device tensor: no host sync).
+    ``total``: the run's step count (the means' rate decays over it). Shared by train_gsplat and
+    bench.peers.profile, so what the profile times is the training loop itself."""
+
+    def __init__(
+        self,
+        scene: PeerScene,
+        total: int,
+        recipe: Recipe,
+        seed: int,
+        device: torch.device,
+        rasterization: Callable | None = None,
+    ):
+        gsplat = import_gsplat()
+        from gsplat.strategy import DefaultStrategy
+
+        self.recipe, self.total, self.device = recipe, total, device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._order_generator, self._order = torch.Generator().manual_seed(seed), []
+        self.num_views = scene.train.num_views
+        self.train = _targets(scene.train, device)
+        self.background = torch.tensor(scene.train.background, dtype=torch.float32, device=device)
+        self.scene_scale = scene_scale(scene.train.c2w)
+        self.box, self.box_source = init_box(scene, recipe)
+        points = random_points(self.box.to(device), recipe.init_points, self.generator)
+        colours = torch.rand(points.shape[0], 3, generator=self.generator, device=device)
+        params = initial_gaussians(points, colours, recipe, self.generator)
+        self.splats = Splats(params, rasterization or gsplat.rasterization)
+        self.optimizers = make_optimizers(params, learning_rates(recipe, self.scene_scale))
+        self.base_means_lr = self.optimizers["means"].param_groups[0]["lr"]
+        self.strategy = DefaultStrategy(
+            refine_start_iter=recipe.refine_start,
+            refine_stop_iter=recipe.refine_stop,
+            refine_every=recipe.refine_every,
+            reset_every=recipe.reset_every,
+            grow_grad2d=recipe.grow_grad2d,
+        )
+        self.strategy.check_sanity(params, self.optimizers)
+        # scene_scale: 1.1 x the largest camera distance from the cameras' mean, as gsplat's parser and 3DGS's
+        # getNerfppNorm measure it (lego: the mean sits 2.3 above the origin, so 5.2, not the radius 4.03)
+        self.state = self.strategy.initialize_state(scene_scale=self.scene_scale)
+
+    def _next_view(self) -> int:
+        if not self._order:
+            self._order = torch.randperm(self.num_views, generator=self._order_generator).tolist()
+        return self._order.pop()
+
+    def step(self, step: int) -> torch.Tensor:
+        """One training step at 0-based ``step``; returns the loss (detached, on the device)."""
+        from gsplat.strategy.ops import reset_opa
+
+        recipe, train, params, optimizers = self.recipe, self.train, self.splats.params, self.optimizers
+        view = self._next_view()
+        optimizers["means"].param_groups[0]["lr"] = means_lr_at(
+            step, self.total, self.base_means_lr, recipe.final_means_lr_fraction
+        )
+        with record_function("3dgs/render"):
+            target = train["images"][view].float() / 255.0
+            colour = self.background
+            if recipe.random_background and train["alpha"] is not None:
+                colour = torch.rand(3, generator=self.generator, device=self.device)
+                target = target + (colour - self.background) * (1.0 - train["alpha"][view, ..., None].float() / 255.0)
+            height, width = target.shape[:2]
+            rgb, _, info = self.splats.render(
+                train["viewmats"][view], train["ks"][view], width, height, sh_degree_at(step, recipe), colour
+            )
+            # retains info["means2d"]'s gradient: DefaultStrategy's statistic (packed=False: (1, N, 2))
+            self.strategy.step_pre_backward(params, optimizers, self.state, step, info)
+        with record_function("3dgs/loss"):
+            loss = photometric_loss(rgb, target, recipe.ssim_lambda)
+        with record_function("3dgs/backward"):
+            loss.backward()
+        with record_function("3dgs/adam"):
+            for optimizer in optimizers.values():
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        with record_function("3dgs/densify"):
+            # after the optimisers, as gsplat's simple_trainer: the gradient statistics, then grow / prune
+            self.strategy.step_post_backward(params, optimizers, self.state, step, info, packed=False)
+            if opacity_reset_due(step, recipe):
+                reset_opa(params=params, optimizers=optimizers, state=self.state, value=self.strategy.prune_opa * 2.0)
+        return loss.detach()
+
+
 def train_gsplat(
     scene: PeerScene,
     steps: list[int],
@@ -149,65 +236,22 @@ def train_gsplat(
     gsplat's unless given (a test's stand-in on the CPU, with ``device="cpu"``)."""
     gsplat = import_gsplat()
     recipe = recipe or Recipe()
-    from gsplat.strategy import DefaultStrategy
-    from gsplat.strategy.ops import reset_opa
-
     device = torch.device(device)
     total = max(steps)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    order_generator = torch.Generator().manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    train, evaluation = _targets(scene.train, device), scene.eval.to(device)
-    background = torch.tensor(scene.train.background, dtype=torch.float32, device=device)
-    extent = scene_scale(scene.train.c2w)
+    evaluation = scene.eval.to(device)
 
     start = time.perf_counter()
-    box, box_source = init_box(scene, recipe)
-    points = random_points(box.to(device), recipe.init_points, generator)
-    colours = torch.rand(points.shape[0], 3, generator=generator, device=device)
-    splats = Splats(initial_gaussians(points, colours, recipe, generator), rasterization or gsplat.rasterization)
-    optimizers = make_optimizers(splats.params, learning_rates(recipe, extent))
-    strategy = DefaultStrategy(
-        refine_start_iter=recipe.refine_start,
-        refine_stop_iter=recipe.refine_stop,
-        refine_every=recipe.refine_every,
-        reset_every=recipe.reset_every,
-        grow_grad2d=recipe.grow_grad2d,
-    )
-    strategy.check_sanity(splats.params, optimizers)
-    state = strategy.initialize_state(scene_scale=extent)
+    training = GsplatTraining(scene, total, recipe, seed, device, rasterization)
+    splats, background = training.splats, training.background
     _sync(device)
     init_seconds = time.perf_counter() - start
 
-    evaluations, curve, train_seconds, order = [], [], 0.0, []
-    base_means_lr = optimizers["means"].param_groups[0]["lr"]
+    evaluations, curve, train_seconds = [], [], 0.0
     clock = time.perf_counter()
     for step in range(total):
-        if not order:
-            order = torch.randperm(scene.train.num_views, generator=order_generator).tolist()
-        view = order.pop()
-        means_lr = means_lr_at(step, total, base_means_lr, recipe.final_means_lr_fraction)
-        optimizers["means"].param_groups[0]["lr"] = means_lr
-        target = train["images"][view].float() / 255.0
-        colour = background
-        if recipe.random_background and train["alpha"] is not None:
-            colour = torch.rand(3, generator=generator, device=device)
-            target = target + (colour - background) * (1.0 - train["alpha"][view, ..., None].float() / 255.0)
-        height, width = target.shape[:2]
-        rgb, _, info = splats.render(
-            train["viewmats"][view], train["ks"][view], width, height, sh_degree_at(step, recipe), colour
-        )
-        strategy.step_pre_backward(splats.params, optimizers, state, step, info)
-        loss = photometric_loss(rgb, target, recipe.ssim_lambda)
-        loss.backward()
-        for optimizer in optimizers.values():
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        strategy.step_post_backward(splats.params, optimizers, state, step, info, packed=False)
-        if opacity_reset_due(step, recipe):
-            reset_opa(params=splats.params, optimizers=optimizers, state=state, value=strategy.prune_opa * 2.0)
-
+        loss = training.step(step)
         done = step + 1
         is_final, is_curve = done in steps, curve_every > 0 and done % curve_every == 0
         if not (is_final or is_curve):
@@ -251,8 +295,8 @@ def train_gsplat(
         "recipe": asdict(recipe),
         "seed": seed,
         "steps": total,
-        "init": f"{recipe.init_points} random points in {box_source}: {box.tolist()}",
-        "scene_scale": extent,
+        "init": f"{recipe.init_points} random points in {training.box_source}: {training.box.tolist()}",
+        "scene_scale": training.scene_scale,
         "init_seconds": init_seconds,
         "train_seconds": train_seconds,
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
