@@ -3,6 +3,7 @@
     python bench/bench_render.py --run RUN_DIR              # a trained run (its model.pt or last.pt), e.g. lego 400
     python bench/bench_render.py                            # a built-in lego-sized shell scene (no training needed)
     python bench/bench_render.py --sizes 400 800 --frames 20 --floor 10e6 --out bench/results/X.json
+    python bench/bench_render.py --compare                  # also training's march (model.render_image), same views
 
 Per size: ``--frames`` orbit views (after one warm-up view), timed end to end with a device sync, as evaluation
 renders them (``render_view``: march, early termination, decode, composite, per chunk), then the same orbit through
@@ -17,6 +18,7 @@ import argparse
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,7 @@ from bench_timing import device_name, write_report  # noqa: E402
 from data.cameras import look_at, orbit_positions  # noqa: E402
 from models.model import VoxelNeRF  # noqa: E402
 from training.export import load_run  # noqa: E402
-from training.inference import render_view  # noqa: E402
+from training.inference import inference_chunk, render_view  # noqa: E402
 from training.render_path import render_frames  # noqa: E402
 from training.view import fast_ops  # noqa: E402
 
@@ -83,16 +85,29 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_size(model: VoxelNeRF, size: int, frames: int, chunk: int | None, floor: float) -> dict:
-    device = model.bbox.device
-    cameras, intrinsics = orbit(model, frames + 1, size)
-    render_view(model, cameras[0], size, size, torch.as_tensor(intrinsics[0]), chunk)  # warm-up
+def time_views(render, cameras: np.ndarray, intrinsics: np.ndarray, size: int, device: torch.device) -> tuple:
+    """(seconds, last output) of ``render(camera, size, size, intrinsics)`` over cameras[1:] after a warm-up on
+    cameras[0], synchronised."""
+    render(cameras[0], size, size, torch.as_tensor(intrinsics[0]))
     sync(device)
     start = time.perf_counter()
     for camera, k in zip(cameras[1:], intrinsics[1:]):
-        out = render_view(model, camera, size, size, torch.as_tensor(k), chunk)
+        out = render(camera, size, size, torch.as_tensor(k))
     sync(device)
-    seconds = time.perf_counter() - start
+    return time.perf_counter() - start, out
+
+
+def bench_size(model: VoxelNeRF, size: int, frames: int, chunk: int | None, floor: float, compare: bool) -> dict:
+    device = model.bbox.device
+    cameras, intrinsics = orbit(model, frames + 1, size)
+    seconds, out = time_views(partial(render_view, model, chunk=chunk), cameras, intrinsics, size, device)
+    extra = {}
+    if compare:  # training's march over the same views, in the same chunks (what render_view used before)
+        chunk_used = inference_chunk(device, chunk)
+        march = partial(model.render_image, chunk=chunk_used)
+        march_seconds, reference = time_views(march, cameras, intrinsics, size, device)
+        extra["march_rays_per_second"] = frames * size * size / march_seconds
+        extra["max_rgb_difference"] = float((reference["rgb"] - out["rgb"]).abs().max())
     start = time.perf_counter()
     render_frames(model, cameras[1:], intrinsics[1:], (size, size), chunk)
     pipeline_seconds = time.perf_counter() - start
@@ -107,7 +122,7 @@ def bench_size(model: VoxelNeRF, size: int, frames: int, chunk: int | None, floo
         "last_view_opacity": float(out["opacity"].mean()),  # > 0: the views see the scene
         "floor_rays_per_second": floor,
         "passes": rays_per_second >= floor,
-    }
+    } | extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor", type=float, default=FLOOR_RAYS_PER_SECOND, help="rays/s a row must reach")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--check", action="store_true", help="exit 1 when a CUDA row is below the floor")
+    parser.add_argument("--compare", action="store_true", help="also time model.render_image (training's march)")
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON")
     args = parser.parse_args(argv)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         scene = "shell"
     occupied = model.occupancy.occupied_fraction()
     print(f"render benchmark on {device_name(device)}: {scene}, grid {list(model.grid_shape)}, {occupied:.1%} occupied")
-    rows = [bench_size(model, size, frames, args.chunk, args.floor) for size in sizes]
+    rows = [bench_size(model, size, frames, args.chunk, args.floor, args.compare) for size in sizes]
     print(f"{'size':>6} {'rays/s':>12} {'floor':>10} {'fps':>7} {'render_path fps':>16}  verdict")
     for row in rows:
         verdict = "PASS" if row["passes"] else ("FAIL" if cuda else "(CPU: not judged)")
@@ -143,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['size']:>6} {row['rays_per_second'] / 1e6:>10.2f} M {row['floor_rays_per_second'] / 1e6:>8.1f} M "
             f"{row['fps']:>7.1f} {row['render_path_fps']:>16.1f}  {verdict}"
         )
+        if "march_rays_per_second" in row:
+            print(
+                f"{'':>6} training's march: {row['march_rays_per_second'] / 1e6:.2f} M rays/s, "
+                f"max |rgb difference| {row['max_rgb_difference']:.2e}"
+            )
     report = {"device": device_name(device), "scene": scene, "grid": list(model.grid_shape), "rows": rows}
     write_report(report, args.out)
     return 1 if args.check and cuda and not all(row["passes"] for row in rows) else 0

@@ -1,12 +1,13 @@
 """The one inference path: evaluation, ``render_only``, the turntable, ``render_path`` and the viewer render a
 trained model through :func:`render_view` and hand the pictures to the host through :class:`HostPipeline`.
 
-- :func:`render_view`: a full view without gradients through the model's own packed marching
-  (``VoxelNeRF.render_image``: ``march_rays`` keeps only samples in occupied cells, early termination drops
-  those behind an opaque prefix, only samples that show are decoded, the decoder in the precision the config
-  says) in large chunks: on CUDA at least :data:`CUDA_CHUNK` rays a launch (a 400x400 view in one, 800x800 in
-  three), so the marching's one host sync per chunk and the launch overheads are paid a few times per view, not
-  per 8192 rays. Rendering stays the model's, so it is always what training optimised.
+- :func:`render_view`: a full view without gradients through models.render_views.infer_image: ``march_rays`` keeps
+  only samples in occupied cells, each sample's density is looked up once, the samples past the early-termination
+  transmittance or below the weight threshold are never decoded, the decoder runs in the config's precision (bf16
+  autocast in the blender preset) and one ``volume_render`` composites; none of training's jitter, gradients or
+  TV/touched-row bookkeeping. On CUDA at least :data:`CUDA_CHUNK` rays a launch (an 800x800 view in one), so the
+  two host syncs of a launch (the packed and the decoded sample counts) are paid once per view. It renders what
+  ``model.render_image`` (training's own march) renders, to float rounding (tests/test_render_views.py).
 - :class:`HostPipeline`: the device-to-host copies of a view start without waiting (pinned buffers,
   ``non_blocking``), and a worker thread waits for them, then encodes and writes PNGs, videos frames or
   whatever the caller asks, while the device renders the next view.
@@ -21,7 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-CUDA_CHUNK = 1 << 18  # rays per launch on CUDA at least (memory: ~1-3 GB of packed samples on lego)
+from models.render_views import infer_image
+
+CUDA_CHUNK = 1 << 20  # rays per launch on CUDA at least: a whole 800x800 view (~1-6 GB of packed samples on lego)
 
 
 def inference_chunk(device: torch.device, requested: int | None) -> int:
@@ -47,8 +50,7 @@ def render_view(
     view's lens distortion where the capture has one (passed to the model as is)."""
     device = model.bbox.device
     c2w = torch.as_tensor(c2w, dtype=torch.float32, device=device)
-    extra = {} if lens is None else {"lens": lens}
-    return model.render_image(c2w, height, width, intrinsics, chunk=inference_chunk(device, chunk), **extra)
+    return infer_image(model, c2w, height, width, intrinsics, inference_chunk(device, chunk), lens)
 
 
 def expected_depth(out: dict[str, torch.Tensor], min_opacity: float = 0.5) -> torch.Tensor:
