@@ -64,6 +64,7 @@ class NerfstudioDataConfig(DataConfig):
     far: Optional[float] = None
     scene_box: Any = None  # null | half size s ([-s, s]^3) | [min x, y, z, max x, y, z]
     eval_interval: int = 8
+    orient: str = "up"  # up | none (data/orientation.py)
 
 
 @dataclass
@@ -108,6 +109,7 @@ class TrainConfig:
     distortion_loss: float = 0.0  # weight of mip-NeRF 360's distortion loss (models/regularizers.py)
     near_density_loss: float = 0.0  # weight of the optical depth near the cameras
     near_density_fraction: float = 0.2  # "near": this fraction of the camera's distance to the box centre
+    dssim: float = 0.0  # weight of 1 - SSIM on patch batches (model.upsample > 1)
     sparse_adam: bool = False
     tf32: bool = True  # CUDA matmuls (the decoder) on TF32 tensor cores
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false

@@ -15,9 +15,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.orientation import ORIENT_METHODS
 from models.config import parse_model_config
 from models.ops import EARLIER_KEYS, OP_NAMES
 from training.losses import PHOTOMETRIC_LOSSES
+from training.metrics import SSIM_WINDOW
 
 DEVICES = ("auto", "cpu", "cuda")
 OP_BACKENDS = ("custom", "torch")
@@ -136,6 +138,8 @@ def _existing_root(cfg: DictConfig, name: str, holding: str) -> tuple[Any, Path]
 def _check_nerfstudio(cfg: DictConfig) -> None:
     """data.root: a folder with transforms.json (or the JSON file); scene_box, near, far: null or usable."""
     _check_int(cfg, "data.eval_interval", minimum=2)
+    if _get(cfg, "data.orient") not in (*ORIENT_METHODS, _ABSENT):
+        raise ConfigError(f"data.orient: must be one of {', '.join(ORIENT_METHODS)}, got {_get(cfg, 'data.orient')!r}")
     root, path = _existing_root(cfg, "nerfstudio", "the folder holding transforms.json")
     if not (path.is_file() or (path / "transforms.json").is_file()):
         raise ConfigError(f"data.root: {root} contains no transforms.json (not a nerfstudio-format scene)")
@@ -172,15 +176,16 @@ def _check_train(cfg: DictConfig) -> None:
     for key in ("train.distortion_loss", "train.near_density_loss", "train.near_density_fraction"):
         _check_nonnegative_number(cfg, key)  # the floater regularisers (training/losses.py)
     _check_choice(cfg, "train.loss", PHOTOMETRIC_LOSSES, "photometric loss")
+    _check_dssim(cfg)
     _check_nonnegative_number(cfg, "train.dist_timeout")
     _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
-    for key in (
-        "train.batch_rays",
     shard = _get(cfg, "train.shard_optimizer")
     if shard is not _ABSENT and str(shard).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"train.shard_optimizer: expected auto, true or false, got {shard!r}")
     if str(shard).lower() == "true" and _get(cfg, "train.sparse_adam") is True:
         raise ConfigError("train.shard_optimizer: true shards dense Adam; not with train.sparse_adam=true")
+    for key in (
+        "train.batch_rays",
         "train.patch_size",
         "train.patches_per_batch",
         "train.log_every",
@@ -210,6 +215,17 @@ def _check_train(cfg: DictConfig) -> None:
     eps = _get(cfg, "train.adam_eps")
     if eps is not _ABSENT and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1):
         raise ConfigError(f"train.adam_eps: must be a number in (0, 1) (got {eps!r})")
+
+
+def _check_dssim(cfg: DictConfig) -> None:
+    _check_nonnegative_number(cfg, "train.dssim")
+    if (_get(cfg, "train.dssim") or 0) > 0:  # absent counts as 0
+        upsample, side = _get(cfg, "model.upsample"), _get(cfg, "train.patch_size")
+        if upsample == 1 or upsample * side < SSIM_WINDOW:
+            raise ConfigError(
+                f"train.dssim: needs patch batches of at least {SSIM_WINDOW} pixels a side (model.upsample > 1 and "
+                f"train.patch_size * model.upsample >= {SSIM_WINDOW}), got upsample={upsample}, patch_size={side}"
+            )
 
 
 def _check_viewer(cfg: DictConfig) -> None:

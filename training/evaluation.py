@@ -56,7 +56,8 @@ def render(trainer: Trainer, view: int) -> dict[str, torch.Tensor]:
     """Render view ``view`` of the eval split with its own camera and intrinsics."""
     scene = trainer.eval_scene
     c2w, intrinsics = scene.c2w[view], scene.intrinsics[view]
-    return render_view(trainer.model, c2w, scene.height, scene.width, intrinsics, trainer.train_cfg.render_chunk)
+    lens = None if scene.lens is None else scene.lens.take(torch.tensor(view))  # as captured: distorted like the image
+    return render_view(trainer.model, c2w, scene.height, scene.width, intrinsics, trainer.train_cfg.render_chunk, lens)
 
 
 class RenderWriteError(OSError):
@@ -237,7 +238,8 @@ def render_turntable(trainer: Trainer) -> Path | None:
     # at most turntable_max_side pixels a side (same field of view), a multiple of the upsample factor
     shrink = max(1, math.ceil(max(scene.height, scene.width) / trainer.train_cfg.turntable_max_side))
     height, width = (max(scale, side // shrink // scale * scale) for side in (scene.height, scene.width))
-    # the first view's intrinsics, scaled to the turntable's size (principal point kept where it was)
+    # the first view's intrinsics, scaled to the turntable's size (principal point kept where it was); a virtual
+    # camera, so pinhole even for a distorted capture
     fx, fy, cx, cy = scene.intrinsics[0].tolist()
     sx, sy = (width, scene.width), (height, scene.height)
     scaled = [fx * sx[0] / sx[1], fy * sy[0] / sy[1], cx * sx[0] / sx[1], cy * sy[0] / sy[1]]

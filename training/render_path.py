@@ -90,23 +90,27 @@ def file_path(path: Path, size: int | None):
 
 
 def eval_path(data_cfg: dict, size: int):
-    """The run's evaluation cameras and intrinsics, scaled so the longer side is ``size``."""
+    """The run's evaluation cameras, intrinsics (scaled so the longer side is ``size``) and lens (distortion is
+    scale-free), as the run saw them."""
+    if data_cfg.get("name") == "nerfstudio":
+        data_cfg.setdefault("orient", "none")  # a run from before data.orient used the poses as given
     try:
         _, scene = load_scenes(OmegaConf.create(data_cfg), torch.device("cpu"))
     except Exception as error:  # a moved or deleted scene: say so in one line
         raise PathError(f"--path eval: cannot load the run's scene ({' '.join(str(error).split())})") from None
     scale = size / max(scene.height, scene.width)
     shape = (round(scene.height * scale), round(scene.width * scale))
-    return scene.c2w.numpy(), scene.intrinsics.double().numpy() * scale, shape
+    return scene.c2w.numpy(), scene.intrinsics.double().numpy() * scale, shape, scene.lens
 
 
 def render_frames(
-    model, c2w: np.ndarray, intrinsics: np.ndarray, shape: tuple[int, int], chunk: int | None = None
+    model, c2w: np.ndarray, intrinsics: np.ndarray, shape: tuple[int, int], chunk: int | None = None, lens=None
 ) -> list:
     """(H, 2W, 3) uint8 frames: RGB | depth over [near, far] (training.inference: the shared inference path, the
-    frames assembled by worker threads while the next renders)."""
+    frames assembled by worker threads while the next renders); ``lens``: None or the cameras' (V, 6) distortion."""
+    lens_of = None if lens is None else (lambda index: lens.take(torch.tensor(index)))
     frame = partial(rgb_depth_frame, near=model.near, far=model.far)
-    return inference.render_frames(model, c2w, intrinsics, shape, frame, chunk)
+    return inference.render_frames(model, c2w, intrinsics, shape, frame, chunk, lens_of)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,20 +136,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.path == "orbit":
             centre = model.bbox.mean(0).cpu().double().numpy()
             radius = args.radius if args.radius is not None else 0.5 * (model.near + model.far)
-            path = orbit_path(centre, radius, args.elevation, args.frames, args.fov, args.size or 400)
+            path = (*orbit_path(centre, radius, args.elevation, args.frames, args.fov, args.size or 400), None)
         elif args.path == "eval":
             path = eval_path(dict(state["config"]["data"]), args.size or 400)
         else:
-            path = file_path(Path(args.path), args.size)
+            path = (*file_path(Path(args.path), args.size), None)
         out = Path(args.out) if args.out else Path(args.run_dir) / "renders" / f"path_{name}"
         if out.exists() and any(out.iterdir()):
             raise PathError(f"--out: {out} is not empty (choose another folder; nothing is overwritten)")
-        c2w, intrinsics, shape = path
+        c2w, intrinsics, shape, lens = path  # lens: the eval cameras' distortion, else None (pinhole)
         if model.upsample > 1 and (shape[0] % model.upsample or shape[1] % model.upsample):
             raise PathError(
                 f"--size: {shape[0]}x{shape[1]} is not divisible by the model's upsample ({model.upsample})"
             )
-        frames = render_frames(model, c2w, intrinsics, shape, args.chunk)
+        frames = render_frames(model, c2w, intrinsics, shape, args.chunk, lens)
         video = write_turntable(frames, out / "video.mp4", fps=args.fps)
         fov_x = 2 * math.atan(0.5 * shape[1] / float(intrinsics[0][0]))
         cameras = {"camera_angle_x": fov_x, "w": shape[1], "h": shape[0]}

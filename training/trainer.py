@@ -21,7 +21,7 @@ from training.config import ConfigError
 from training.distributed import Group
 from training.evaluation import sync
 from training.floors import adam_bytes
-from training.losses import floater_losses, opacity_loss, photometric_loss
+from training.losses import dssim, floater_losses, opacity_loss, photometric_loss
 from training.optim import ShardedGridAdam, SparseGridAdam, shard_optimizer
 from training.profiler import StepProfiler
 from training.resume import restore_trainer
@@ -186,6 +186,8 @@ class Trainer:
                 mse = F.mse_loss(out["rgb"], target)
                 kind = self.train_cfg.get("loss", "mse")
                 loss = mse if kind == "mse" else photometric_loss(out["rgb"], target, kind)
+                if self.train_cfg.get("dssim", 0.0) > 0:  # patch batches only (training.config_rules)
+                    loss = loss + self.train_cfg.dssim * dssim(out["rgb"], target)
                 loss = loss + regularization + self._opacity_loss(out["opacity"], batch.alpha)
                 unit = math.hypot(*self.model.initial_extent)  # the scene box's diagonal
                 loss = loss + floater_losses(out, batch.origins, self.train_cfg, self.scene_centre, unit)
@@ -295,11 +297,11 @@ class Trainer:
                 periodic_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.iters
                 periodic_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < self.iters
                 if periodic_checkpoint or periodic_eval or stop:
-                    self._gather_optimizer_state()
                     sync(self.device)
                     self.train_seconds += time.perf_counter() - segment_start
                     pause = True
                 if periodic_checkpoint or stop:
+                    self._gather_optimizer_state()
                     if not self.checkpoints.save_if_finite(loss, bool(periodic_checkpoint), background=not stop):
                         code = self._diverged(step, loss.item())
                         break
@@ -327,12 +329,12 @@ class Trainer:
                 self.train_seconds += time.perf_counter() - segment_start
         self.profiler.recording = False
         self.tensorboard.close()
-        self._gather_optimizer_state()
         bar.close()
         if code != EXIT_OK:
             return code
         if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())):
             return self._diverged(self.step, loss.item())
+        self._gather_optimizer_state()
         self.checkpoints.finish()  # model.pt; last.pt only with train.keep_resumable
         if self.profiler.enabled:
             report = self.profiler.report()
@@ -358,19 +360,19 @@ class Trainer:
             "(likely cause: a learning rate too high for this scene: try a lower train.lr / train.lr_decoder)",
             file=sys.stderr,
         )
-        self._gather_optimizer_state()
         return EXIT_DIVERGED
-    def _gather_optimizer_state(self) -> None:
-        """Before a save, on every rank: a sharded optimiser gathers its moments for rank 0's checkpoint."""
-        if isinstance(self.optimizer, ShardedGridAdam):
-            self.optimizer.gather()
-
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, periodic: bool = False) -> None:
         """Write the resumable checkpoint now and wait for it (training.run_checkpoints: the loop's saves run
         behind training)."""
+        self._gather_optimizer_state()
         self.checkpoints.save(periodic, background=False)
+
+    def _gather_optimizer_state(self) -> None:
+        """Before a save, on every rank: a sharded optimiser gathers its moments for rank 0's checkpoint."""
+        if isinstance(self.optimizer, ShardedGridAdam):
+            self.optimizer.gather()
 
     def restore(self, state: dict, with_training_state: bool) -> None:
         """Load a checkpoint (training.resume.restore_trainer)."""
