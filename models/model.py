@@ -188,14 +188,19 @@ class VoxelNeRF(nn.Module):
         return True
 
     @torch.no_grad()
-    def refresh_occupancy(self) -> None:
-        """Rebuild the occupancy grid from the density grid at the current sampling step."""
+    def vertex_alpha(self) -> torch.Tensor:
+        """(R0, R1, R2) alpha of a sample at each vertex at the current sampling step: the occupancy grid's input (a
+        sample inside a cell has at most its corners' largest alpha: the density is interpolated, softplus rises)."""
         steps = self.space.vertex_steps(self.grid_shape, self.bbox.device)  # contracted: grows outwards
         sigma_delta = optical_depth(
             self.density.grid[..., 0], self.config.density_shift, self.step_size / self.base_voxel * steps
         )
-        alpha = -torch.expm1(-sigma_delta)
-        self.occupancy.update(alpha, self.config.occupancy.threshold, self.config.occupancy.dilate)
+        return -torch.expm1(-sigma_delta)
+
+    @torch.no_grad()
+    def refresh_occupancy(self) -> None:
+        """Rebuild the occupancy grid from the density grid at the current sampling step."""
+        self.occupancy.update(self.vertex_alpha(), self.config.occupancy.threshold, self.config.occupancy.dilate)
 
     def on_step(self, step: int, total_steps: int) -> bool:
         """Call after optimiser step number ``step`` (1-based) of ``total_steps``.
