@@ -36,7 +36,8 @@ def steps_kept(run_dir: Path) -> list[int]:
 
 def test_keep_checkpoints_keeps_the_newest_step_files_and_last_pt_resumes(tmp_path, cache):
     run_dir = tmp_path / "run"
-    keep = ["train.keep_checkpoints=3", "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"]
+    keep = ["train.keep_checkpoints=3", "train.checkpoint_every=2", "train.keep_resumable=true"]
+    keep.append(f"hydra.run.dir={run_dir}")
     result = run_train(quick(cache, 9, *keep))
     assert result.returncode == 0, result.stdout + result.stderr
     # periodic saves at steps 2, 4, 6, 8 (the end's save at 9 is last.pt only): the newest 2 step files stay
@@ -58,11 +59,12 @@ def test_keep_checkpoints_keeps_the_newest_step_files_and_last_pt_resumes(tmp_pa
     assert not list(folder.glob(".*.tmp"))
 
 
-def test_default_keeps_only_last_pt(tmp_path, cache):
+def test_default_keeps_only_the_model(tmp_path, cache):
+    """A finished run keeps model.pt; its periodic last.pt (steps 2 and 4 here) is deleted with its folder."""
     run_dir = tmp_path / "run"
     result = run_train(quick(cache, 5, "train.checkpoint_every=2", f"hydra.run.dir={run_dir}"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["last.pt"]
+    assert (run_dir / "model.pt").is_file() and not (run_dir / "checkpoints").exists()
 
 
 def test_eval_final_views_evaluates_an_even_subset(tmp_path, cache):

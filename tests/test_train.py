@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from training.checkpoint import load_checkpoint
+from training.compact_model import read_model
 from training.config import ConfigError, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,10 +116,12 @@ def test_run_writes_metrics_renders_and_checkpoint(finished_run):
     depth, opacity = np.load(renders / "000_depth.npy"), np.load(renders / "000_opacity.npy")
     assert depth.shape == opacity.shape == (16, 16) and depth.dtype == opacity.dtype == np.float32
     assert np.isnan(depth[opacity < 0.5]).all() and ((opacity >= 0) & (opacity <= 1 + 1e-5)).all()
-    state = load_checkpoint(finished_run / "checkpoints" / "last.pt")
+    # a finished run keeps its model (model.pt: step, config, history) and no resumable checkpoint
+    state = read_model(finished_run / "model.pt")[1]
     assert state["step"] == 12 and state["config"]["train"]["iters"] == 12
     assert len(state["history"]["step"]) == 6  # log_every=2
-    assert not list((finished_run / "checkpoints").glob(".*.tmp"))
+    assert not (finished_run / "checkpoints").exists()
+    assert metrics["model_bytes"] == (finished_run / "model.pt").stat().st_size
 
 
 def test_the_turntable_is_an_mp4_that_reads_back(finished_run):
@@ -137,7 +140,9 @@ def test_render_only_reproduces_the_evaluation(finished_run):
     assert result.returncode == 0, result.stdout + result.stderr
     after = read_metrics(finished_run)
     assert after["render_only"] is True and after["iters"] == 12
-    assert after["psnr"] == pytest.approx(before["psnr"], abs=1e-9)
+    # render_only renders model.pt (fp16 density, uint8 feature codes, the strict occupancy): the same PSNR to well
+    # within the deliverable's 0.05 dB
+    assert after["psnr"] == pytest.approx(before["psnr"], abs=0.01)
     assert after["train_seconds"] == pytest.approx(before["train_seconds"])
     assert (finished_run / "renders" / "000_pred.png").is_file()
 
@@ -197,8 +202,10 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, scene_cache, signu
     assert resumed["iters"] == reference["iters"] == iters
     assert resumed["psnr"] == pytest.approx(reference["psnr"], abs=0.05)
     assert resumed["ssim"] == pytest.approx(reference["ssim"], abs=1e-3)
-    history = load_checkpoint(interrupted / "checkpoints" / "last.pt")["history"]
-    straight_history = load_checkpoint(straight / "checkpoints" / "last.pt")["history"]
+    # both finished: their model.pt carries the history (last.pt is deleted at a successful end)
+    assert not (interrupted / "checkpoints" / "last.pt").exists()
+    history = read_model(interrupted / "model.pt")[1]["history"]
+    straight_history = read_model(straight / "model.pt")[1]["history"]
     assert history["step"] == straight_history["step"]
     assert history["loss"] == pytest.approx(straight_history["loss"], rel=1e-3)
 
