@@ -138,6 +138,7 @@ def test_render_only_reproduces_the_evaluation(finished_run):
     # a different data group on the command line: render_only takes the run's own data/model config
     result = run_train(["render_only=true", "ops=torch", "device=cpu", f"hydra.run.dir={finished_run}"])
     assert result.returncode == 0, result.stdout + result.stderr
+    assert f"loaded {finished_run / 'model.pt'} (step 12)" in result.stdout  # the file it rendered, not last.pt
     after = read_metrics(finished_run)
     assert after["render_only"] is True and after["iters"] == 12
     # render_only renders model.pt (fp16 density, uint8 feature codes, the strict occupancy): the same PSNR to well

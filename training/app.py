@@ -35,6 +35,7 @@ from training.run_dir import (
     RunPaths,
     config_from_checkpoint,
     load_run_checkpoint,
+    model_source,
     refuse_to_overwrite,
 )
 from training.scenes import (
@@ -106,7 +107,9 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
     trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, box, group)
     if state is not None:
         trainer.restore(state, with_training_state=not cfg.render_only)
-        print(f"loaded {paths.checkpoint} (step {trainer.step})")
+        # render_only reads the newer of model.pt and last.pt (run_dir.load_run_checkpoint); resume reads last.pt
+        source = model_source(paths.root) if cfg.render_only else paths.checkpoint
+        print(f"loaded {source} (step {trainer.step})")
     if not cfg.render_only:
         trainer.viewer = start_viewer(cfg.train, trainer, group) if cfg.train.viewer and group.is_main else None
         try:
