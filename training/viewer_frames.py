@@ -19,6 +19,8 @@ import torch
 
 from data.rays import camera_rays
 from models.model import VoxelNeRF
+from models.render_views import infer_march
+from training.inference import inference_chunk, render_view
 from training.visualize import colorize_depth, to_uint8
 
 MODES = ("rgb", "depth", "opacity", "diffuse")  # what a frame shows (diffuse: deferred shading only)
@@ -113,9 +115,10 @@ def available_modes(model: VoxelNeRF) -> tuple[str, ...]:
 def render_frame(
     model: VoxelNeRF, c2w, height: int, width: int, focal: float, mode: str, near: float, far: float, chunk: int
 ) -> np.ndarray:
-    """One (height, width, 3) uint8 frame of ``mode`` seen from OpenGL ``c2w``: the model's own render_image for
-    rgb, depth (expected depth where the opacity is over 0.5, Turbo colours from near to far, black elsewhere) and
-    opacity (grey); the composited diffuse colour over the model's background, marched per pixel."""
+    """One (height, width, 3) uint8 frame of ``mode`` seen from OpenGL ``c2w``: training.inference's render_view
+    (the shared inference path; ``chunk`` raised to its CUDA launch size) for rgb, depth (expected depth where
+    the opacity is over 0.5, Turbo colours from near to far, black elsewhere) and opacity (grey); the composited
+    diffuse colour over the model's background, marched per pixel (models.render_views.infer_march)."""
     if mode not in MODES:
         raise ValueError(f"render_frame: unknown mode {mode!r} (expected one of {MODES})")
     device = model.bbox.device
@@ -124,12 +127,12 @@ def render_frame(
         if model.per_sample:
             raise ValueError("render_frame: per-sample shading composites no separate diffuse colour")
         origins, directions = (t.reshape(-1, 3) for t in camera_rays(c2w, height, width, focal, 1))
-        parts = []
+        parts, chunk = [], inference_chunk(device, chunk)
         for start in range(0, origins.shape[0], chunk):
-            out = model.march(origins[start : start + chunk], directions[start : start + chunk], jitter=False)
+            out = infer_march(model, origins[start : start + chunk], directions[start : start + chunk])
             parts.append(out["diffuse"] + (1.0 - out["opacity"])[:, None] * model.background)
         return to_uint8(torch.cat(parts).clamp(0.0, 1.0).reshape(height, width, 3).cpu())
-    out = model.render_image(c2w, height, width, focal, chunk=chunk)
+    out = render_view(model, c2w, height, width, focal, chunk)
     if mode == "rgb":
         return to_uint8(out["rgb"].cpu())
     opacity = out["opacity"].clamp(0.0, 1.0)
