@@ -150,7 +150,7 @@ class Viewer:
         host, port: where to listen (ViewerError when the port is taken).
         budget: the fraction of wall time renders may take while training, in (0, 1].
         resolution: the slider's starting value (longer side of a still camera's frame, pixels).
-        chunk: rays per render chunk.
+        chunk: rays per render chunk (training.inference raises it to its launch size on CUDA).
         training: False for a finished run (no pause button, no periodic redraw).
         pausable: show the pause button (not under torchrun: the other ranks would time out waiting).
     """
