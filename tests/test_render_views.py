@@ -56,6 +56,19 @@ def test_inference_renders_what_training_renders(overrides, ops):
     torch.testing.assert_close(render_view(model, c2w, 16, 24, intrinsics)["rgb"], expected["rgb"], rtol=0, atol=2e-6)
 
 
+def test_inference_decodes_in_slices_without_changing_the_picture(monkeypatch):
+    """Kept samples are decoded DECODE_SLICE at a time (bounded memory on unbounded scenes): same pixels."""
+    import models.render_views as render_views
+
+    model = random_model(shading="per_sample", upsample=1, weight_threshold=0.0, early_termination=0.0)
+    c2w, intrinsics = look_at_c2w((3.0, 2.0, 2.5)), torch.tensor([22.0, 21.0, 11.5, 8.0])
+    whole = infer_image(model, c2w, 16, 24, intrinsics, 16 * 24)
+    monkeypatch.setattr(render_views, "DECODE_SLICE", 97)  # many slices, the last one partial
+    sliced = infer_image(model, c2w, 16, 24, intrinsics, 16 * 24)
+    for key in ("rgb", "depth", "opacity"):
+        torch.testing.assert_close(sliced[key], whole[key], rtol=0, atol=1e-6, msg=key)
+
+
 def test_inference_march_matches_march_channels_in_float64():
     """Per ray, in float64: the composited channels of infer_march equal march's (deferred shading: the features)."""
     model = random_model(upsample=1, weight_threshold=1e-3, early_termination=1e-3).double()
