@@ -866,8 +866,9 @@ def test_non_finite_points_agree_between_backends(sizes, dtype, tol):
         assert got[1].isnan().any()
         finite_rows = torch.isfinite(out).all(dim=1)
         torch.testing.assert_close(got[2][finite_rows], want[2][finite_rows], rtol=tol, atol=tol)
-        for grads in (got[2], want[2]):
-            assert grads[~finite_rows].isnan().any(dim=1).all()
+        # the kernel's points gradient is NaN on every non-finite row; the reference's depends on the torch version
+        # (torch 2.14's autograd gives a finite one on some rows where 2.13 gave NaN), so only ours is held to it
+        assert got[2][~finite_rows].isnan().any(dim=1).all()
 
 
 @pytest.mark.requires_cuda

@@ -219,7 +219,8 @@ def _check_train(cfg: DictConfig) -> None:
 
 def _check_dssim(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.dssim")
-    if (_get(cfg, "train.dssim") or 0) > 0:  # absent counts as 0
+    weight = _get(cfg, "train.dssim")
+    if weight is not _ABSENT and weight > 0:
         upsample, side = _get(cfg, "model.upsample"), _get(cfg, "train.patch_size")
         if upsample == 1 or upsample * side < SSIM_WINDOW:
             raise ConfigError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -47,10 +48,13 @@ def render_view(
 ) -> dict[str, torch.Tensor]:
     """One view of ``model`` (eval mode expected): dict(rgb (H, W, 3) in [0, 1], depth (H, W) = sum w t, opacity
     (H, W)) on the model's device. ``intrinsics``: a focal length in pixels or (4,) fx, fy, cx, cy; ``lens``: the
-    view's lens distortion where the capture has one (passed to the model as is)."""
+    view's lens distortion where the capture has one (passed to the model as is). A model with its own
+    ``infer_image(c2w, height, width, intrinsics, chunk, lens)`` (bench.peers' renderers) renders itself."""
     device = model.bbox.device
     c2w = torch.as_tensor(c2w, dtype=torch.float32, device=device)
-    return infer_image(model, c2w, height, width, intrinsics, inference_chunk(device, chunk), lens)
+    own = getattr(model, "infer_image", None)
+    render = own if own is not None else partial(infer_image, model)
+    return render(c2w, height, width, intrinsics, inference_chunk(device, chunk), lens)
 
 
 def expected_depth(out: dict[str, torch.Tensor], min_opacity: float = 0.5) -> torch.Tensor:

@@ -48,6 +48,8 @@ class PeerModel:
             raise ValueError(f"peer render: expected an ({height}, {width}, 3) image, got {tuple(rgb.shape)}")
         return {"rgb": rgb.float().clamp(0.0, 1.0)}
 
+    infer_image = render_image  # training.inference.render_view's hook: the peer renders itself
+
 
 def evaluate_views(render: RenderFn, scene: Scene, views: list[int] | None = None) -> dict:
     """PSNR / SSIM of ``render`` on ``views`` of ``scene`` (every view when None) as our evaluation computes them:
