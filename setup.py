@@ -14,12 +14,12 @@ written to ``cuda_ext/_build_config.py`` (``cuda_ext.build_info()`` reports it).
 
 import glob
 import os
-import shutil
 import subprocess
 import sys
 
 import torch
 from setuptools import find_packages, setup
+from torch.utils import cpp_extension
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -33,11 +33,40 @@ def notice(message: str) -> None:
     print(f"cuda_ext setup: {message}", file=sys.stderr, flush=True)
 
 
+def is_toolkit(folder) -> bool:
+    """A CUDA toolkit's root: nvcc, the runtime's headers and the runtime library to link."""
+    if not folder:
+        return False
+    lib_dirs = ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"))
+    libs = [os.path.join(folder, lib, "libcudart.so") for lib in lib_dirs]
+    return (
+        os.path.exists(os.path.join(folder, "bin", "nvcc"))
+        and os.path.exists(os.path.join(folder, "include", "cuda_runtime.h"))
+        and any(os.path.exists(lib) for lib in libs)
+    )
+
+
+def cuda_home():
+    """The toolkit to build with: torch's CUDA_HOME when it is one, else /usr/local/cuda; None without a toolkit.
+
+    torch derives CUDA_HOME from `which nvcc` when the variable is unset, which is wrong where nvcc on PATH is a
+    wrapper script outside the toolkit (seen: /usr/local/bin/nvcc -> CUDA_HOME=/usr/local, no headers, no libcudart:
+    every file compiled, then the link failed on -lcudart)."""
+    if is_toolkit(CUDA_HOME):
+        return CUDA_HOME
+    fallback = "/usr/local/cuda"
+    if not os.environ.get("CUDA_HOME") and is_toolkit(fallback):
+        notice(f"CUDA_HOME={CUDA_HOME} (from nvcc on PATH) is not a CUDA toolkit: using {fallback}")
+        cpp_extension.CUDA_HOME = fallback  # read by CUDAExtension and BuildExtension when they run
+        os.environ["CUDA_HOME"] = fallback
+        return fallback
+    return None
+
+
 def nvcc_path():
-    """The toolkit's nvcc (CUDA_HOME as torch finds it, else PATH), or None."""
-    candidates = [os.path.join(CUDA_HOME, "bin", "nvcc")] if CUDA_HOME else []
-    candidates.append(shutil.which("nvcc"))
-    return next((c for c in candidates if c and os.path.exists(c)), None)
+    """The toolkit's nvcc, or None."""
+    home = cuda_home()
+    return os.path.join(home, "bin", "nvcc") if home else None
 
 
 def with_cuda() -> bool:
@@ -52,9 +81,12 @@ def with_cuda() -> bool:
         if force == "1":
             raise SystemExit("cuda_ext setup: FORCE_CUDA=1 but the installed torch has no CUDA (a CPU build)")
         return False
-    if CUDA_HOME is None or nvcc_path() is None:
+    if nvcc_path() is None:
         if force == "1":
-            raise SystemExit("cuda_ext setup: FORCE_CUDA=1 needs a CUDA toolkit: set CUDA_HOME or put nvcc on PATH")
+            raise SystemExit(
+                "cuda_ext setup: FORCE_CUDA=1 needs a CUDA toolkit (bin/nvcc, include/cuda_runtime.h, libcudart.so): "
+                f"CUDA_HOME={CUDA_HOME} is none; set CUDA_HOME to the toolkit's folder"
+            )
         notice(
             f"torch has CUDA {torch.version.cuda} but no CUDA toolkit (nvcc, CUDA_HOME) was found: building the CPU "
             f"kernels only; for the CUDA kernels install the toolkit and run `{REBUILD_WITH_CUDA}`"
