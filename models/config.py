@@ -22,6 +22,7 @@ GELU_MODES = ("none", "tanh")
 SHADING_MODES = ("deferred", "per_sample")
 DECODER_PRECISIONS = ("float32", "bfloat16")
 CONTRACTIONS = ("none", "inf")  # models.contraction
+POSE_MODES = ("none", "so3xr3")  # models.pose_refinement
 
 
 @dataclass
@@ -60,12 +61,14 @@ class ModelConfig:
     tv_features: float = 1.0e-4
     tv_until: float = 1.0
     tv_samples: int = 65536
+    tv_background: float = 1.0  # TV multiplier outside the foreground box (contraction=inf: the shell)
     shading: str = "deferred"
     shrink_at: Any = None  # null, a step (int) or a fraction of training (float)
     shrink_threshold: float = 1.0e-3
     contraction: str = "none"  # none: the grids span the box; inf: the L-inf scene contraction around it
     appearance: str = "none"  # none | embedding | affine: per-training-image appearance (models/appearance.py)
     appearance_dim: int = 16  # width of the per-image embedding (appearance=embedding)
+    pose_refinement: str = "none"  # none | so3xr3: a learnt camera correction per training image
 
 
 def _int_at_least(cfg: ModelConfig, key: str, minimum: int) -> None:
@@ -111,7 +114,7 @@ def check_model_config(c: ModelConfig) -> None:
     _number_in("occupancy.threshold", c.occupancy.threshold, 0.0, 1.0)
     for key in ("early_termination", "weight_threshold", "tv_until", "shrink_threshold"):
         _number_in(key, getattr(c, key), 0.0, 1.0)
-    for key in ("tv_density", "tv_features"):
+    for key in ("tv_density", "tv_features", "tv_background"):
         _number_in(key, getattr(c, key), 0.0)
     if len(c.background) != 3 or not all(0.0 <= v <= 1.0 for v in c.background):
         raise ValueError(f"model.background: must be 3 numbers in [0, 1], got {list(c.background)!r}")
@@ -127,6 +130,13 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError(f"model.appearance: expected one of {', '.join(APPEARANCE_MODES)}, got {c.appearance!r}")
     if c.contraction not in CONTRACTIONS:
         raise ValueError(f"model.contraction: expected 'none' or 'inf', got {c.contraction!r}")
+    if c.pose_refinement not in POSE_MODES:
+        raise ValueError(f"model.pose_refinement: expected one of {', '.join(POSE_MODES)}, got {c.pose_refinement!r}")
+    if c.contraction == "none" and c.tv_background != 1.0:
+        raise ValueError(
+            f"model.tv_background: weighs the contracted shell's TV, so it needs model.contraction=inf "
+            f"(the grids span only the box otherwise), got {c.tv_background!r}"
+        )
     if c.contraction != "none" and c.shrink_at is not None:
         raise ValueError(
             f"model.shrink_at: must be null with model.contraction={c.contraction} (the grids span all of space), "

@@ -93,6 +93,16 @@ class SceneSpace:
             return step
         return step * ((t - t_split[ray]) / box_radius(bbox) + 1.0).clamp(min=1.0).square()
 
+    def foreground(self, shape: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        """Per axis, (R_a,) bool: which vertex coordinates lie in the box (contracted: |x| <= 1 of the cube's
+        [-2, 2], the middle half, boundary included); None when bounded (every vertex is in the box)."""
+        if not self.contract:
+            return None
+        return tuple(
+            torch.linspace(-2.0, 2.0, r, device=device, dtype=torch.float64).abs() <= 1.0 + 1e-3 / (r - 1)
+            for r in shape
+        )
+
     def vertex_steps(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor | float:
         """Per-vertex factor on the step for the occupancy grid's alpha: 1 (bounded), else (R0, R1, R2) the largest
         (distance / P)^2 over the cells around each vertex (the world step of a disparity sample there, so a cell

@@ -101,18 +101,34 @@ class VoxelGrid(nn.Module):
         """Replace the parameter by its trilinear resample at ``shape`` (the field is kept, up to resampling)."""
         self.grid = nn.Parameter(resample(self.grid.detach(), shape))
 
-    def total_variation(self, num_samples: int, touched: torch.Tensor | None = None) -> torch.Tensor:
+    def total_variation(
+        self,
+        num_samples: int,
+        touched: torch.Tensor | None = None,
+        foreground: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        outside: float = 1.0,
+    ) -> torch.Tensor:
         """Mean squared difference between neighbouring voxels, summed over the 3 axes (scalar).
 
         ``num_samples`` > 0 estimates it on that many random voxels (and their +1 neighbours), which keeps the
         cost and the gradient's footprint small on big grids; 0 (or more samples than voxels) uses the whole grid.
         ``touched``: optional (R0*R1*R2,) bool mask in which the rows the estimate reads are set (sparse Adam).
+        ``foreground``: optional (R0,), (R1,), (R2,) bool masks of the vertices inside the foreground box per axis
+        (a vertex is inside when all three are set); each squared difference with a vertex outside is multiplied
+        by ``outside`` (``model.tv_background``; 1 or no masks: the unweighted sum, the same operations as ever).
         """
         grid = self.grid
         r0, r1, r2 = self.shape
+        weighted = foreground is not None and outside != 1.0
         if num_samples <= 0 or num_samples >= (r0 - 1) * (r1 - 1) * (r2 - 1):
             if touched is not None:
                 touched.fill_(True)
+            if weighted:  # per axis a (R_a - 1 along a) weights of the pairs (v, v + e_a)
+                shapes = [[-1 if b == a else 1 for b in range(3)] for a in range(3)]
+                vertex = [f.reshape(shape) for f, shape in zip(foreground, shapes)]
+                pair = [(f[:-1] & f[1:]).reshape(shape) for f, shape in zip(foreground, shapes)]
+                weights = _pair_weights(pair, vertex, outside, grid.dtype)
+                return sum((torch.diff(grid, dim=a) ** 2 * weights[a][..., None]).mean() for a in range(3))
             return sum((torch.diff(grid, dim=axis) ** 2).mean() for axis in range(3))
         device = grid.device
         i = torch.randint(r0 - 1, (num_samples,), device=device)
@@ -124,6 +140,11 @@ class VoxelGrid(nn.Module):
         if touched is not None:
             touched[index.reshape(-1)] = True
         values = grid.reshape(-1, grid.shape[3])[index.reshape(-1)].reshape(4, num_samples, -1)
+        if weighted:  # the (3, S) weights of each sampled voxel's three pairs
+            vertex = [f[c] for f, c in zip(foreground, (i, j, k))]
+            pair = [f[c] & f[c + 1] for f, c in zip(foreground, (i, j, k))]
+            weights = torch.stack(_pair_weights(pair, vertex, outside, grid.dtype))
+            return ((values[1:] - values[:1]) ** 2 * weights[..., None]).mean(dim=(1, 2)).sum()
         return ((values[1:] - values[:1]) ** 2).mean(dim=(1, 2)).sum()
 
     def _load_from_state_dict(
@@ -137,6 +158,20 @@ class VoxelGrid(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+
+
+def _pair_weights(
+    pair: list[torch.Tensor], vertex: list[torch.Tensor], outside: float, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """TV weights of neighbour pairs along each axis a: 1 where both vertices are in the foreground, i.e. both
+    ends inside along a (``pair[a]``) and the shared coordinates inside along the other axes (``vertex[b]``),
+    else ``outside``. The masks broadcast together; returns 3 tensors of ``dtype``."""
+    weights = []
+    for a in range(3):
+        both = pair[a] & vertex[(a + 1) % 3] & vertex[(a + 2) % 3]
+        one = torch.ones((), dtype=dtype, device=both.device)
+        weights.append(torch.where(both, one, one * outside))  # outside in dtype, not rounded through float32
+    return weights
 
 
 class OccupancyGrid(nn.Module):

@@ -35,6 +35,7 @@ from models.field import (
     visible_box,
 )
 from models.ops import OpSet
+from models.pose_refinement import PoseRefinement, points_with_ray_gradients
 from models.regularizers import RenderedSamples
 from models.render import (
     PackedSamples,
@@ -89,6 +90,7 @@ class VoxelNeRF(nn.Module):
         mlp += (c.appearance, c.appearance_dim)  # per-image appearance lives in the decoder (models/appearance.py)
         # both see every feature channel: per sample the raw features, deferred the composited diffuse + the rest
         self.decoder = (SampleDecoder if c.shading == "per_sample" else Decoder)(c.feature_dim, *mlp)
+        self.poses = PoseRefinement(c.pose_refinement)  # per-training-image camera corrections (sized by the trainer)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
 
@@ -224,12 +226,16 @@ class VoxelNeRF(nn.Module):
         return grown
 
     # ------------------------------------------------------------------ optimisation
-    def param_groups(self, lr_grid: float, lr_decoder: float) -> list[dict]:
-        """Adam parameter groups: the grids at ``lr_grid``, the decoder at ``lr_decoder``."""
-        return [
+    def param_groups(self, lr_grid: float, lr_decoder: float, lr_pose: float = 0.0) -> list[dict]:
+        """Adam parameter groups: the grids at ``lr_grid``, the decoder at ``lr_decoder``, and with
+        ``model.pose_refinement`` the pose corrections at ``lr_pose`` (group ``poses``)."""
+        groups = [
             {"params": [self.density.grid, self.features.grid], "lr": lr_grid, "name": "grids"},
             {"params": list(self.decoder.parameters()), "lr": lr_decoder, "name": "decoder"},
         ]
+        if self.poses.enabled:
+            groups.append({"params": [self.poses.table], "lr": lr_pose, "name": "poses"})
+        return groups
 
     def regularization(self) -> torch.Tensor:
         """Weighted total variation of the density and feature grids (scalar; zero after ``tv_until``)."""
@@ -239,10 +245,13 @@ class VoxelNeRF(nn.Module):
             return zero
         total = zero
         touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
+        # model.tv_background: the contracted shell's pairs weigh that much more (None / 1: unweighted)
+        weighted = c.tv_background != 1.0
+        shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)
         if c.tv_density > 0:
-            total = total + c.tv_density * self.density.total_variation(c.tv_samples, touched)
+            total = total + c.tv_density * self.density.total_variation(c.tv_samples, touched, *shell)
         if c.tv_features > 0:
-            total = total + c.tv_features * self.features.total_variation(c.tv_samples, touched)
+            total = total + c.tv_features * self.features.total_variation(c.tv_samples, touched, *shell)
         return total
 
     # ------------------------------------------------------------------ rendering
@@ -257,14 +266,15 @@ class VoxelNeRF(nn.Module):
         num_rays = origins.shape[0]
         step = self.step_size
         space = self.space
+        rays = (origins.detach(), directions.detach())  # the samples are data (refined poses: the points move below)
         t_start, t_end, t_split, num_samples = space.march_range(
-            origins, directions, self.bbox, self.near, self.far, step, c.max_samples
+            *rays, self.bbox, self.near, self.far, step, c.max_samples
         )
         if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
             jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
         jitter = jitter.reshape(num_rays).to(origins.device, origins.dtype)
         ray, t, points, offsets = self.ops.march_rays(
-            origins, directions, t_start, t_end, jitter, self.occupancy.mask, self.bbox, step, num_samples, t_split
+            *rays, t_start, t_end, jitter, self.occupancy.mask, self.bbox, step, num_samples, t_split
         )
         samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
         step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, self.bbox) / self.base_voxel
@@ -284,6 +294,9 @@ class VoxelNeRF(nn.Module):
                 keep = compact(shows, shown_count) if c.weight_threshold > 0 else None
         if self.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
             self.touched.mark_points(samples.points, self.grid_shape)
+        # refined poses: the points move with their rays (same values; the gradient of o + t d)
+        moved = (samples.points, samples.ray, samples.t, origins, directions, self.bbox, space.contract)
+        samples.points = points_with_ray_gradients(*moved)
         step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, self.bbox) / self.base_voxel
         sigma_delta = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
         shaded = samples if keep is None else samples.take(keep)
@@ -330,6 +343,7 @@ class VoxelNeRF(nn.Module):
         are jittered by ``jitter`` (B,) in [0, 1) (the batch's) or a fresh draw. ``background``: optional (B, 3).
         ``views``: optional (B,) training-image index of each ray (model.appearance; None: the mean appearance)."""
         check_rays("render_rays", origins, directions)
+        origins, directions = self.poses(views, origins, directions)  # training images' refined cameras (or as given)
         out = self.march(origins, directions, self.training if jitter is None or not self.training else jitter, views)
         rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions, background, views)
         return {"rgb": rgb} | {key: out[key] for key in ("depth", "opacity", "samples", "packed")}

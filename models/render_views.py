@@ -58,14 +58,16 @@ def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor
         if tuple(got) != want:
             raise ValueError(f"render_patches: {name} must be {want} (upsample={model.upsample}), got {tuple(got)}")
     jitter = batch.jitter if model.training and batch.jitter is not None else model.training
-    out = model.march(batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter=jitter)
+    # training images' refined cameras (model.pose_refinement; held out or off: as given)
+    origins, directions, hr_directions = model.poses(batch.views, batch.origins, batch.directions, batch.hr_directions)
+    out = model.march(origins.reshape(-1, 3), directions.reshape(-1, 3), jitter=jitter)
     low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
     high = upsample_channels(model, low).reshape(n * side * side, -1)
     rgb = model.shade(
         high[:, :DIFFUSE_CHANNELS],
         high[:, DIFFUSE_CHANNELS:-1],
         high[:, -1],
-        batch.hr_directions.reshape(-1, 3),
+        hr_directions.reshape(-1, 3),
         None if background is None else background.reshape(-1, 3),
         None if batch.views is None else batch.views.repeat_interleave(side * side),  # per-image appearance
     )

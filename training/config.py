@@ -110,6 +110,8 @@ class TrainConfig:
     near_density_loss: float = 0.0  # weight of the optical depth near the cameras
     near_density_fraction: float = 0.2  # "near": this fraction of the camera's distance to the box centre
     dssim: float = 0.0  # weight of 1 - SSIM on patch batches (model.upsample > 1)
+    lr_pose: float = 6.0e-4  # Adam rate of the pose corrections (model.pose_refinement; nerfacto's)
+    pose_penalty: float = 1.0e-2  # weight of their mean squared norm (radians, scene units)
     sparse_adam: bool = False
     tf32: bool = True  # CUDA matmuls (the decoder) on TF32 tensor cores
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false

@@ -175,6 +175,8 @@ def _check_train(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.opacity_loss")
     for key in ("train.distortion_loss", "train.near_density_loss", "train.near_density_fraction"):
         _check_nonnegative_number(cfg, key)  # the floater regularisers (training/losses.py)
+    for key in ("train.lr_pose", "train.pose_penalty"):
+        _check_nonnegative_number(cfg, key)  # model.pose_refinement (models/pose_refinement.py)
     _check_choice(cfg, "train.loss", PHOTOMETRIC_LOSSES, "photometric loss")
     _check_dssim(cfg)
     _check_nonnegative_number(cfg, "train.dist_timeout")

@@ -85,6 +85,7 @@ class Trainer:
             grid_box=grid_box,
         ).to(device)
         self.model.decoder.appearance.resize(train_scene.num_views)  # a code per training image (model.appearance)
+        self.model.poses.resize(train_scene.num_views)  # a camera correction per training image (pose_refinement)
         self.scene_centre = train_scene.bbox.to(device, torch.float32).mean(0)  # for train.near_density_loss
         self.profiler.instrument_module(self.model.decoder, "decoder")
         if device.type == "cuda" and self.model.config.decoder_precision == "bfloat16":
@@ -136,7 +137,8 @@ class Trainer:
     def _new_optimizer(self) -> torch.optim.Optimizer:
         """Adam over the grids and the decoder; with ``train.sparse_adam`` the grids' step reads and writes only
         the voxels this step touched (training.optim.SparseGridAdam, through ``ops.sparse_adam_step``)."""
-        groups = self.model.param_groups(float(self.train_cfg.lr), float(self.train_cfg.lr_decoder))
+        rates = (self.train_cfg.lr, self.train_cfg.lr_decoder, self.train_cfg.get("lr_pose", 6e-4))
+        groups = self.model.param_groups(*(float(rate) for rate in rates))
         for group in groups:
             group["initial_lr"] = group["lr"]
         eps = float(self.train_cfg.get("adam_eps", 1e-8))
@@ -191,6 +193,8 @@ class Trainer:
                 loss = loss + regularization + self._opacity_loss(out["opacity"], batch.alpha)
                 unit = math.hypot(*self.model.initial_extent)  # the scene box's diagonal
                 loss = loss + floater_losses(out, batch.origins, self.train_cfg, self.scene_centre, unit)
+                if self.model.poses.enabled:  # the L2 pull of the pose corrections towards the poses as given
+                    loss = loss + float(self.train_cfg.get("pose_penalty", 0.01)) * self.model.poses.penalty()
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
