@@ -549,3 +549,145 @@ def test_short_training_run_reports(blender_scene):
     assert [e["step"] for e in result["evaluations"]] == [100, 300] and len(result["curve"]) == 3
     assert last["train_seconds"] > first["train_seconds"] > 0 and last["model_bytes"] > 0
     assert result["peak_memory_bytes"] > 0 and math.isfinite(last["psnr"])
+
+
+# ------------------------------------------------------------------------------------------------ the NeRF peer
+HAS_NERFACC = importlib.util.find_spec("nerfacc") is not None
+needs_nerfacc_gpu = pytest.mark.skipif(
+    not (HAS_NERFACC and torch.cuda.is_available()), reason="needs nerfacc and a CUDA GPU (its CUDA kernels)"
+)
+
+
+def _brute_force_hash_encoding(encoding, points: torch.Tensor) -> torch.Tensor:
+    """Point by point, level by level, corner by corner in float64 with Python integers (the module doc's rule)."""
+    table = encoding.table.detach().double()
+    out = torch.zeros(points.shape[0], encoding.levels, encoding.features, dtype=torch.float64)
+    for n, point in enumerate(points.double().tolist()):
+        for level, res in enumerate(encoding.resolutions):
+            scaled = [min(max(c, 0.0), 1.0) * res for c in point]
+            cell = [min(int(math.floor(s)), res - 1) for s in scaled]
+            for bits in range(8):
+                vertex = [cell[a] + ((bits >> a) & 1) for a in range(3)]
+                weight = 1.0
+                for a in range(3):
+                    frac = scaled[a] - cell[a]
+                    weight *= frac if (bits >> a) & 1 else 1.0 - frac
+                if (res + 1) ** 3 <= encoding.table_size:
+                    slot = vertex[0] + vertex[1] * (res + 1) + vertex[2] * (res + 1) ** 2
+                else:
+                    slot = (vertex[0] ^ vertex[1] * 2654435761 ^ vertex[2] * 805459861) % encoding.table_size
+                out[n, level] += weight * table[level, slot]
+    return out.reshape(points.shape[0], -1)
+
+
+def test_hash_encoding_is_trilinear_over_dense_and_hashed_levels():
+    from bench.peers.hash_encoding import HashEncoding
+
+    torch.manual_seed(0)
+    encoding = HashEncoding(levels=3, log2_size=6, features=2, base=2, finest=8).double()
+    assert encoding.resolutions == [2, 4, 8]  # 27 vertices fit in 64 slots (dense); 125 and 729 do not (hashed)
+    with torch.no_grad():
+        encoding.table.normal_()  # O(1) entries, not the 1e-4 initialisation: a wrong weight shows
+    points = torch.cat([torch.rand(40, 3, dtype=torch.float64), torch.tensor([[0.0, 1.0, 0.5], [1.0, 1.0, 1.0]])])
+    points = torch.cat([points, torch.tensor([[-0.2, 0.3, 1.4]], dtype=torch.float64)])  # outside: clamped
+    torch.testing.assert_close(encoding(points), _brute_force_hash_encoding(encoding, points), rtol=1e-12, atol=1e-12)
+
+
+def test_hash_encoding_gradients():
+    from bench.peers.hash_encoding import HashEncoding
+
+    torch.manual_seed(1)
+    encoding = HashEncoding(levels=2, log2_size=5, features=2, base=2, finest=5).double()
+    with torch.no_grad():
+        encoding.table.normal_()
+    points = (0.05 + 0.9 * torch.rand(6, 3, dtype=torch.float64)).requires_grad_()
+    table = encoding.table.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: torch.func.functional_call(encoding, {"table": t}, (points,)), (table,))
+    assert torch.autograd.gradcheck(encoding, (points,))
+
+
+def test_hash_grid_levels_are_instant_ngps():
+    from bench.peers.hash_encoding import HashEncoding, level_resolutions
+
+    resolutions = level_resolutions(16, 16, 4096)
+    assert resolutions[0] == 16 and resolutions[-1] == 4096 and resolutions == sorted(resolutions)
+    growth = math.exp(math.log(256) / 15)
+    assert resolutions == [math.floor(16 * growth**level + 1e-9) for level in range(16)]
+    encoding = HashEncoding()
+    assert tuple(encoding.table.shape) == (16, 1 << 19, 2) and encoding.output_dim == 32
+    assert float(encoding.table.detach().abs().max()) <= 1e-4
+    with pytest.raises(ValueError, match="points"):
+        encoding(torch.rand(4, 2))
+    with pytest.raises(ValueError, match="log2_size"):
+        HashEncoding(log2_size=0)
+
+
+def test_sh_encoding_is_orthonormal_on_the_sphere():
+    from bench.peers.hash_encoding import sh_encoding
+
+    count = 40000  # a Fibonacci lattice: equal-area points, the integral as a mean
+    index = torch.arange(count, dtype=torch.float64) + 0.5
+    z = 1.0 - 2.0 * index / count
+    phi = math.pi * (1.0 + math.sqrt(5.0)) * index
+    radius = torch.sqrt(1.0 - z * z)
+    directions = torch.stack([radius * torch.cos(phi), radius * torch.sin(phi), z], -1)
+    basis = sh_encoding(directions)
+    gram = 4.0 * math.pi * basis.T @ basis / count
+    torch.testing.assert_close(gram, torch.eye(16, dtype=torch.float64), rtol=0, atol=2e-3)
+    # the functions without lower-degree terms are homogeneous: x -> 2x scales degree l by 2^l
+    homogeneous = {1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 7: 2, 8: 2, 9: 3, 10: 3, 14: 3, 15: 3}
+    scaled = sh_encoding(directions[:5] * 2.0)
+    for column, degree in homogeneous.items():
+        torch.testing.assert_close(scaled[:, column], basis[:5, column] * 2.0**degree)
+
+
+def test_ngp_schedule_is_torchs_chained_schedulers():
+    from bench.peers.nerfacc_trainer import NgpRecipe, lr_factor
+
+    total, recipe = 2000, NgpRecipe()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    milestones = [total // 2, total * 3 // 4, total * 9 // 10]
+    schedulers = [torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=100),
+                  torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.33)]  # fmt: skip
+    for step in range(total):
+        assert lr_factor(step, total, recipe) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9), step
+        optimizer.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    assert lr_factor(total - 1, total, recipe) == pytest.approx(0.33**3)
+
+
+def test_dynamic_ray_count_aims_at_the_sample_budget():
+    from bench.peers.nerfacc_trainer import next_ray_count
+
+    assert next_ray_count(1024, 1 << 16, 1 << 18) == 4096  # 64 samples a ray: 4096 rays march 2^18
+    assert next_ray_count(4096, 1 << 20, 1 << 18) == 1024
+    assert next_ray_count(1024, 0, 1 << 18) == 1024  # nothing marched: keep
+    assert next_ray_count(1024, 1, 1 << 18) == 1 << 18  # at most one ray per budgeted sample
+    assert next_ray_count(3, 1 << 30, 1 << 18) == 1
+
+
+def test_marching_bounded_and_unbounded(blender_scene, tmp_path):
+    from bench.peers.nerfacc_trainer import NgpRecipe, focus_point, marching_for
+
+    bounded = marching_for(load_peer_scene(blender_scene), NgpRecipe())
+    assert bounded.levels == 1 and bounded.cone_angle == 0.0 and bounded.scale == 1.0
+    box = load_peer_scene(blender_scene).train.bbox
+    assert bounded.step_size == pytest.approx(math.sqrt(3) * float((box[1] - box[0]).max()) / 1024)
+    target = np.array([0.3, -0.2, 0.5])
+    cameras = torch.from_numpy(look_at(random_zone_positions(9, 4.0, 0.1, 1.0, np.random.default_rng(3)) + target,
+                                       target=target))  # fmt: skip
+    torch.testing.assert_close(focus_point(cameras), torch.from_numpy(target), rtol=0, atol=1e-9)
+    capture = load_peer_scene(_capture(tmp_path / "cap", None))
+    unbounded = marching_for(capture, NgpRecipe())
+    assert unbounded.levels == 4 and unbounded.roi == (-1.0, -1.0, -1.0, 1.0, 1.0, 1.0) and unbounded.cone_angle > 0
+    centres = (capture.train.c2w[:, :3, 3].double() - torch.tensor(unbounded.centre)) * unbounded.scale
+    assert float(centres.norm(dim=-1).median()) == pytest.approx(1.0)
+
+
+def test_nerfacc_arguments():
+    args = peers_run.parse_args(["--scene", "s", "--data-root", "x", "--method", "nerfacc"])
+    assert args.steps == [20000]
+    assert peers_run.parse_args(["--scene", "s", "--data-root", "x", "--method", "gsplat"]).steps == [7000]
+    with pytest.raises(SystemExit):
+        peers_run.parse_args(["--scene", "s", "--data-root", "x", "--method", "nerfacc", "--ours-run", "r"])
