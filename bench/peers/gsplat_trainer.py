@@ -12,9 +12,6 @@ Training time excludes evaluation: the clock stops (after a device synchronise) 
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -33,8 +30,8 @@ from bench.peers.gaussians import (
     random_points,
     sh_degree_at,
 )
+from bench.peers.loop import saved_bytes, train_and_evaluate
 from bench.peers.losses import photometric_loss
-from bench.peers.metrics import curve_views, evaluate_views
 from bench.peers.scenes import PeerScene
 from data import Scene
 
@@ -105,22 +102,7 @@ class Splats:
 
     def model_bytes(self, keep: str | None = None) -> int:
         """Bytes of the Gaussians saved with torch.save (no optimiser state); ``keep``: a path to keep the file at."""
-        handle, path = tempfile.mkstemp(suffix=".pt")
-        os.close(handle)
-        try:
-            torch.save(model_tensors(self.params), path)
-            size = os.path.getsize(path)
-            if keep:
-                os.replace(path, keep)
-            return size
-        finally:
-            if os.path.exists(path):
-                os.remove(path)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        return saved_bytes(model_tensors(self.params), keep)
 
 
 def _targets(scene: Scene, device: torch.device) -> dict[str, torch.Tensor]:
@@ -217,6 +199,19 @@ class GsplatTraining:
                 reset_opa(params=params, optimizers=optimizers, state=self.state, value=self.strategy.prune_opa * 2.0)
         return loss.detach()
 
+    # what bench.peers.loop.train_and_evaluate asks of a peer
+    def renderer_at(self, step: int):
+        return self.splats.renderer(sh_degree_at(step, self.recipe), self.background)
+
+    def progress(self) -> dict:
+        return {"num_gaussians": int(self.splats.params["means"].shape[0])}
+
+    def describe(self, loss: torch.Tensor) -> str:
+        return f"loss {loss.item():.4f}, {self.progress()['num_gaussians']} Gaussians"
+
+    def model_bytes(self, keep: str | None = None) -> int:
+        return self.splats.model_bytes(keep)
+
 
 def train_gsplat(
     scene: PeerScene,
@@ -237,69 +232,23 @@ def train_gsplat(
     gsplat = import_gsplat()
     recipe = recipe or Recipe()
     device = torch.device(device)
-    total = max(steps)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    evaluation = scene.eval.to(device)
-
-    start = time.perf_counter()
-    training = GsplatTraining(scene, total, recipe, seed, device, rasterization)
-    splats, background = training.splats, training.background
-    _sync(device)
-    init_seconds = time.perf_counter() - start
-
-    evaluations, curve, train_seconds = [], [], 0.0
-    clock = time.perf_counter()
-    for step in range(total):
-        loss = training.step(step)
-        done = step + 1
-        is_final, is_curve = done in steps, curve_every > 0 and done % curve_every == 0
-        if not (is_final or is_curve):
-            continue
-        _sync(device)
-        train_seconds += time.perf_counter() - clock
-        render = splats.renderer(sh_degree_at(step, recipe), background)
-        views = None if is_final else curve_views(evaluation, curve_count)
-        result = evaluate_views(render, evaluation, views)
-        entry = {
-            "step": done,
-            "train_seconds": train_seconds,
-            "psnr": result["psnr"],
-            "ssim": result["ssim"],
-            "psnr_worst10": result["psnr_worst10"],
-            "views": result["views"],
-            "num_gaussians": int(splats.params["means"].shape[0]),
-        }
-        curve.append(entry)
-        if is_final:
-            keep = keep_model.format(step=done) if keep_model else None
-            evaluations.append(
-                {
-                    **entry,
-                    "worst_views": result["worst_views"],
-                    "per_view": result["per_view"],
-                    "eval_seconds": result["seconds"],
-                    "model_bytes": splats.model_bytes(keep),
-                }
-            )
-        log(
-            f"3dgs step {done}/{total}: loss {loss.item():.4f}, {entry['num_gaussians']} Gaussians, "
-            f"{train_seconds:.1f} s training, held-out PSNR {entry['psnr']:.2f} dB ({entry['views']} views)"
-        )
-        _sync(device)
-        clock = time.perf_counter()
-
+    training, run = train_and_evaluate(
+        lambda: GsplatTraining(scene, max(steps), recipe, seed, device, rasterization),
+        scene.eval.to(device),
+        steps,
+        device,
+        "3dgs",
+        curve_every,
+        curve_count,
+        keep_model,
+        log,
+    )
     return {
         "method": "3dgs",
         "implementation": f"bench/peers/gsplat_trainer.py on gsplat {gsplat.__version__}",
         "recipe": asdict(recipe),
         "seed": seed,
-        "steps": total,
+        "steps": max(steps),
         "init": f"{recipe.init_points} random points in {training.box_source}: {training.box.tolist()}",
         "scene_scale": training.scene_scale,
-        "init_seconds": init_seconds,
-        "train_seconds": train_seconds,
-        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
-        "evaluations": evaluations,
-        "curve": curve,
-    }
+    } | run

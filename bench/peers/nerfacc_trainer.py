@@ -21,19 +21,16 @@ Training time excludes evaluation (the clock stops after a device synchronise ar
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from bench.peers.metrics import curve_views, evaluate_views
+from bench.peers.loop import saved_bytes, train_and_evaluate
 from bench.peers.ngp_field import NgpField
 from bench.peers.scenes import PeerScene
-from data import Scene, camera_rays, pixel_rays
+from data import camera_rays, pixel_rays
 
 
 @dataclass(frozen=True)
@@ -155,6 +152,7 @@ class NerfaccTraining:
         self.c2w = train.c2w.to(self.device)
         self.intrinsics = train.intrinsics.to(self.device, torch.float32)
         self.background = torch.tensor(train.background, dtype=torch.float32, device=self.device)
+        self.eval_background = torch.tensor(scene.eval.background, dtype=torch.float32, device=self.device)
         self.rays = recipe.init_rays
         self.last_rays, self.last_samples = self.rays, 0  # the last step's batch (for the log)
 
@@ -248,23 +246,20 @@ class NerfaccTraining:
     def model_bytes(self, keep: str | None = None) -> int:
         """Bytes of what renders the model, saved with torch.save: the field's parameters and the occupancy
         grid's bits and boxes (no optimiser state); ``keep``: a path to keep the file at."""
-        handle, path = tempfile.mkstemp(suffix=".pt")
-        os.close(handle)
-        try:
-            content = {
-                "field": self.field.state_dict(),
-                "occupancy": self.estimator.binaries,
-                "aabbs": self.estimator.aabbs,
-                "marching": asdict(self.marching),
-            }
-            torch.save(content, path)
-            size = os.path.getsize(path)
-            if keep:
-                os.replace(path, keep)
-            return size
-        finally:
-            if os.path.exists(path):
-                os.remove(path)
+        content = {"field": self.field.state_dict(), "occupancy": self.estimator.binaries}
+        return saved_bytes(content | {"aabbs": self.estimator.aabbs, "marching": asdict(self.marching)}, keep)
+
+    # what bench.peers.loop.train_and_evaluate asks of a peer
+    def renderer_at(self, step: int):
+        return self.renderer(self.eval_background)
+
+    def progress(self) -> dict:
+        return {"rays": self.rays, "occupied_fraction": float(self.estimator.binaries.float().mean())}
+
+    def describe(self, loss: torch.Tensor) -> str:
+        occupied = 100 * float(self.estimator.binaries.float().mean())
+        per_ray = self.last_samples / self.last_rays
+        return f"loss {loss.item():.5f}, {self.last_rays} rays x {per_ray:.1f} samples, {occupied:.1f}% occupied"
 
 
 def _chunked(function, points, training: bool, *more, size: int = 1 << 20):
@@ -274,11 +269,6 @@ def _chunked(function, points, training: bool, *more, size: int = 1 << 20):
         return function(points, *more)
     parts = [function(points[i : i + size], *(m[i : i + size] for m in more)) for i in range(0, points.shape[0], size)]
     return tuple(torch.cat(column) for column in zip(*parts))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def train_nerfacc(
@@ -299,62 +289,22 @@ def train_nerfacc(
     backend = backend or nerfacc_backend()
     recipe = recipe or NgpRecipe()
     device = torch.device(device)
-    total = max(steps)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    evaluation: Scene = scene.eval.to(device)
-    background = torch.tensor(scene.eval.background, dtype=torch.float32, device=device)
-
-    start = time.perf_counter()
-    training = NerfaccTraining(scene, total, recipe, seed, device, backend)
-    _sync(device)
-    init_seconds = time.perf_counter() - start
-
-    evaluations, curve, train_seconds = [], [], 0.0
-    clock = time.perf_counter()
-    for step in range(total):
-        loss = training.step(step)
-        done = step + 1
-        is_final, is_curve = done in steps, curve_every > 0 and done % curve_every == 0
-        if not (is_final or is_curve):
-            continue
-        _sync(device)
-        train_seconds += time.perf_counter() - clock
-        views = None if is_final else curve_views(evaluation, curve_count)
-        result = evaluate_views(training.renderer(background), evaluation, views)
-        occupied = float(training.estimator.binaries.float().mean())
-        entry = {key: result[key] for key in ("psnr", "ssim", "psnr_worst10", "views")}
-        entry.update(step=done, train_seconds=train_seconds, rays=training.rays, occupied_fraction=occupied)
-        curve.append(entry)
-        if is_final:
-            keep = keep_model.format(step=done) if keep_model else None
-            evaluations.append(
-                {
-                    **entry,
-                    "worst_views": result["worst_views"],
-                    "per_view": result["per_view"],
-                    "eval_seconds": result["seconds"],
-                    "model_bytes": training.model_bytes(keep),
-                }
-            )
-        log(
-            f"nerfacc step {done}/{total}: loss {loss.item():.5f}, {training.last_rays} rays x "
-            f"{training.last_samples / training.last_rays:.1f} samples, {100 * occupied:.1f}% occupied, "
-            f"{train_seconds:.1f} s training, held-out PSNR {entry['psnr']:.2f} dB ({entry['views']} views)"
-        )
-        _sync(device)
-        clock = time.perf_counter()
-
+    training, run = train_and_evaluate(
+        lambda: NerfaccTraining(scene, max(steps), recipe, seed, device, backend),
+        scene.eval.to(device),
+        steps,
+        device,
+        "nerfacc",
+        curve_every,
+        curve_count,
+        keep_model,
+        log,
+    )
     return {
         "method": "nerfacc",
         "implementation": f"bench/peers/nerfacc_trainer.py (instant-ngp field in PyTorch) on nerfacc {backend.version}",
         "recipe": asdict(recipe),
         "marching": asdict(training.marching),
         "seed": seed,
-        "steps": total,
-        "init_seconds": init_seconds,
-        "train_seconds": train_seconds,
-        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
-        "evaluations": evaluations,
-        "curve": curve,
-    }
+        "steps": max(steps),
+    } | run

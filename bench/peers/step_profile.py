@@ -19,23 +19,20 @@ from pathlib import Path
 
 import torch
 
+from training.evaluation import sync
+
 PHASE = "3dgs/"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 3) -> float:
     """Mean seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls, device-synchronised."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) / repeats
 
 
@@ -56,11 +53,11 @@ def profile_steps(training, first: int, steps: int, rows: int, print_fn: Callabl
     from torch.profiler import ProfilerActivity, profile
 
     device = training.device
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for step in range(first, first + steps):
         training.step(step)
-    _sync(device)
+    sync(device)
     step_ms = 1000 * (time.perf_counter() - start) / steps
     gaussians = int(training.splats.params["means"].shape[0])
     print_fn(f"mean step {step_ms:.2f} ms over steps {first}..{first + steps - 1} ({gaussians} Gaussians at the end)")
@@ -69,7 +66,7 @@ def profile_steps(training, first: int, steps: int, rows: int, print_fn: Callabl
     with profile(activities=activities) as prof:
         for step in range(first + steps, first + 2 * steps):
             training.step(step)
-        _sync(device)
+        sync(device)
     averages = prof.key_averages()
     phases = {}
     for event in averages:
@@ -162,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for step in range(args.warmup):
         training.step(step)
-    _sync(device)
+    sync(device)
     print(f"warm-up: {args.warmup} steps in {time.perf_counter() - start:.1f} s")
     profile_steps(training, args.warmup, args.steps, args.rows)
     ssim = ssim_ab(scene.train.height, scene.train.width, device)
