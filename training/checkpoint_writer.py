@@ -24,47 +24,40 @@ from typing import Any
 import torch
 
 
-def snapshot(value: Any) -> Any:
-    """A copy of ``value`` (nested dicts / lists / tuples of tensors and plain values) that later in-place updates of
-    its tensors cannot reach: each tensor cloned on its own device (CUDA tensors fall back to a host copy when the
-    device is out of memory). Plain values (numbers, strings, tuples of them) are immutable and kept as they are."""
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` (nested dicts / lists / tuples of tensors and plain values) with ``fn`` applied to every tensor;
+    plain values (numbers, strings) are immutable and kept as they are."""
     if isinstance(value, torch.Tensor):
-        try:
-            return value.detach().clone(memory_format=torch.contiguous_format)
-        except torch.cuda.OutOfMemoryError:  # no room for a device copy: a (blocking) host copy instead
-            return value.detach().to("cpu", copy=True)
+        return fn(value)
     if isinstance(value, dict):
-        return {key: snapshot(item) for key, item in value.items()}
+        return {key: map_tensors(fn, item) for key, item in value.items()}
     if isinstance(value, list):
-        return [snapshot(item) for item in value]
+        return [map_tensors(fn, item) for item in value]
     if isinstance(value, tuple):
-        return tuple(snapshot(item) for item in value)
+        return tuple(map_tensors(fn, item) for item in value)
     return value
+
+
+def _clone(tensor: torch.Tensor) -> torch.Tensor:
+    try:
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
+    except torch.cuda.OutOfMemoryError:  # no room for a device copy: a (blocking) host copy instead
+        return tensor.detach().to("cpu", copy=True)
+
+
+def snapshot(value: Any) -> Any:
+    """A copy of ``value`` that later in-place updates of its tensors cannot reach: each tensor cloned on its own
+    device (CUDA tensors fall back to a host copy when the device is out of memory)."""
+    return map_tensors(_clone, value)
 
 
 def to_host(value: Any) -> Any:
     """``value`` with every tensor on the CPU (those already there are passed through)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.device.type == "cpu" else value.to("cpu")
-    if isinstance(value, dict):
-        return {key: to_host(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [to_host(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(to_host(item) for item in value)
-    return value
+    return map_tensors(lambda tensor: tensor if tensor.device.type == "cpu" else tensor.to("cpu"), value)
 
 
 def _devices(value: Any, found: set[torch.device]) -> set[torch.device]:
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "cuda":
-            found.add(value.device)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _devices(item, found)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _devices(item, found)
+    map_tensors(lambda tensor: found.add(tensor.device) if tensor.device.type == "cuda" else None, value)
     return found
 
 
