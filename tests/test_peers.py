@@ -668,7 +668,8 @@ def test_dynamic_ray_count_aims_at_the_sample_budget():
 
 
 def test_marching_bounded_and_unbounded(blender_scene, tmp_path):
-    from bench.peers.nerfacc_trainer import NgpRecipe, focus_point, marching_for
+    from bench.peers.nerfacc_trainer import NgpRecipe, marching_for
+    from data.bounds import focus_point
 
     bounded = marching_for(load_peer_scene(blender_scene), NgpRecipe())
     assert bounded.levels == 1 and bounded.cone_angle == 0.0 and bounded.scale == 1.0
@@ -677,7 +678,8 @@ def test_marching_bounded_and_unbounded(blender_scene, tmp_path):
     target = np.array([0.3, -0.2, 0.5])
     cameras = torch.from_numpy(look_at(random_zone_positions(9, 4.0, 0.1, 1.0, np.random.default_rng(3)) + target,
                                        target=target))  # fmt: skip
-    torch.testing.assert_close(focus_point(cameras), torch.from_numpy(target), rtol=0, atol=1e-9)
+    found = torch.from_numpy(focus_point(cameras.numpy()))
+    torch.testing.assert_close(found, torch.from_numpy(target), rtol=0, atol=1e-9)
     capture = load_peer_scene(_capture(tmp_path / "cap", None))
     unbounded = marching_for(capture, NgpRecipe())
     assert unbounded.levels == 4 and unbounded.roi == (-1.0, -1.0, -1.0, 1.0, 1.0, 1.0) and unbounded.cone_angle > 0

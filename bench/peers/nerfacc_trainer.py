@@ -31,6 +31,7 @@ from bench.peers.loop import saved_bytes, train_and_evaluate
 from bench.peers.ngp_field import NgpField
 from bench.peers.scenes import PeerScene
 from data import camera_rays, pixel_rays
+from data.bounds import focus_point
 
 
 @dataclass(frozen=True)
@@ -105,14 +106,6 @@ def next_ray_count(rays: int, samples: int, target: int) -> int:
     return max(1, min(target, int(rays * (target / samples))))
 
 
-def focus_point(c2w: torch.Tensor) -> torch.Tensor:
-    """(3,) float64: the point nearest (least squares) to every camera's optical axis; c2w (V, 4, 4) OpenGL."""
-    origins, axes = c2w[:, :3, 3].double(), -c2w[:, :3, 2].double()
-    axes = axes / axes.norm(dim=-1, keepdim=True)
-    projector = torch.eye(3, dtype=torch.float64) - axes[:, :, None] * axes[:, None, :]  # onto each axis' normal
-    return torch.linalg.lstsq(projector.sum(0), (projector @ origins[:, :, None]).sum(0)).solution[:, 0]
-
-
 def marching_for(scene: PeerScene, recipe: NgpRecipe) -> Marching:
     """The bounded setup for a NeRF-synthetic scene, the unbounded one for a capture (module doc)."""
     if scene.kind == "blender":
@@ -120,8 +113,10 @@ def marching_for(scene: PeerScene, recipe: NgpRecipe) -> Marching:
         size = float((box[1] - box[0]).max())
         roi = tuple(box.reshape(-1).tolist())
         return Marching(roi, 1, math.sqrt(3.0) * size / 1024, 0.0, 0.0, 0.0, (0.0, 0.0, 0.0), 1.0)
-    centre = focus_point(scene.train.c2w)
-    distances = (scene.train.c2w[:, :3, 3].double() - centre).norm(dim=-1)
+    c2w = scene.train.c2w.double()
+    focus = focus_point(c2w.numpy())  # None for a forward-facing capture: the cameras' mean then
+    centre = c2w[:, :3, 3].mean(0) if focus is None else torch.from_numpy(focus)
+    distances = (c2w[:, :3, 3] - centre).norm(dim=-1)
     scale = 1.0 / max(float(distances.median()), 1e-9)
     return Marching((-1.0, -1.0, -1.0, 1.0, 1.0, 1.0), 4, 1e-3, 0.004, 1e-2, 0.2, tuple(centre.tolist()), scale)
 
