@@ -28,7 +28,7 @@ from bench.peers.gaussians import (
     sh_degree_at,
     sh_to_rgb,
 )
-from bench.peers.losses import photometric_loss, separable_filter, separable_filter_conv, ssim_differentiable
+from bench.peers.losses import photometric_loss, separable_filter_conv, ssim_differentiable
 from bench.peers.metrics import curve_views, evaluate_views
 from bench.peers.plot import COLOURS, method_curves, plot_results
 from bench.peers.results import merge_method, our_entry, read_results, table_rows
@@ -37,6 +37,7 @@ from bench.peers.undistort import opencv_distort, undistort_image
 from data import project_to_pixels, write_blender_split
 from data.cameras import look_at, random_zone_positions
 from data.nerfstudio import write_nerfstudio
+from training.losses import separable_filter
 from training.metrics import psnr, ssim
 from training.scenes import load_scenes
 

@@ -3,6 +3,8 @@ regularisers (``train.distortion_loss``, ``train.near_density_loss``)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -27,24 +29,46 @@ PHOTOMETRIC_LOSSES = ("mse", "l1", "charbonnier")
 CHARBONNIER_EPS = 1e-3  # sqrt(d^2 + eps^2): L1 away from zero, smooth at it (as in Mip-NeRF / RawNeRF)
 
 
+@functools.lru_cache(maxsize=8)
+def _band(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(size - 10, size) matrix whose row i holds the window at columns i .. i + 10 ('valid' filtering). Built
+    outside inference mode: a cached inference tensor could not be saved for a later backward."""
+    with torch.inference_mode(False), torch.no_grad():
+        window = gaussian_window(dtype=dtype, device=device)
+        rows, columns = torch.arange(size - SSIM_WINDOW + 1, device=device), torch.arange(size, device=device)
+        offset = columns[None, :] - rows[:, None]
+        inside = (offset >= 0) & (offset < SSIM_WINDOW)
+        return torch.where(
+            inside, window[offset.clamp(0, SSIM_WINDOW - 1)], torch.zeros((), dtype=dtype, device=device)
+        )
+
+
+def separable_filter(maps: torch.Tensor) -> torch.Tensor:
+    """(..., H, W) -> (..., H - 10, W - 10): each map filtered by the 11 x 11 Gaussian window, 'valid'; two matrix
+    products with banded matrices (exact sums in the maps' dtype, no cuDNN algorithm choice)."""
+    height, width = maps.shape[-2:]
+    return _band(height, maps.dtype, maps.device) @ maps @ _band(width, maps.dtype, maps.device).T
+
+
+def ssim_unclipped(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean SSIM of (..., H, W, C) images (H, W >= 11) with gradients: the evaluation's window
+    (training.metrics.ssim_map) without its clipping of the variances, whose square root has no gradient at 0."""
+    x, y = pred.movedim(-1, -3), target.movedim(-1, -3)  # (..., C, H, W)
+    mu_x, mu_y, xx, yy, xy = separable_filter(torch.stack([x, y, x * x, y * y, x * y])).unbind(0)
+    c1, c2 = SSIM_K1**2, SSIM_K2**2
+    numerator = (2 * mu_x * mu_y + c1) * (2 * (xy - mu_x * mu_y) + c2)
+    denominator = (mu_x.square() + mu_y.square() + c1) * (xx - mu_x.square() + yy - mu_y.square() + c2)
+    return (numerator / denominator).mean()
+
+
 def dssim(rgb: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean structural dissimilarity ``1 - SSIM`` of (n, S, S, 3) patches (S >= 11): the evaluation's 11-tap
-    Gaussian window (training.metrics) over each patch, 'valid' filtering, without its clipping (differentiable)."""
+    """Mean structural dissimilarity ``1 - SSIM`` of (n, S, S, 3) patches (S >= 11), :func:`ssim_unclipped`."""
     if rgb.dim() != 4 or rgb.shape != target.shape or min(rgb.shape[1:3]) < SSIM_WINDOW:
         raise ValueError(
             f"train.dssim: needs (n, S, S, 3) patches with S >= {SSIM_WINDOW}, got {tuple(rgb.shape)} "
             "(raise train.patch_size * model.upsample)"
         )
-    x, y = rgb.permute(0, 3, 1, 2), target.permute(0, 3, 1, 2)
-    channels = x.shape[1]
-    stack = torch.cat([x, y, x * x, y * y, x * y], 1).flatten(0, 1)[:, None]  # (n*5*3, 1, S, S)
-    window = gaussian_window(dtype=rgb.dtype, device=rgb.device)
-    stack = F.conv2d(F.conv2d(stack, window.view(1, 1, -1, 1)), window.view(1, 1, 1, -1))
-    mu_x, mu_y, xx, yy, xy = stack.reshape(x.shape[0], 5, channels, *stack.shape[-2:]).unbind(1)
-    c1, c2 = SSIM_K1**2, SSIM_K2**2
-    numerator = (2 * mu_x * mu_y + c1) * (2 * (xy - mu_x * mu_y) + c2)
-    denominator = (mu_x.square() + mu_y.square() + c1) * (xx - mu_x.square() + yy - mu_y.square() + c2)
-    return 1.0 - (numerator / denominator).mean()
+    return 1.0 - ssim_unclipped(rgb, target)
 
 
 def photometric_loss(rgb: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:

@@ -89,7 +89,8 @@ def profile_steps(training, first: int, steps: int, rows: int, print_fn: Callabl
 def ssim_ab(height: int, width: int, device: torch.device, repeats: int = 20) -> dict[str, float]:
     """Milliseconds of the SSIM filter forward + backward on the loss's 15 (H, W) float32 maps: the banded matrix
     products the loss uses, and the cuDNN convolutions it replaced (heuristic choice, then cudnn.benchmark)."""
-    from bench.peers.losses import separable_filter, separable_filter_conv
+    from bench.peers.losses import separable_filter_conv
+    from training.losses import separable_filter
 
     maps = torch.rand(15, height, width, device=device, requires_grad=True)
 
