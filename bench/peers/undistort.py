@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-COEFFICIENTS = ("k1", "k2", "k3", "k4", "p1", "p2")
+from data.camera_models import COEFFICIENTS, distort
 
 
 def check_coefficients(coefficients: Mapping[str, float]) -> dict[str, float]:
@@ -31,13 +31,11 @@ def check_coefficients(coefficients: Mapping[str, float]) -> dict[str, float]:
 
 
 def opencv_distort(x: torch.Tensor, y: torch.Tensor, coefficients: Mapping[str, float]) -> torch.Tensor:
-    """Normalised undistorted coordinates (*S) each -> (*S, 2) distorted coordinates (x', y') (module doc)."""
+    """Normalised undistorted coordinates (*S) each -> (*S, 2) distorted coordinates (x', y') (module doc): the
+    rays' own model, data.camera_models.distort."""
     c = check_coefficients(coefficients)
-    r2 = x * x + y * y
-    radial = 1.0 + r2 * (c["k1"] + r2 * (c["k2"] + r2 * (c["k3"] + r2 * c["k4"])))
-    xd = x * radial + 2.0 * c["p1"] * x * y + c["p2"] * (r2 + 2.0 * x * x)
-    yd = y * radial + c["p1"] * (r2 + 2.0 * y * y) + 2.0 * c["p2"] * x * y
-    return torch.stack([xd, yd], dim=-1)
+    values = torch.tensor([c[key] for key in COEFFICIENTS], dtype=x.dtype, device=x.device)
+    return torch.stack(distort(x, y, values), dim=-1)
 
 
 def undistort_image(
