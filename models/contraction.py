@@ -93,6 +93,18 @@ class SceneSpace:
             return step
         return step * ((t - t_split[ray]) / box_radius(bbox) + 1.0).clamp(min=1.0).square()
 
+    def march_coordinate(
+        self, t: torch.Tensor, ray: torch.Tensor, t_split: torch.Tensor | None, bbox: torch.Tensor
+    ) -> torch.Tensor:
+        """(N,) where samples at t (N,) on rays ``ray`` (N,) sit in the march's own coordinate, in which consecutive
+        samples are ``step`` apart: t when bounded (or before t_split), else t_split + P (1 - P / (t - t_split + P))
+        (the integral of dk/dt = (P / (t - t_split + P))^2, see :meth:`sample_steps`; at most t_split + P)."""
+        if t_split is None:
+            return t
+        split, radius = t_split[ray], box_radius(bbox)
+        beyond = (t - split).clamp(min=0.0)
+        return torch.minimum(t, split) + radius * beyond / (beyond + radius)
+
     def foreground(self, shape: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, ...] | None:
         """Per axis, (R_a,) bool: which vertex coordinates lie in the box (contracted: |x| <= 1 of the cube's
         [-2, 2], the middle half, boundary included); None when bounded (every vertex is in the box)."""

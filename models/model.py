@@ -314,7 +314,9 @@ class VoxelNeRF(nn.Module):
             "depth": depth,
             "opacity": opacity,
             "samples": torch.tensor(len(samples)),
-            "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step),
+            "packed": RenderedSamples(
+                samples.ray, samples.t, sigma_delta, step, space.march_coordinate(samples.t, samples.ray, t_split, self.bbox)
+            ),
         }
 
     @property

@@ -79,24 +79,27 @@ def near_optical_depth(
 @dataclass
 class RenderedSamples:
     """What a render's packed samples leave for the regularisers (VoxelNeRF.march's ``packed`` output):
-    ray (N,) int64, t (N,) sample distances (unit directions), optical_depth (N,) s_i = sigma_i * step with
-    gradients, and ``step``, the sampling distance (sample i stands for [t_i - step/2, t_i + step/2])."""
+    ray (N,) int64, t (N,) sample distances (unit directions), optical_depth (N,) s_i = sigma_i * delta_i with
+    gradients, ``step``, the march's step, and ``march`` (N,), each sample's march coordinate, in which every sample
+    stands for [march_i - step/2, march_i + step/2] (bounded: t itself; contracted: linear then disparity, see
+    models.contraction.SceneSpace.march_coordinate). None: t."""
 
     ray: torch.Tensor
     t: torch.Tensor
     optical_depth: torch.Tensor
     step: float
+    march: torch.Tensor | None = None
 
     def weights(self, num_rays: int) -> torch.Tensor:
         """(N,) compositing weights w_i = T_i alpha_i, differentiable in the optical depths."""
         return compositing_weights(self.optical_depth, self.ray, num_rays)
 
     def distortion(self, num_rays: int, unit: float = 1.0) -> torch.Tensor:
-        """(B,) distortion loss with distances measured in ``unit`` (e.g. the scene box's diagonal)."""
-        half = 0.5 * self.step
-        return distortion_loss(
-            self.ray, (self.t - half) / unit, (self.t + half) / unit, self.weights(num_rays), num_rays
-        )
+        """(B,) distortion loss in the march coordinate (where the samples' intervals are all ``step`` long, as
+        nerfacto measures it in its normalised spacing: the far background, whose world intervals grow with the
+        distance squared, does not dominate), in units of ``unit`` (e.g. the scene box's diagonal)."""
+        half, march = 0.5 * self.step, self.t if self.march is None else self.march
+        return distortion_loss(self.ray, (march - half) / unit, (march + half) / unit, self.weights(num_rays), num_rays)
 
     def near_density(self, limit: torch.Tensor) -> torch.Tensor:
         """(B,) optical depth before ``limit`` (B,) along each ray (:func:`near_optical_depth`)."""

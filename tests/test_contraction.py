@@ -116,6 +116,23 @@ def test_sample_steps_are_the_march_spacing():
     assert SceneSpace("none").sample_steps(t, ray, None, 0.5, args["box"]) == 0.5
 
 
+def test_march_coordinate_spaces_samples_by_step():
+    """SceneSpace.march_coordinate (the distortion loss's coordinate) puts consecutive samples of a ray exactly
+    ``step`` apart, in the linear part and in the disparity part alike (float64, everything occupied), except across
+    the split, where the disparity part restarts at t_split (a gap in (0, 2 step)); bounded: t."""
+    args = scene(200, seed=5, step=0.02, space="contracted") | {"occupancy": torch.ones(1, 1, 1, dtype=torch.bool)}
+    ray, t, _, _ = call(cuda_ext.march_rays, args)
+    coordinate = SceneSpace("inf").march_coordinate(t, ray, args["t_split"], args["box"])
+    same_ray = ray[1:] == ray[:-1]
+    gaps = (coordinate[1:] - coordinate[:-1])[same_ray]
+    across = (t[:-1] < args["t_split"][ray[:-1]]) & (t[1:] >= args["t_split"][ray[1:]])
+    regular = gaps[~across[same_ray]]
+    torch.testing.assert_close(regular, torch.full_like(regular, args["step"]), rtol=0, atol=1e-9)
+    assert bool(((gaps > 0) & (gaps < 2 * args["step"])).all())
+    assert float((t[1:] - t[:-1])[same_ray].max()) > 100 * args["step"]  # while world gaps grow far out
+    assert SceneSpace("none").march_coordinate(t, ray, None, args["box"]) is t
+
+
 def test_split_distances():
     """The box exit for rays that hit the box (from outside and from inside), the closest approach to the centre for
     rays that miss it, never before near."""
