@@ -118,7 +118,7 @@ for s in "${stages[@]}"; do
 done
 log "done: $failures failure(s)"
 # keep what comes back small: checkpoints and videos stay on the device machine
-find "$OUT" \( -name "*.pt" -o -name "*.mp4" \) -delete
+find "$OUT" \( -name "*.pt" -o -name "*.mp4" -o -name "*.npy" \) -delete
 find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -delete  # three views per run come back
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
