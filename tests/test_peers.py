@@ -412,6 +412,25 @@ def test_results_merge_and_plot(tmp_path):
         read_results(path)
 
 
+def test_curve_keeps_one_view_set():
+    """The final evaluation (every view) joins the curve as its PSNR on the periodic views' subset, from its
+    per-view PSNRs, so a line never drops or jumps only because the view set changed."""
+    per_view = [{"view": v, "psnr": 20.0 + v} for v in range(11)]  # spread_views(11, 4) = [0, 3, 7, 10]
+    entry = {
+        "curve": [
+            {"step": 1000, "train_seconds": 10.0, "psnr": 27.0, "views": 4},
+            {"step": 2000, "train_seconds": 20.0, "psnr": 25.0, "views": 11},
+        ],
+        "evaluations": [{"step": 2000, "psnr": 25.0, "per_view": per_view}],
+    }
+    curves = method_curves({"eval_views": 11, "methods": {"peer": entry}})
+    assert curves["peer"][1].tolist() == [27.0, 20.0 + (0 + 3 + 7 + 10) / 4]
+    # no per-view figures, or a file without the split's size: the recorded PSNR
+    assert method_curves({"methods": {"peer": entry}})["peer"][1].tolist() == [27.0, 25.0]
+    entry["evaluations"][0]["per_view"] = None
+    assert method_curves({"eval_views": 11, "methods": {"peer": entry}})["peer"][1].tolist() == [27.0, 25.0]
+
+
 def test_cli_records_our_run(tmp_path, capsys):
     run_dir = _fake_run(tmp_path / "run")
     argv = ["--scene", "lego_400", "--data-root", str(tmp_path), "--method", "ours", "--ours-run", str(run_dir),

@@ -166,6 +166,7 @@ def periodic_eval(trainer: Trainer) -> None:
         "psnr": result["psnr"],
         "ssim": result["ssim"],
         "psnr_worst10": result["psnr_worst10"],
+        "views": len(views),
     }
     trainer.eval_history.append(entry)
     image = {f"view_{views[0]:03d}": to_uint8(result["first_rgb"])}  # the image evaluate just rendered

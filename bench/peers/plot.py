@@ -8,6 +8,7 @@ import os
 import imageio.v3 as iio
 import numpy as np
 
+from training.evaluation import spread_views
 from training.visualize import _PLOT_BACKGROUND, _PLOT_GRID, _PLOT_INK, _draw_text, _polyline_pixels, _tick_label
 from training.visualize import nice_ticks as _nice_ticks
 
@@ -18,11 +19,33 @@ COLOURS = np.array(
 MARGINS = {"left": 64, "right": 20, "top": 36, "bottom": 48}
 
 
+DEFAULT_CURVE_VIEWS = 4  # train.eval_views' default, for curve points that do not say how many views they used
+
+
+def _on_curve_views(point: dict, entry: dict, total: int | None, count: int) -> float:
+    """A curve point's PSNR on the curve's ``count`` spread views: as recorded for a periodic point, or, for the
+    final evaluation on every view (``total``), the mean of its per-view PSNRs over those ``count`` views (the
+    periodic evaluations' view subset, so one line never mixes two view sets)."""
+    views = point.get("views")
+    if total is None or views is None or views != total or views == count:
+        return point["psnr"]
+    final = next((e for e in entry.get("evaluations", []) if e.get("step") == point.get("step")), None)
+    per_view = {v["view"]: v["psnr"] for v in (final or {}).get("per_view") or [] if "view" in v}
+    subset = spread_views(total, count)
+    if not all(view in per_view for view in subset):
+        return point["psnr"]
+    return float(np.mean([per_view[view] for view in subset]))
+
+
 def method_curves(content: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per method in a results file, its curve as (training seconds, PSNR) arrays sorted by time."""
-    curves = {}
+    """Per method in a results file, its curve as (training seconds, PSNR) arrays sorted by time, every point on
+    the periodic evaluations' view subset (:func:`_on_curve_views`; the table keeps the all-view finals)."""
+    curves, total = {}, content.get("eval_views")
     for name, entry in content.get("methods", {}).items():
-        points = sorted((p["train_seconds"], p["psnr"]) for p in entry.get("curve", []))
+        curve = entry.get("curve", [])
+        counts = [p["views"] for p in curve if p.get("views") not in (None, total)]
+        count = min(counts) if counts else DEFAULT_CURVE_VIEWS
+        points = sorted((p["train_seconds"], _on_curve_views(p, entry, total, count)) for p in curve)
         if points:
             curves[name] = (np.array([p[0] for p in points], float), np.array([p[1] for p in points], float))
     return curves
@@ -99,5 +122,5 @@ def plot_methods(
 
 def plot_results(content: dict, path: str | os.PathLike) -> None:
     """The plot of a results file (bench.peers.results)."""
-    title = f"{content.get('scene', '?')}: held-out PSNR against training time ({content.get('device', '?')})"
+    title = f"{content.get('scene', '?')}: held-out PSNR (periodic eval views) vs training time ({content.get('device', '?')})"
     plot_methods(method_curves(content), path, title)
