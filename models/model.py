@@ -308,15 +308,14 @@ class VoxelNeRF(nn.Module):
         if keep is not None:  # skipped samples still attenuate the ray; their colour is zero
             values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
         colour, opacity, depth = self.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
+        march = space.march_coordinate(samples.t, samples.ray, t_split, self.bbox)  # the distortion loss's axis
         return {
             "diffuse": colour[:, :DIFFUSE_CHANNELS],
             "features": colour[:, DIFFUSE_CHANNELS:],
             "depth": depth,
             "opacity": opacity,
             "samples": torch.tensor(len(samples)),
-            "packed": RenderedSamples(
-                samples.ray, samples.t, sigma_delta, step, space.march_coordinate(samples.t, samples.ray, t_split, self.bbox)
-            ),
+            "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march),
         }
 
     @property

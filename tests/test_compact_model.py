@@ -19,11 +19,12 @@ from training.compact_model import (
     dequantise,
     expand_state_dict,
     kept_vertices,
-    pack_codes,
+    pack_rows,
     quantise,
     read_model,
+    stored_rows,
     strict_cells,
-    unpack_codes,
+    unpack_rows,
 )
 from training.export import build_model, load_run, scene_of
 from training.inference import render_view
@@ -75,7 +76,7 @@ def test_the_file_keeps_only_occupied_corners_and_the_same_step_and_config(run):
     content = compact_content(full, {"config": config}, quantised=False, strict=False)
     keep = kept_vertices(full.occupancy.mask)
     assert 0 < keep.float().mean() < 0.9  # the test means something: cells were skipped
-    rows = content["sparse"]["features.grid"]["rows"]
+    rows = stored_rows(content["sparse"]["features.grid"])  # float16, deflated
     assert rows.dtype == torch.float16 and rows.shape == (int(keep.sum()), full.features.grid.shape[-1])
     assert content["bits"]["occupancy.mask"]["bits"].dtype == torch.uint8  # one bit per cell, not a byte
     assert torch.equal(compact.occupancy.mask, full.occupancy.mask)
@@ -94,11 +95,12 @@ def test_the_run_writes_the_strict_quantised_file_with_its_step_and_config(run):
     on_disk, run_state = read_model(run / "model.pt")  # the run's own file: its step, config and weights
     assert run_state["step"] == STEPS and run_state["config"] == config_of(run)
     content = load_checkpoint(run / "model.pt")
-    assert content["version"] == 2
+    assert content["version"] == 3
     features = content["sparse"]["features.grid"]
     channels = len(features["packed_codes"])
     assert features["levels"].shape == (channels, 256) and features["count"] == content_stats(content)["stored"]
-    assert content["sparse"]["density.grid"]["rows"].dtype == torch.float16
+    density = content["sparse"]["density.grid"]
+    assert len(density["packed_rows"]) == 2 and density["count"] == features["count"]  # two byte planes, deflated
     stats = content_stats(content)
     assert stats["bytes_per_stored_vertex"] < 2 + channels  # fp16 density + under a byte a channel (deflated)
     assert stats["table_bytes"] == 4 * (256 + 1) * channels + 4  # levels, fills: float32
@@ -141,13 +143,44 @@ def test_packed_codes_come_back_bit_for_bit_and_damage_is_named():
     generator = torch.Generator().manual_seed(9)
     smooth = torch.cumsum(torch.randint(-2, 3, (5000, 4), generator=generator), 0) % 256  # neighbours alike
     codes = torch.cat([smooth, torch.randint(0, 256, (5000, 1), generator=generator)], 1).to(torch.uint8)
-    packed = pack_codes(codes)
-    assert torch.equal(unpack_codes(packed, 5000), codes)
+    packed = pack_rows(codes)
+    assert torch.equal(unpack_rows(packed, 5000), codes)
     assert sum(p.numel() for p in packed[:4]) < 0.8 * 4 * 5000  # the differences deflate
     with pytest.raises(ValueError, match="channel 1"):
-        unpack_codes([packed[0], packed[1][:-5]], 5000)
-    with pytest.raises(ValueError, match="4999 stored vertices"):
-        unpack_codes(packed, 4999)
+        unpack_rows([packed[0], packed[1][:-5]], 5000)
+    with pytest.raises(ValueError, match="4999 rows"):
+        unpack_rows(packed, 4999)
+
+
+def test_packed_float16_rows_come_back_bit_for_bit():
+    """float16 rows (the density): bit for bit through their int16 differences' byte planes, signs, infinities,
+    NaN and subnormals included; a smooth field deflates well below 2 bytes a value; a bad plane count is named."""
+    generator = torch.Generator().manual_seed(11)
+    smooth = torch.cumsum(torch.randn(20000, 1, generator=generator) * 0.01, 0) - 3.0
+    odd = torch.tensor([[float("inf")], [-float("inf")], [float("nan")], [6e-8], [-0.0], [65504.0]])
+    rows = torch.cat([smooth, odd, torch.randn(20000, 1, generator=generator) * 100]).to(torch.float16)
+    rows = torch.cat([rows, rows.flip(0)], 1)  # two channels
+    packed = pack_rows(rows)
+    assert len(packed) == 4
+    back = unpack_rows(packed, rows.shape[0], torch.float16)
+    assert back.dtype == torch.float16 and torch.equal(back.view(torch.int16), rows.view(torch.int16))
+    assert packed[0].numel() + packed[1].numel() < 0.8 * 2 * rows.shape[0]  # channel 0: half smooth, deflated
+    with pytest.raises(ValueError, match="multiple of 2"):
+        unpack_rows(packed[:3], rows.shape[0], torch.float16)
+    with pytest.raises(ValueError, match="uint8 or float16"):
+        pack_rows(rows.float())
+
+
+def test_format_2_files_still_load(run, tmp_path):
+    """A model file of format 2 (density rows raw, codes deflated at zlib level 1) loads to the same weights."""
+    content = load_checkpoint(run / "model.pt")
+    density = content["sparse"]["density.grid"]
+    density["rows"] = unpack_rows(density.pop("packed_rows"), int(density.pop("count")), torch.float16)
+    content["version"] = 2
+    save_checkpoint(tmp_path / "model.pt", content)
+    old, _ = read_model(tmp_path / "model.pt")
+    new, _ = read_model(run / "model.pt")
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in new)
 
 
 def test_strict_cells_drop_only_cells_whose_corners_are_all_below_the_threshold(run):

@@ -1,16 +1,16 @@
 """The run's deliverable: ``<run>/model.pt``, the finished model holding only what rendering reads.
 
-What a stored vertex costs (format 2): the density row in float16 (2 bytes), every other vertex-grid tensor (the
+What a stored vertex costs (format 3): the density row in float16 (2 bytes), every other vertex-grid tensor (the
 features) as one uint8 code per channel into that channel's 256 float32 levels (1 byte a channel: 12 on lego), so 14
-bytes per vertex before the codes are deflated (per channel, as differences between consecutive rows: ~20% fewer
-bytes on the procedural scene), plus two bits per vertex of the whole grid (which vertices are stored, which cells
-are occupied). Which vertices: the corners of the cells a render can still sample, the training occupancy grid
-intersected with the strict one recomputed from the final density at save time (no dilation margin: a cell training
-kept only for its margin has all 8 corner alphas below the occupancy threshold, so each sample there had an alpha
-below it, 1e-3, too faint to decode under the blender preset's weight threshold; skipping such cells is the one
-change besides the rounding). Levels: per channel a Lloyd-Max quantiser (256 levels started at the Panter-Dite
-density of levels, a few rounds of centroid updates; each value coded to its nearest level), whose error is much
-smaller than 256 even steps over the channel's range where a few values stray far out.
+bytes per vertex before both are deflated losslessly (per channel, as differences between consecutive rows, byte
+plane by byte plane: :func:`pack_rows`), plus two bits per vertex of the whole grid (which vertices are stored,
+which cells are occupied). Which vertices: the corners of the cells a render can still sample, the training
+occupancy grid intersected with the strict one recomputed from the final density at save time (no dilation margin: a
+cell training kept only for its margin has all 8 corner alphas below the occupancy threshold, so each sample there
+had an alpha below it, 1e-3, too faint to decode under the blender preset's weight threshold; skipping such cells is
+the one change besides the rounding). Levels: per channel a Lloyd-Max quantiser (256 levels started at the
+Panter-Dite density of levels, a few rounds of centroid updates; each value coded to its nearest level), whose error
+is much smaller than 256 even steps over the channel's range where a few values stray far out.
 
 A render reads the grids only at the 8 corner vertices of the occupancy cells it samples, and it samples only
 occupied cells (``march_rays`` keeps a sample only where the occupancy grid is set). So the file stores, of every
@@ -50,8 +50,9 @@ import torch.nn.functional as F
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 MODEL_FORMAT = "voxel-field-model"
-MODEL_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # format 1: every vertex-grid tensor in float16 rows, the training occupancy
+MODEL_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: every vertex-grid tensor in float16 rows, the training occupancy; 2: the density
+# rows stored raw (3 deflates them too), the feature codes deflated at zlib level 1 (the same layout)
 LEVELS = 256  # uint8 codes
 LLOYD_ROUNDS = 6
 MODEL_NAME = "model.pt"
@@ -132,32 +133,49 @@ def quantise(rows: torch.Tensor, rounds: int = LLOYD_ROUNDS) -> tuple[torch.Tens
     return codes, levels
 
 
-def pack_codes(codes: torch.Tensor) -> list[torch.Tensor]:
-    """(n, C) uint8 codes -> C uint8 byte tensors: per channel the differences between consecutive rows (mod 256;
-    neighbouring vertices, so mostly small) deflated (zlib level 1; a thread per channel, zlib releases the GIL).
-    Lossless: :func:`unpack_codes` returns the codes bit for bit."""
-    planar = codes.cpu().numpy().T
+def pack_rows(rows: torch.Tensor) -> list[torch.Tensor]:
+    """(n, C) uint8 or float16 rows -> C x (bytes per value) uint8 byte tensors, losslessly: per channel the
+    differences between consecutive rows (neighbouring vertices, so mostly small; float16 as its int16 bit pattern,
+    integer arithmetic wrapping), split into byte planes (the high plane of small differences is nearly constant),
+    each deflated (zlib level 6; a thread per plane, zlib releases the GIL). :func:`unpack_rows` undoes it."""
+    if rows.dtype not in (torch.uint8, torch.float16):
+        raise ValueError(f"pack_rows: rows must be uint8 or float16, got {rows.dtype}")
+    integers = rows.cpu().numpy().view(np.uint8 if rows.dtype == torch.uint8 else np.int16).T
+    planes = []
+    for channel in integers:
+        delta = np.diff(channel, prepend=channel.dtype.type(0))  # wraps: a running sum in the same type undoes it
+        planes += list(delta.view(np.uint8).reshape(-1, delta.itemsize).T)
 
-    def deflate(channel: np.ndarray) -> torch.Tensor:
-        delta = np.diff(channel, prepend=np.uint8(0))  # uint8 arithmetic wraps: a running sum undoes it
-        return torch.frombuffer(bytearray(zlib.compress(delta.tobytes(), 1)), dtype=torch.uint8)
+    def deflate(plane: np.ndarray) -> torch.Tensor:
+        return torch.frombuffer(bytearray(zlib.compress(np.ascontiguousarray(plane).tobytes(), 6)), dtype=torch.uint8)
 
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(planar)))) as pool:
-        return list(pool.map(deflate, planar))
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(planes)))) as pool:
+        return list(pool.map(deflate, planes))
 
 
-def unpack_codes(packed: list[torch.Tensor], count: int) -> torch.Tensor:
-    """:func:`pack_codes`' C byte tensors -> (count, C) uint8 codes; ValueError when a channel is damaged."""
+def unpack_rows(packed: list[torch.Tensor], count: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """:func:`pack_rows`' byte tensors -> (count, C) rows of ``dtype`` (uint8 or float16), bit for bit;
+    ValueError naming the channel when one is damaged."""
+    width = 1 if dtype == torch.uint8 else 2
+    integer = np.uint8 if width == 1 else np.int16
+    if len(packed) % width:
+        raise ValueError(f"packed rows: {len(packed)} byte planes, not a multiple of {width}")
     channels = []
-    for index, data in enumerate(packed):
-        try:
-            delta = np.frombuffer(zlib.decompress(data.numpy().tobytes()), dtype=np.uint8)
-        except zlib.error as error:
-            raise ValueError(f"feature codes, channel {index}: {error}") from None
-        if delta.size != count:
-            raise ValueError(f"feature codes, channel {index}: {delta.size} codes for {count} stored vertices")
-        channels.append(np.cumsum(delta, dtype=np.uint8))
-    return torch.from_numpy(np.stack(channels, 1)) if channels else torch.zeros(count, 0, dtype=torch.uint8)
+    for index in range(0, len(packed), width):
+        planes = []
+        for data in packed[index : index + width]:
+            try:
+                planes.append(np.frombuffer(zlib.decompress(data.numpy().tobytes()), dtype=np.uint8))
+            except zlib.error as error:
+                raise ValueError(f"packed rows, channel {index // width}: {error}") from None
+            if planes[-1].size != count:
+                raise ValueError(f"packed rows, channel {index // width}: {planes[-1].size} values for {count} rows")
+        delta = np.ascontiguousarray(np.stack(planes, 1)).view(integer).reshape(count)
+        channels.append(np.cumsum(delta, dtype=integer))
+    if not channels:
+        return torch.zeros(count, 0, dtype=dtype)
+    stacked = np.stack(channels, 1)
+    return torch.from_numpy(stacked if width == 1 else stacked.view(np.float16).copy())
 
 
 def dequantise(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -198,7 +216,9 @@ def compact_content(
             entry = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."), "fill": fill.float()}
             if quantised and not is_density:
                 codes, entry["levels"] = quantise(kept)
-                entry["packed_codes"], entry["count"] = pack_codes(codes), codes.shape[0]
+                entry["packed_codes"], entry["count"] = pack_rows(codes), codes.shape[0]
+            elif grid_dtype == torch.float16:
+                entry["packed_rows"], entry["count"] = pack_rows(kept.to(grid_dtype)), kept.shape[0]
             else:
                 entry["rows"] = kept.to(grid_dtype)
             sparse[key] = {name: item.cpu() if isinstance(item, torch.Tensor) else item for name, item in entry.items()}
@@ -216,9 +236,12 @@ def compact_content(
 
 
 def stored_rows(entry: dict) -> torch.Tensor:
-    """The (n, C) float rows of a sparse entry: float16/32 rows as they are, uint8 codes through their levels."""
+    """The (n, C) float rows of a sparse entry: float16/32 rows as they are (or deflated, format 3), uint8 codes
+    through their levels."""
     if "packed_codes" in entry:
-        return dequantise(unpack_codes(entry["packed_codes"], int(entry["count"])), entry["levels"])
+        return dequantise(unpack_rows(entry["packed_codes"], int(entry["count"])), entry["levels"])
+    if "packed_rows" in entry:
+        return unpack_rows(entry["packed_rows"], int(entry["count"]), torch.float16)
     return entry["rows"]
 
 
@@ -246,7 +269,8 @@ def content_stats(content: dict) -> dict:
     (the per-channel levels and fills, whatever the vertex count)."""
     stored = int(_unpack_bits(content["vertices"]).sum())
     per_row = [entry["rows"] for entry in content["sparse"].values() if "rows" in entry]
-    per_row += [data for entry in content["sparse"].values() for data in entry.get("packed_codes", [])]
+    packed = [entry.get("packed_codes", []) + entry.get("packed_rows", []) for entry in content["sparse"].values()]
+    per_row += [data for planes in packed for data in planes]
     tables = [entry[name] for entry in content["sparse"].values() for name in ("levels", "fill") if name in entry]
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     total = int(np.prod(content["vertices"]["shape"]))

@@ -122,5 +122,6 @@ def plot_methods(
 
 def plot_results(content: dict, path: str | os.PathLike) -> None:
     """The plot of a results file (bench.peers.results)."""
-    title = f"{content.get('scene', '?')}: held-out PSNR (periodic eval views) vs training time ({content.get('device', '?')})"
+    scene, device = content.get("scene", "?"), content.get("device", "?")
+    title = f"{scene}: held-out PSNR (periodic eval views) vs training time ({device})"
     plot_methods(method_curves(content), path, title)
