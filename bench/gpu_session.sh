@@ -19,7 +19,8 @@
 # viewer:     bench/viewer_throughput.py on the shipped lego config: viewer off / on with a still / moving
 #             simulated browser (needs viser and its dependencies as py3.12 wheels in .whl); extra train.py
 #             overrides in $VIEWER_OVERRIDES (e.g. a shorter run: "train.iters=2000 train.eval_final_views=8")
-# variants:   bench/quality_runs.py, one run at a time (timed alone), over $VARIANTS ("NAME=OVERRIDES;NAME=...")
+# variants:   bench/quality_runs.py, one run at a time (timed alone), over $VARIANTS ("NAME=OVERRIDES;NAME=...");
+#             on $VARIANT_DATA (default lego) with +experiment=$VARIANT_EXPERIMENT (blender | capture)
 # peers:      ours and 3DGS (gsplat, needs its wheel in .whl) on each scene of $PEER_SCENES, each run alone, into
 #             $OUT/peers/<date>-<scene>.json and .png (bench/peers/gpu_stage.sh: $PEER_DATA, $PEER_STEPS,
 #             $CAPTURE_OVERRIDES, $OURS_EXTRA)
@@ -111,7 +112,8 @@ for s in "${stages[@]}"; do
     variants)
       args=(); IFS=';' read -ra specs <<<"${VARIANTS:-base=}"
       for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
-      stage variants python3 bench/quality_runs.py --data "$LEGO" --parallel 1 --runs "$OUT/variants" \
+      stage variants python3 bench/quality_runs.py --data "${VARIANT_DATA:-$LEGO}" \
+        --experiment "${VARIANT_EXPERIMENT:-blender}" --parallel 1 --runs "$OUT/variants" \
         --json "$OUT/variants.json" "${args[@]}" ;;
     *) log "unknown stage $s"; failures=$((failures + 1)) ;;
   esac

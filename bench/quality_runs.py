@@ -3,12 +3,13 @@
     python bench/quality_runs.py --data lego_400 --parallel 4 --json OUT.json \
         --variant base= --variant rb=train.random_background=true ...
 
-Each ``--variant NAME=OVERRIDES`` (space-separated Hydra overrides, appended to ``--common``) is one
-``train.py +experiment=blender`` run in its own folder under ``--runs``; ``--variant NAME@N=OVERRIDES`` runs it
-data-parallel on N GPUs (``torchrun --standalone --nproc_per_node=N``). ``--parallel`` runs share the device,
-so their PSNR is what the config gives but their times are not: time a variant alone (``--parallel 1``)
-before quoting its speed. The JSON has, per variant, mean PSNR / SSIM, the mean of the worst 10% of views,
-the worst views, training seconds, rays/s and the final grid shape and box.
+Each ``--variant NAME=OVERRIDES`` (space-separated Hydra overrides, appended to ``--common``) is one ``train.py
++experiment=EXPERIMENT`` run (``--experiment``: blender, or capture for a nerfstudio capture) in its own folder
+under ``--runs``; ``--variant NAME@N=OVERRIDES`` runs it data-parallel on N GPUs (``torchrun --standalone
+--nproc_per_node=N``). ``--parallel`` runs share the device, so their PSNR is what the config gives but their times
+are not: time a variant alone (``--parallel 1``) before quoting its speed. The JSON has, per variant, mean PSNR /
+SSIM, the mean of the worst 10% of views, the worst views, training seconds, rays/s and the final grid shape and
+box.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def run_variant(name: str, overrides: list[str], args: argparse.Namespace, ranks
         sys.executable,
         *launcher,
         "train.py",
-        "+experiment=blender",
+        f"+experiment={args.experiment}",
         f"data.root={args.data}",
         f"hydra.run.dir={run_dir}",
         "train.turntable_frames=0",
@@ -76,7 +77,8 @@ def run_variant(name: str, overrides: list[str], args: argparse.Namespace, ranks
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="the blender scene folder")
+    parser.add_argument("--data", required=True, help="the scene folder (blender scene or nerfstudio capture)")
+    parser.add_argument("--experiment", default="blender", choices=["blender", "capture"], help="the preset")
     parser.add_argument("--variant", action="append", required=True, help="NAME=space-separated overrides")
     parser.add_argument("--common", default="", help="overrides every variant gets first")
     parser.add_argument("--parallel", type=int, default=1)
@@ -112,6 +114,7 @@ def main() -> int:
             "common": args.common,
             "parallel": args.parallel,
             "data": args.data,
+            "experiment": args.experiment,
             "results": results,
         }
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
