@@ -16,6 +16,7 @@ Grids grow coarse to fine (``on_step``); the occupancy grid follows the density 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -308,7 +309,7 @@ class VoxelNeRF(nn.Module):
         if keep is not None:  # skipped samples still attenuate the ray; their colour is zero
             values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
         colour, opacity, depth = self.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
-        march = space.march_coordinate(samples.t, samples.ray, t_split, self.bbox)  # the distortion loss's axis
+        march = partial(space.march_coordinate, samples.t, samples.ray, t_split, self.bbox)  # only if asked for
         return {
             "diffuse": colour[:, :DIFFUSE_CHANNELS],
             "features": colour[:, DIFFUSE_CHANNELS:],

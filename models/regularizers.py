@@ -16,6 +16,7 @@ constrain a region:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,15 +81,16 @@ def near_optical_depth(
 class RenderedSamples:
     """What a render's packed samples leave for the regularisers (VoxelNeRF.march's ``packed`` output):
     ray (N,) int64, t (N,) sample distances (unit directions), optical_depth (N,) s_i = sigma_i * delta_i with
-    gradients, ``step``, the march's step, and ``march`` (N,), each sample's march coordinate, in which every sample
-    stands for [march_i - step/2, march_i + step/2] (bounded: t itself; contracted: linear then disparity, see
-    models.contraction.SceneSpace.march_coordinate). None: t."""
+    gradients, ``step``, the march's step, and ``march``, a function giving each sample's (N,) march coordinate, in
+    which every sample stands for [march_i - step/2, march_i + step/2] (bounded: t itself; contracted: linear then
+    disparity, see models.contraction.SceneSpace.march_coordinate), called only when a regulariser needs it (None:
+    t)."""
 
     ray: torch.Tensor
     t: torch.Tensor
     optical_depth: torch.Tensor
     step: float
-    march: torch.Tensor | None = None
+    march: Callable[[], torch.Tensor] | None = None
 
     def weights(self, num_rays: int) -> torch.Tensor:
         """(N,) compositing weights w_i = T_i alpha_i, differentiable in the optical depths."""
@@ -98,7 +100,7 @@ class RenderedSamples:
         """(B,) distortion loss in the march coordinate (where the samples' intervals are all ``step`` long, as
         nerfacto measures it in its normalised spacing: the far background, whose world intervals grow with the
         distance squared, does not dominate), in units of ``unit`` (e.g. the scene box's diagonal)."""
-        half, march = 0.5 * self.step, self.t if self.march is None else self.march
+        half, march = 0.5 * self.step, self.t if self.march is None else self.march()
         return distortion_loss(self.ray, (march - half) / unit, (march + half) / unit, self.weights(num_rays), num_rays)
 
     def near_density(self, limit: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from data import RaySampler, ensure_synthetic_scene, load_blender
 from models import VoxelNeRF, build_ops
 from models.config import parse_model_config
 from models.contraction import SceneSpace, box_radius, contract_points, split_distances
+from models.regularizers import distortion_loss
 
 F64 = torch.float64
 
@@ -200,6 +201,23 @@ def test_contracted_model_marches_the_same_samples_with_either_backend():
     assert outs[0]["samples"].item() > 0 and 0.02 < skipped < 0.98
     for key in ("rgb", "depth", "opacity", "samples"):
         assert torch.equal(outs[0][key], outs[1][key]), key
+
+
+def test_contracted_model_distortion_is_measured_in_the_march_coordinate():
+    """A contracted render's distortion loss (train.distortion_loss) reads the samples in the march coordinate
+    (SceneSpace.march_coordinate, each interval one step), not at world distances, which grow far out."""
+    model = make_model(contraction="inf", grow_at=[])
+    randomize_density(model, mean=-4.0, std=6.0)
+    model.eval()
+    out = model.render_rays(*rays_towards_centre(64))
+    packed, num_rays = out["packed"], 64
+    origins, directions = rays_towards_centre(64)
+    t_split = split_distances(origins, directions, model.bbox, model.near)
+    march = SceneSpace("inf").march_coordinate(packed.t, packed.ray, t_split, model.bbox)
+    half = 0.5 * packed.step
+    expected = distortion_loss(packed.ray, march - half, march + half, packed.weights(num_rays), num_rays)
+    torch.testing.assert_close(packed.distortion(num_rays), expected)
+    assert float(packed.t.max()) > float(march.max()) + 1.0  # world distances would have differed
 
 
 def test_capture_experiment_composes_with_the_contraction():

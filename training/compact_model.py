@@ -175,7 +175,7 @@ def unpack_rows(packed: list[torch.Tensor], count: int, dtype: torch.dtype = tor
     if not channels:
         return torch.zeros(count, 0, dtype=dtype)
     stacked = np.stack(channels, 1)
-    return torch.from_numpy(stacked if width == 1 else stacked.view(np.float16).copy())
+    return torch.from_numpy(stacked if width == 1 else stacked.view(np.float16))
 
 
 def dequantise(codes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
