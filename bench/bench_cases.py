@@ -26,16 +26,25 @@ class Sizes:
     gelu: int  # elements
     copy_bytes: int  # size of the bandwidth-reference copy
     volume_render: tuple[int, ...] = (8192,)  # B rays per case (30-60 samples each; bench_render_cases.py)
+    # V0, V1, V2 vertices, brick B, N points (bench_brick_cases.py); full: the model's fine grid
+    brick_grid: tuple[int, int, int, int, int] = (64, 112, 80, 8, 65536)
 
 
 SIZES = {
     # full: a training step's 8192 rays (launch- and Python-bound), 16x that, and a 1024x1024 render's 1M rays,
     # where the kernels' time outweighs the call's host overhead (~0.1 ms) and the bandwidth targets apply
     "full": Sizes(
-        (262144, 256), (160, 12, 4096 * 1024), 1024, (8, 64, 256, 256), 1 << 28, 1 << 30, (8192, 131072, 1 << 20)
+        (262144, 256),
+        (160, 12, 4096 * 1024),
+        1024,
+        (8, 64, 256, 256),
+        1 << 28,
+        1 << 30,
+        (8192, 131072, 1 << 20),
+        (500, 870, 600, 8, 1 << 20),
     ),
     "small": Sizes((32768, 64), (64, 12, 192 * 1024), 1024, (2, 16, 128, 128), 1 << 22, 1 << 28, (2048,)),
-    "tiny": Sizes((512, 16), (12, 4, 64 * 64), 64, (1, 2, 16, 16), 1 << 14, 1 << 22, (64,)),
+    "tiny": Sizes((512, 16), (12, 4, 64 * 64), 64, (1, 2, 16, 16), 1 << 14, 1 << 22, (64,), (20, 28, 24, 4, 2048)),
 }
 
 COUNTING_RULES = {

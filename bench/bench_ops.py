@@ -25,6 +25,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_cases, bench_timing beside this file
 
+from bench_brick_cases import RULE as BRICK_RULE  # noqa: E402
+from bench_brick_cases import brick_cases  # noqa: E402
 from bench_cases import (  # noqa: E402
     CASE_BUILDERS,
     COUNTING_RULES,
@@ -44,10 +46,10 @@ from bench_timing import Timer, _no_reset, cache_bytes, measure_copy, rotation_s
 # what the bucket order gains on grids larger than L2
 # former: the model's PyTorch compositing that volume_render replaced (models/render.py)
 VARIANTS = ("custom", "custom-in-order", "reference", "builtin", "former")
-OPS = ("trilinear", "grid_interpolate", "upsample", "gelu", "volume_render")
-CASE_BUILDERS = {**CASE_BUILDERS, "volume_render": render_cases}
-COUNTING_RULES = {**COUNTING_RULES, "volume_render": RENDER_RULE}
-OP_ALIASES = {"grid": "grid_interpolate"}  # --ops grid still works
+OPS = ("trilinear", "grid_interpolate", "brick_grid_interpolate", "upsample", "gelu", "volume_render")
+CASE_BUILDERS = {**CASE_BUILDERS, "brick_grid_interpolate": brick_cases, "volume_render": render_cases}
+COUNTING_RULES = {**COUNTING_RULES, "brick_grid_interpolate": BRICK_RULE, "volume_render": RENDER_RULE}
+OP_ALIASES = {"grid": "grid_interpolate", "brick": "brick_grid_interpolate"}  # --ops grid still works
 
 
 def _error_text(exc: BaseException) -> str:
@@ -182,7 +184,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
-        "--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)} (grid: grid_interpolate)"
+        "--ops",
+        default=",".join(OPS),
+        help=f"comma-separated subset of {','.join(OPS)} (grid: grid_interpolate, brick: brick_grid_interpolate)",
     )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: full on cuda, small on cpu")

@@ -4,6 +4,7 @@ Public ops (each differentiable, dispatching on the input's device):
 
 - :func:`trilinear_interpolate` (N,8,F) x (N,3) -> (N,F): the tutorial's pairwise form.
 - :func:`grid_interpolate` (R0,R1,R2,C) x (N,3) -> (N,C): fused dense-grid lookup.
+- :func:`brick_grid_interpolate` (M,C) bricks + (T0,T1,T2) int32 table x (N,3) -> (N,C): sparse-grid lookup.
 - :func:`upsample_bilinear2d` (B,C,H,W) -> (B,C,sH,sW).
 - :func:`gelu`, exact or tanh.
 - :func:`sparse_adam_step` Adam on the listed rows of a (M, C) parameter, in place (masked Adam).
@@ -29,6 +30,7 @@ except ImportError as _error:  # not built (or built for another torch): the ref
     )
 else:
     from cuda_ext.adam import sparse_adam_step
+    from cuda_ext.brick_grid import brick_grid_interpolate
     from cuda_ext.gelu import gelu
     from cuda_ext.march import march_rays
     from cuda_ext.render import volume_render
@@ -38,6 +40,7 @@ else:
 _CUSTOM_OPS = (
     "trilinear_interpolate",
     "grid_interpolate",
+    "brick_grid_interpolate",
     "upsample_bilinear2d",
     "gelu",
     "volume_render",
@@ -118,6 +121,7 @@ if _C is not None and not _BUILT_WITH_CUDA:
 __all__ = [
     "trilinear_interpolate",
     "grid_interpolate",
+    "brick_grid_interpolate",
     "upsample_bilinear2d",
     "gelu",
     "volume_render",

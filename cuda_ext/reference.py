@@ -7,14 +7,17 @@ the wrappers' checks (``cuda_ext._checks``), so both backends reject a bad call 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-from cuda_ext import _checks, _step_checks
+from cuda_ext import _brick_checks, _checks, _step_checks
 
 __all__ = [
     "trilinear_interpolate",
     "grid_interpolate",
+    "brick_grid_interpolate",
     "upsample_bilinear2d",
     "gelu",
     "volume_render",
@@ -64,7 +67,56 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
         where the clamp holds (the custom op gives NaN there).
     """
     _checks.check_grid_inputs(grid, points)
-    sizes = torch.tensor(grid.shape[:3], device=points.device)
+    lo, hi, t = _axis_samples(points, grid.shape[:3])
+    out = torch.zeros(points.shape[0], grid.shape[3], dtype=grid.dtype, device=grid.device)
+    for corner in range(8):
+        idx = [hi[:, a] if bit else lo[:, a] for a, bit in enumerate(_corner_bits(corner))]
+        out = out + _corner_weight(t, corner)[:, None].to(grid.dtype) * grid[idx[0], idx[1], idx[2]]
+    return out
+
+
+def brick_grid_interpolate(
+    values: torch.Tensor, table: torch.Tensor, points: torch.Tensor, shape: Sequence[int], brick: int
+) -> torch.Tensor:
+    """Trilinear lookup of a sparse grid of bricks (cuda_ext.brick_grid_interpolate's contract), without
+    materialising the dense grid: per corner, its vertex's brick and row from integer tensor ops, a masked
+    gather, the blend.
+
+    Args:
+        values: (M, C) brick pool (M a multiple of brick**3); table: (T0, T1, T2) int32 brick slots (an entry
+            outside [0, M / brick**3) is an empty brick, whose vertices read as zeros); points: (N, 3) in
+            [-1, 1]; shape: the virtual grid's (V0, V1, V2) vertices; brick: B.
+    Returns:
+        (N, C): grid_interpolate of the virtual dense grid, whose vertex (i0, i1, i2) is
+        ``values[table[i0 // B, i1 // B, i2 // B] * B**3 + ((i0 % B) * B + i1 % B) * B + i2 % B]``.
+    """
+    shape, b = _brick_checks.check_brick_grid_inputs(values, table, points, shape, brick)
+    lo, hi, t = _axis_samples(points, shape)
+    slots = values.shape[0] // b**3
+    table_stride = (table.shape[1] * table.shape[2], table.shape[2], 1)
+    brick_lo, brick_hi, local_lo, local_hi = lo // b, hi // b, lo % b, hi % b
+    flat_table = table.reshape(-1)
+    out = values.new_zeros(points.shape[0], values.shape[1])
+    for corner in range(8):
+        bits = _corner_bits(corner)
+        entry = sum((brick_hi if bit else brick_lo)[:, a] * table_stride[a] for a, bit in enumerate(bits))
+        local = sum((local_hi if bit else local_lo)[:, a] * b ** (2 - a) for a, bit in enumerate(bits))
+        slot = flat_table[entry].long()
+        filled = (slot >= 0) & (slot < slots)
+        if slots:
+            gathered = values[torch.where(filled, slot * b**3 + local, 0)]
+        else:  # no bricks: zeros (an empty sum), with values still in the graph
+            gathered = values.sum(0, keepdim=True).expand(points.shape[0], -1)
+        # zeros for an empty brick's corner, still weighted: a NaN point's row is NaN, as in the dense lookup
+        corner_values = torch.where(filled[:, None], gathered, 0)
+        out = out + _corner_weight(t, corner)[:, None].to(values.dtype) * corner_values
+    return out
+
+
+def _axis_samples(points: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where (N, 3) points fall in a grid of ``sizes`` vertices (csrc/grid_interpolate.h's sample_axis): the low
+    and high vertex (N, 3) int64 and the fraction t (N, 3) towards the high one, differentiable in the points."""
+    sizes = torch.tensor(list(sizes), device=points.device)
     p = ((points + 1) / 2 * (sizes - 1).to(points.dtype)).clamp(min=0)
     p = torch.minimum(p, (sizes - 1).to(points.dtype))  # +-inf: the border; NaN stays NaN (clamp and minimum keep it)
     # The indices come from a NaN-free copy (a NaN's integer cast is undefined: an out-of-range index); t keeps the NaN.
@@ -73,15 +125,20 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
     lo = torch.minimum(p_index.floor().long(), (sizes - 2).clamp(min=0))
     t = p - lo.to(p.dtype)
     hi = torch.minimum(lo + 1, sizes - 1)
-    out = torch.zeros(points.shape[0], grid.shape[3], dtype=grid.dtype, device=grid.device)
-    for corner in range(8):
-        bits = [(corner >> 2) & 1, (corner >> 1) & 1, corner & 1]
-        idx = [hi[:, a] if bits[a] else lo[:, a] for a in range(3)]
-        weight = torch.ones_like(t[:, 0])
-        for a in range(3):
-            weight = weight * (t[:, a] if bits[a] else 1 - t[:, a])
-        out = out + weight[:, None].to(grid.dtype) * grid[idx[0], idx[1], idx[2]]
-    return out
+    return lo, hi, t
+
+
+def _corner_bits(corner: int) -> tuple[int, int, int]:
+    """Corner k = 4*i0 + 2*i1 + i2: whether it takes the high vertex along axes 0, 1, 2."""
+    return (corner >> 2) & 1, (corner >> 1) & 1, corner & 1
+
+
+def _corner_weight(t: torch.Tensor, corner: int) -> torch.Tensor:
+    """(N,) trilinear weight of ``corner`` at fractions t (N, 3)."""
+    weight = torch.ones_like(t[:, 0])
+    for a, bit in enumerate(_corner_bits(corner)):
+        weight = weight * (t[:, a] if bit else 1 - t[:, a])
+    return weight
 
 
 def upsample_bilinear2d(x: torch.Tensor, scale_factor: int, align_corners: bool = False) -> torch.Tensor:

@@ -36,6 +36,20 @@ class OccupancyConfig:
 
 
 @dataclass
+class FineConfig:
+    """The sparse fine grid (models/brick_grid.py): ``factor`` times finer than the coarse grids, in bricks of
+    ``brick``^3 vertices around the occupied cells, allocated after step (int) or fraction (float) ``at``."""
+
+    factor: int = 0  # 0: no fine grid
+    brick: int = 4
+    at: Any = 0.5
+    max_bricks: int = 262144  # the pool's cap (the fullest bricks first)
+    collect: int = 200  # steps before ``at`` in which training marks the cells its visible samples lie in
+    min_weight: float = 0.01  # a sample's compositing weight from which it counts as visible
+    tv: float = 1.0  # the fine grid's TV weight, as a multiple of tv_density / tv_features
+
+
+@dataclass
 class ModelConfig:
     """VoxelNeRF's settings; configs/model/default.yaml says what each one means."""
 
@@ -55,6 +69,7 @@ class ModelConfig:
     max_samples: int = 512
     background: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     occupancy: OccupancyConfig = field(default_factory=OccupancyConfig)
+    fine: FineConfig = field(default_factory=FineConfig)
     early_termination: float = 1.0e-3
     weight_threshold: float = 1.0e-4
     tv_density: float = 1.0e-3
@@ -84,6 +99,11 @@ def _number_in(key: str, value: float, low: float = -math.inf, high: float = mat
         raise ValueError(f"model.{key}: must be in [{low:g}, {high:g}], got {value!r}")
 
 
+def step_of(when: Any, total_steps: int) -> int:
+    """A schedule entry (a step, int, or a fraction of training, float) as the step it names."""
+    return when if isinstance(when, int) else max(1, round(when * total_steps))
+
+
 def _is_step_or_fraction(value: Any) -> bool:
     is_step = isinstance(value, int) and not isinstance(value, bool) and value >= 1
     return is_step or (isinstance(value, float) and 0.0 < value < 1.0)
@@ -108,6 +128,7 @@ def check_model_config(c: ModelConfig) -> None:
             raise ValueError(
                 f"model.occupancy.{key}: must be an integer >= {minimum}, got {getattr(c.occupancy, key)!r}"
             )
+    _check_fine(c)
     _number_in("feature_init_std", c.feature_init_std, 0.0)
     _number_in("density_shift", c.density_shift)
     _number_in("step_ratio", c.step_ratio, 1e-3, 10.0)
@@ -159,6 +180,23 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError(
             f"model.resolution_start: must be <= model.resolution_end ({c.resolution_end}), got {c.resolution_start}"
         )
+
+
+def _check_fine(c: ModelConfig) -> None:
+    f = c.fine
+    for key, minimum in (("factor", 0), ("brick", 1), ("max_bricks", 1), ("collect", 1)):
+        if getattr(f, key) < minimum:
+            raise ValueError(f"model.fine.{key}: must be an integer >= {minimum}, got {getattr(f, key)!r}")
+    if f.factor > f.brick:  # the occupancy bound (BrickGrids.density_bound) looks one brick around a vertex
+        raise ValueError(f"model.fine.factor: must be <= model.fine.brick ({f.brick}), got {f.factor}")
+    _number_in("fine.tv", f.tv, 0.0)
+    _number_in("fine.min_weight", f.min_weight, 0.0, 1.0)
+    if not _is_step_or_fraction(f.at):
+        raise ValueError(f"model.fine.at: must be a step >= 1 (int) or a fraction in (0, 1), got {f.at!r}")
+    if f.factor > 0:  # the fine grid lives on the coarse grids' final box and shape (checked again at run time)
+        for key, when in [("grow_at", g) for g in c.grow_at] + [("shrink_at", c.shrink_at)]:
+            if when is not None and type(when) is type(f.at) and when >= f.at:
+                raise ValueError(f"model.fine.at: must come after every model.{key} entry ({when!r}), got {f.at!r}")
 
 
 def parse_model_config(cfg: Any) -> ModelConfig:

@@ -24,7 +24,8 @@ import torch.nn as nn
 
 from data.samplers import PatchBatch
 from models import render_views
-from models.config import ModelConfig, parse_model_config
+from models.brick_grid import BrickGrids
+from models.config import ModelConfig, parse_model_config, step_of
 from models.contraction import SceneSpace
 from models.decoder import DIFFUSE_CHANNELS, Decoder, SampleDecoder
 from models.field import (
@@ -87,6 +88,7 @@ class VoxelNeRF(nn.Module):
         self.density = VoxelGrid(shape, 1)
         self.features = VoxelGrid(shape, c.feature_dim, init_std=c.feature_init_std)
         self.occupancy = OccupancyGrid(shape)
+        self.fine = BrickGrids(c.feature_dim, c.fine.brick)  # sparse, finer detail near surfaces (model.fine)
         mlp = (c.decoder_hidden, c.decoder_layers, c.dir_encoding, c.gelu_approximate, ops, c.decoder_precision)
         mlp += (c.appearance, c.appearance_dim)  # per-image appearance lives in the decoder (models/appearance.py)
         # both see every feature channel: per sample the raw features, deferred the composited diffuse + the rest
@@ -104,6 +106,9 @@ class VoxelNeRF(nn.Module):
         key, grid = prefix + "_extra_state", state_dict.get(prefix + "density.grid")
         if key not in state_dict and isinstance(grid, torch.Tensor) and grid.dim() == 4:
             state_dict[key] = torch.tensor([max(grid.shape[:3]), 0], dtype=torch.int64)
+        if prefix + "fine.table" not in state_dict:  # from before the fine grid: none allocated
+            for name, value in BrickGrids(self.config.feature_dim, self.config.fine.brick).state_dict().items():
+                state_dict[prefix + "fine." + name] = value
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def set_extra_state(self, state: torch.Tensor) -> None:
@@ -144,16 +149,16 @@ class VoxelNeRF(nn.Module):
         c = self.config
         if not c.grow_at:
             return c.resolution_end  # no schedule: the final grid from the start
-        thresholds = [g if isinstance(g, int) else max(1, round(g * total_steps)) for g in c.grow_at]
-        level = sum(step >= t for t in thresholds)
+        level = sum(step >= step_of(g, total_steps) for g in c.grow_at)
         ratio = c.resolution_end / c.resolution_start
-        return round(c.resolution_start * ratio ** (level / len(thresholds)))
+        return round(c.resolution_start * ratio ** (level / len(c.grow_at)))
 
     def set_resolution(self, resolution: int) -> None:
         """Resample both grids to ``resolution`` vertices along the longest side (replaces the parameters).
 
         The occupancy grid is reset to all-occupied at the new shape (on_step rebuilds it after warm-up).
         """
+        self.fine.check_unallocated("grow")
         self._resolution = resolution
         shape = self.shape_at(resolution)
         self.density.resize(shape)
@@ -163,9 +168,7 @@ class VoxelNeRF(nn.Module):
     def shrink_step(self, total_steps: int) -> int | None:
         """The step after which the box shrinks to the occupied region (None: never)."""
         at = self.config.shrink_at
-        if at is None:
-            return None
-        return at if isinstance(at, int) else max(1, round(at * total_steps))
+        return None if at is None else step_of(at, total_steps)
 
     @torch.no_grad()
     def shrink_to_occupied(self, resolution: int) -> bool:
@@ -179,6 +182,7 @@ class VoxelNeRF(nn.Module):
         new_bbox = visible_box(self.density.grid[..., 0], self.bbox, c.density_shift, scale, c.shrink_threshold)
         if new_bbox is None:
             return False
+        self.fine.check_unallocated("shrink")
         old_bbox = self.bbox.clone()
         self.bbox.copy_(new_bbox)
         self.extent = tuple(float(e) for e in (new_bbox[1] - new_bbox[0]).tolist())
@@ -195,9 +199,10 @@ class VoxelNeRF(nn.Module):
         """(R0, R1, R2) alpha of a sample at each vertex at the current sampling step: the occupancy grid's input (a
         sample inside a cell has at most its corners' largest alpha: the density is interpolated, softplus rises)."""
         steps = self.space.vertex_steps(self.grid_shape, self.bbox.device)  # contracted: grows outwards
-        sigma_delta = optical_depth(
-            self.density.grid[..., 0], self.config.density_shift, self.step_size / self.base_voxel * steps
-        )
+        density = self.density.grid[..., 0]
+        if self.fine.active:  # the summed density's bound: the occupancy grid never skips what the fine grid fills
+            density = density + self.fine.density_bound(self.grid_shape)
+        sigma_delta = optical_depth(density, self.config.density_shift, self.step_size / self.base_voxel * steps)
         return -torch.expm1(-sigma_delta)
 
     @torch.no_grad()
@@ -221,10 +226,25 @@ class VoxelNeRF(nn.Module):
         if target != self.resolution:
             self.set_resolution(target)
             grown = True
+        grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask) or grown  # its bricks, at fine.at
         due = step == c.occupancy.warmup or step % c.occupancy.refresh_every == 0
         if step >= c.occupancy.warmup and (grown or due):
             self.refresh_occupancy()
         return grown
+
+    def query_density(self, unit_points: torch.Tensor) -> torch.Tensor:
+        """(N, 3) grid coordinates -> (N,) raw density: the coarse grid's plus the fine grid's where it has bricks."""
+        density = self.density(unit_points, self.ops)
+        if self.fine.active:
+            density = density + self.fine.lookup(self.fine.density, unit_points, self.ops)
+        return density[:, 0]
+
+    def query_features(self, unit_points: torch.Tensor) -> torch.Tensor:
+        """(N, 3) grid coordinates -> (N, F) features: the coarse grid's plus the fine grid's."""
+        features = self.features(unit_points, self.ops)
+        if self.fine.active:
+            features = features + self.fine.lookup(self.fine.features, unit_points, self.ops)
+        return features
 
     # ------------------------------------------------------------------ optimisation
     def param_groups(self, lr_grid: float, lr_decoder: float, lr_pose: float = 0.0) -> list[dict]:
@@ -234,6 +254,8 @@ class VoxelNeRF(nn.Module):
             {"params": [self.density.grid, self.features.grid], "lr": lr_grid, "name": "grids"},
             {"params": list(self.decoder.parameters()), "lr": lr_decoder, "name": "decoder"},
         ]
+        if self.fine.active:  # dense Adam over the pool: it holds only the bricks near surfaces
+            groups.append({"params": [self.fine.density, self.fine.features], "lr": lr_grid, "name": "fine"})
         if self.poses.enabled:
             groups.append({"params": [self.poses.table], "lr": lr_pose, "name": "poses"})
         return groups
@@ -253,7 +275,8 @@ class VoxelNeRF(nn.Module):
             total = total + c.tv_density * self.density.total_variation(c.tv_samples, touched, *shell)
         if c.tv_features > 0:
             total = total + c.tv_features * self.features.total_variation(c.tv_samples, touched, *shell)
-        return total
+        weights = (c.tv_density * c.fine.tv, c.tv_features * c.fine.tv)  # the fine grid's own, at its spacing
+        return total + self.fine.regularization(*weights, c.tv_samples) if self.fine.active else total
 
     # ------------------------------------------------------------------ rendering
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:
@@ -284,9 +307,11 @@ class VoxelNeRF(nn.Module):
             # one no-grad pass: drop samples behind an opaque prefix (early termination; the survivors keep their
             # transmittance) and skip the colour of samples that barely show (DVGO's fast_color_thres)
             with torch.no_grad():
-                depth = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
+                depth = optical_depth(self.query_density(samples.points), c.density_shift, step_scale)
                 alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
                 shows = (weights > c.weight_threshold) & alive
+                if self.fine.collecting and self.training:  # where the fine grid's bricks will go
+                    self.fine.collect(samples.points[(weights >= c.fine.min_weight) & alive], self.grid_shape)
                 alive_count, shown_count = torch.stack([alive.sum(), shows.sum()]).tolist()  # the pass's one sync
                 if c.early_termination > 0:
                     index = compact(alive, alive_count)
@@ -299,9 +324,9 @@ class VoxelNeRF(nn.Module):
         moved = (samples.points, samples.ray, samples.t, origins, directions, self.bbox, space.contract)
         samples.points = points_with_ray_gradients(*moved)
         step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, self.bbox) / self.base_voxel
-        sigma_delta = optical_depth(self.density(samples.points, self.ops)[:, 0], c.density_shift, step_scale)
+        sigma_delta = optical_depth(self.query_density(samples.points), c.density_shift, step_scale)
         shaded = samples if keep is None else samples.take(keep)
-        feats = self.features(shaded.points, self.ops)
+        feats = self.query_features(shaded.points)
         if self.per_sample:
             values = self.decoder(feats, directions[shaded.ray], None if views is None else views[shaded.ray])
         else:

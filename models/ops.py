@@ -21,6 +21,7 @@ OP_NAMES = (
     "volume_render",
     "march_rays",
     "sparse_adam_step",
+    "brick_grid_interpolate",
 )  # the config keys: functions of cuda_ext
 EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
 
@@ -30,6 +31,7 @@ class OpSet:
     """Callables with the signatures of :mod:`cuda_ext`:
 
     - ``grid_interpolate(grid (R0,R1,R2,C), points (N,3) in [-1,1]) -> (N,C)``
+    - ``brick_grid_interpolate(values (M,C), table (T0,T1,T2) int32, points (N,3), shape [V0,V1,V2], brick) -> (N,C)``
     - ``upsample_bilinear2d(x (B,C,H,W), scale_factor: int, align_corners=False) -> (B,C,sH,sW)``
     - ``gelu(x, approximate="none") -> x.shape``
     - ``volume_render(optical_depth (N,), values (N,C), t (N,), ray_offsets (B+1,), early_stop) ->
@@ -43,6 +45,7 @@ class OpSet:
     """
 
     grid_interpolate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    brick_grid_interpolate: Callable[..., torch.Tensor]
     upsample_bilinear2d: Callable[..., torch.Tensor]
     gelu: Callable[..., torch.Tensor]
     volume_render: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

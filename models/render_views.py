@@ -99,7 +99,7 @@ def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tenso
         origins, directions, t_start, t_end, offset, model.occupancy.mask, model.bbox, step, num_samples, t_split
     )
     step_scale = space.sample_steps(t, ray, t_split, step, model.bbox) / model.base_voxel
-    sigma_delta = optical_depth(model.density(points, model.ops)[:, 0], c.density_shift, step_scale)
+    sigma_delta = optical_depth(model.query_density(points), c.density_shift, step_scale)
     alive, weights = survivors_and_weights(sigma_delta, ray, num_rays, c.early_termination)
     shows = alive & (weights > c.weight_threshold)  # the samples worth a colour
     keep = compact(shows, int(shows.sum()))  # the pass's one sync: how many samples the decoder gets
@@ -117,7 +117,7 @@ DECODE_SLICE = 1 << 22  # samples decoded at once: bounds the MLP's activations 
 
 def _shade(model: VoxelNeRF, points: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
     """(n, 3) sample points and their rays' directions -> (n, C) what is composited (colour + deferred features)."""
-    feats = model.features(points, model.ops)
+    feats = model.query_features(points)
     if model.per_sample:
         return model.decoder(feats, directions, None)  # held-out views: the mean appearance
     return torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)

@@ -46,6 +46,7 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
         ("grid_interpolate", "rays"),
         ("upsample", "x2"),
         ("gelu", "exact"),
+        *(("brick_grid_interpolate", f"{points} C={c}") for c in (12, 1) for points in ("random", "rays")),
         ("volume_render", "C=3 B=64"),
         ("volume_render", "C=12 B=64"),
     }
@@ -54,8 +55,9 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
 
     # The pure-PyTorch variants run everywhere: each has positive times, bandwidths and custom-speed-up slots.
     timed = [key for key in rows if key[2] in ("builtin", "former") or (key[2] == "reference" and key[0] != "gelu")]
-    # reference: trilinear x2, grid x2, upsample, volume_render x2; builtin: grid x2, upsample, gelu; former: x2
-    assert len(timed) == 7 + 4 + 2
+    # reference: trilinear x2, grid x2, brick x4, upsample, volume_render x2; builtin: grid x2, upsample, gelu;
+    # former: x2
+    assert len(timed) == 11 + 4 + 2
     for key in timed:
         row = rows[key]
         for field in ("fw_ms", "fwbw_ms", "fw_GBps", "fw_pct_copy", "fwbw_GBps"):
@@ -66,6 +68,10 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
         assert "custom_speedup" in row
     for key in [k for k in timed if k[2] in ("builtin", "former") and k[0] != "gelu"]:  # gelu's reference: broken
         assert rows[key]["rel_err_vs_reference"] < 1e-5, key  # F.grid_sample / F.interpolate / former agree
+    for key in [k for k in rows if k[0] == "brick_grid_interpolate"]:  # the custom op and its reference agree
+        assert rows[key]["bytes_bw"] > rows[key]["bytes_fw"] > 0 and _positive(rows[key]["fw_pct_copy"]), key
+        if key[2] == "custom":
+            assert rows[key]["rel_err_vs_reference"] < 1e-5 and rows[key]["bw_source"] == "op", key
     for case in ("C=3 B=64", "C=12 B=64"):  # the bytes each pass must move, so the table shows % of copy
         row = rows[("volume_render", case, "custom")]
         assert row["bytes_fw"] > 0 and row["bytes_bw"] > row["bytes_fw"] and _positive(row["fw_pct_copy"])

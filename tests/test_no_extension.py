@@ -46,6 +46,7 @@ def test_references_and_ops_torch_need_no_build(tmp_path):
         "gelu": "torch",
         "volume_render": "torch",
         "march_rays": "torch",
+        "brick_grid_interpolate": "torch",
         "sparse_adam_step": "torch",
     }
 

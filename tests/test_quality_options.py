@@ -32,6 +32,7 @@ CUSTOM_OPS = {
     "gelu": "custom",
     "volume_render": "custom",
     "march_rays": "custom",
+    "brick_grid_interpolate": "custom",
     "sparse_adam_step": "custom",
 }
 

@@ -16,6 +16,7 @@ from training.inference import render_view
 
 CUSTOM = {"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"}
 CUSTOM |= {"volume_render": "custom", "march_rays": "custom", "sparse_adam_step": "custom"}
+CUSTOM |= {"brick_grid_interpolate": "custom"}
 
 
 def random_model(**overrides):

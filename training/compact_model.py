@@ -202,26 +202,22 @@ def compact_content(
     cells = strict_cells(model) if strict else model.occupancy.mask
     keep = kept_vertices(cells).reshape(-1)
     density = model.density.grid
-    sparse, bits, dense = {}, {}, {}
+    sparse, bits, dense, pools = {}, {}, {}, {}
+    pooled = {model.fine.density.data_ptr(): True, model.fine.features.data_ptr(): False} if model.fine.active else {}
     for key, value in model.state_dict().items():
         if not isinstance(value, torch.Tensor):
             dense[key] = value
+        elif value.numel() and value.data_ptr() in pooled:  # the fine grid's rows: stored as the vertex rows are
+            pools[key] = _rows_entry(value.detach(), quantised and not pooled[value.data_ptr()], grid_dtype)
         elif value.dtype == torch.bool:
             bits[key] = _pack_bits(cells if value.data_ptr() == model.occupancy.mask.data_ptr() else value)
         elif value.is_floating_point() and value.dim() >= 3 and tuple(value.shape[:3]) == shape:
             rows = value.detach().reshape(keep.numel(), -1)
             is_density = value.data_ptr() == density.data_ptr()
             fill = rows.amin(0) if is_density else torch.zeros_like(rows[0])
-            kept = rows[keep.to(rows.device)]
-            entry = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."), "fill": fill.float()}
-            if quantised and not is_density:
-                codes, entry["levels"] = quantise(kept)
-                entry["packed_codes"], entry["count"] = pack_rows(codes), codes.shape[0]
-            elif grid_dtype == torch.float16:
-                entry["packed_rows"], entry["count"] = pack_rows(kept.to(grid_dtype)), kept.shape[0]
-            else:
-                entry["rows"] = kept.to(grid_dtype)
-            sparse[key] = {name: item.cpu() if isinstance(item, torch.Tensor) else item for name, item in entry.items()}
+            entry = _rows_entry(rows[keep.to(rows.device)], quantised and not is_density, grid_dtype)
+            sparse[key] = entry | {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+            sparse[key]["fill"] = fill.float().cpu()
         else:
             dense[key] = value.detach().cpu().clone()
     return {
@@ -231,8 +227,23 @@ def compact_content(
         "sparse": sparse,
         "bits": bits,
         "dense": dense,
+        "pools": pools,
         "run": {key: run[key] for key in RUN_KEYS if key in run},
     }
+
+
+def _rows_entry(rows: torch.Tensor, quantised: bool, grid_dtype: torch.dtype) -> dict:
+    """(n, C) float rows as stored: uint8 codes and their levels (``quantised``), else ``grid_dtype`` rows (float16:
+    deflated); plus the original shape and dtype."""
+    entry = {"shape": list(rows.shape), "dtype": str(rows.dtype).removeprefix("torch."), "count": rows.shape[0]}
+    if quantised:
+        codes, entry["levels"] = quantise(rows)
+        entry["packed_codes"] = pack_rows(codes)
+    elif grid_dtype == torch.float16:
+        entry["packed_rows"] = pack_rows(rows.to(grid_dtype))
+    else:
+        entry["rows"] = rows.to(grid_dtype)
+    return {name: item.cpu() if isinstance(item, torch.Tensor) else item for name, item in entry.items()}
 
 
 def stored_rows(entry: dict) -> torch.Tensor:
@@ -260,6 +271,8 @@ def expand_state_dict(content: dict) -> dict[str, torch.Tensor]:
         state[key] = rows.reshape(shape)
     for key, packed in content["bits"].items():
         state[key] = _unpack_bits(packed)
+    for key, entry in content.get("pools", {}).items():  # the fine grid's rows, all stored
+        state[key] = stored_rows(entry).to(getattr(torch, entry["dtype"])).reshape(entry["shape"])
     return state
 
 

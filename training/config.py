@@ -27,6 +27,7 @@ class OpsConfig:
     """Backend per op family: ``custom`` (cuda_ext kernels) or ``torch`` (cuda_ext.reference)."""
 
     grid_interpolate: str = "custom"  # the trilinear lookup in the voxel grids
+    brick_grid_interpolate: str = "custom"  # the trilinear lookup in the sparse fine grid (model.fine)
     upsample_bilinear2d: str = "custom"  # the deferred decoder's feature upsampling
     gelu: str = "custom"  # the decoder's activation
     volume_render: str = "custom"  # compositing of packed samples into colour, opacity, depth

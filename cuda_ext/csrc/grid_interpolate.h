@@ -1,7 +1,8 @@
 // The fused grid lookup grid_interpolate: a dense channels-last grid (R0, R1, R2, C) read at points (N, 3)
 // in [-1, 1]^3 (align_corners=True, border clamp), the 8 voxels around each point blended in the corner
 // order of interpolation.h. Input validation (host), the grid's shape, and where a point's voxels lie with
-// their weights (host and device), shared by cpu/grid_interpolate.cpp and cuda/grid_interpolate*.cu.
+// their weights (host and device), shared by cpu/grid_interpolate.cpp and cuda/grid_interpolate*.cu; the
+// sparse lookup (brick_grid.h) locates points with the same sample_axis and CornerFractions.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -69,24 +70,39 @@ CUDA_EXT_HOST_DEVICE AxisSample<T> sample_axis(T x, int64_t size) {
   return s;
 }
 
-// The 8 voxels around a point: corner 0's element offset, one step per axis to the high voxel, and the
-// fractions (with their derivatives). Few registers: offsets and weights are derived per corner.
+// A point's fractions along the 3 axes and their derivatives: what the corner weights and the point
+// gradient need, whichever way the 8 corners are stored (GridCorners here, BrickCorners in brick_grid.h).
 template <typename T>
-struct GridCorners {
-  int64_t base;  // element offset of corner 0's channel 0
-  int64_t step[3];
+struct CornerFractions {
   T t[3];
   T dt_dx[3];
 
-  CUDA_EXT_HOST_DEVICE int64_t step_to(int k) const {  // corner k's offset - corner 0's
-    return ((k & 4) ? step[0] : 0) + ((k & 2) ? step[1] : 0) + ((k & 1) ? step[2] : 0);
+  CUDA_EXT_HOST_DEVICE void set_axes(const AxisSample<T>& a0, const AxisSample<T>& a1, const AxisSample<T>& a2) {
+    t[0] = a0.t;
+    t[1] = a1.t;
+    t[2] = a2.t;
+    dt_dx[0] = a0.dt_dx;
+    dt_dx[1] = a1.dt_dx;
+    dt_dx[2] = a2.dt_dx;
   }
-  CUDA_EXT_HOST_DEVICE int64_t offset(int k) const { return base + step_to(k); }
   // Corner k's weight, recomputed (the CUDA forward: cheaper than 8 registers). The CPU kernels take all
   // 8 from corner_weights(t), whose products are grouped differently (equal up to the last bit).
   CUDA_EXT_HOST_DEVICE T weight(int k) const {
     return ((k & 4) ? t[0] : T(1) - t[0]) * ((k & 2) ? t[1] : T(1) - t[1]) * ((k & 1) ? t[2] : T(1) - t[2]);
   }
+};
+
+// The 8 voxels around a point in a dense grid: corner 0's element offset, one step per axis to the high
+// voxel, and the fractions (with their derivatives). Few registers: offsets and weights are derived per corner.
+template <typename T>
+struct GridCorners : CornerFractions<T> {
+  int64_t base;  // element offset of corner 0's channel 0
+  int64_t step[3];
+
+  CUDA_EXT_HOST_DEVICE int64_t step_to(int k) const {  // corner k's offset - corner 0's
+    return ((k & 4) ? step[0] : 0) + ((k & 2) ? step[1] : 0) + ((k & 1) ? step[2] : 0);
+  }
+  CUDA_EXT_HOST_DEVICE int64_t offset(int k) const { return base + step_to(k); }
 };
 
 template <typename T>
@@ -98,18 +114,14 @@ CUDA_EXT_HOST_DEVICE GridCorners<T> locate_corners(T x0, T x1, T x2, const GridS
   c.step[0] = (a0.hi - a0.lo) * slice;
   c.step[1] = (a1.hi - a1.lo) * row;
   c.step[2] = (a2.hi - a2.lo) * s.channels;
-  c.t[0] = a0.t;
-  c.t[1] = a1.t;
-  c.t[2] = a2.t;
-  c.dt_dx[0] = a0.dt_dx;
-  c.dt_dx[1] = a1.dt_dx;
-  c.dt_dx[2] = a2.dt_dx;
+  c.set_axes(a0, a1, a2);
   return c;
 }
 
-// Gradient with respect to the point from the per-corner dot products d_k = <grad_out, voxel k>.
+// Gradient with respect to the point from the per-corner dot products d_k = <grad_out, voxel k>
+// (d_k = 0 for a corner that reads nothing, such as an empty brick's).
 template <typename T>
-CUDA_EXT_HOST_DEVICE void grid_point_grads(const GridCorners<T>& c, const T d[8], T grad[3]) {
+CUDA_EXT_HOST_DEVICE void grid_point_grads(const CornerFractions<T>& c, const T d[8], T grad[3]) {
   fraction_grads(c.t[0], c.t[1], c.t[2], d, grad);
   grad[0] *= c.dt_dx[0];
   grad[1] *= c.dt_dx[1];

@@ -65,6 +65,18 @@ void with_vector_width(bool wide, Fn&& fn) {
   }
 }
 
+// Calls fn(integral_constant<int, G>) for a lane group of G in 1..4 (G > 4 runs as 4): how many lanes of a
+// warp share one point in the CUDA lookups that split a point's channels over lanes.
+template <typename Fn>
+void with_lane_group(int64_t group, Fn&& fn) {
+  switch (group) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, 4>{});
+  }
+}
+
 // Calls fn(bool_constant<A>, bool_constant<B>) for the runtime pair (a, b), not both false: which
 // gradients a backward kernel computes, as template arguments.
 template <typename Fn>

@@ -1,8 +1,8 @@
 // Declarations of every kernel entry point, CPU and CUDA. registration.cpp binds them to the
 // schemas; each op family implements its CPU half in cpu/<family>.cpp and its CUDA half in
 // cuda/<family>*.cu. Validation and math shared by both halves live in <family>.h beside this file
-// (trilinear.h, grid_interpolate.h, upsample.h, gelu.h); kernel_common.h and interpolation.h hold what
-// several families share.
+// (trilinear.h, grid_interpolate.h, brick_grid.h, upsample.h, gelu.h); kernel_common.h and interpolation.h
+// hold what several families share.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,6 +24,14 @@ at::Tensor grid_interpolate_cpu(const at::Tensor& grid, const at::Tensor& points
 std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cpu(const at::Tensor& grad_out, const at::Tensor& grid,
                                                                  const at::Tensor& points, bool grid_requires_grad,
                                                                  bool points_requires_grad);
+
+// brick_grid_interpolate: the lookup in a sparse grid of bricks, values (M, C) rows found through an
+// int32 (T0, T1, T2) brick table, at (N, 3) points of a virtual (V0, V1, V2) = shape vertex grid.
+at::Tensor brick_grid_interpolate_cpu(const at::Tensor& values, const at::Tensor& table, const at::Tensor& points,
+                                      at::IntArrayRef shape, int64_t brick);
+std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& values, const at::Tensor& table, const at::Tensor& points,
+    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad);
 
 // bilinear upsampling by an integer factor.
 at::Tensor upsample_bilinear2d_cpu(const at::Tensor& x, int64_t scale_factor, bool align_corners);
@@ -80,6 +88,11 @@ at::Tensor grid_interpolate_cuda(const at::Tensor& grid, const at::Tensor& point
 std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tensor& grad_out, const at::Tensor& grid,
                                                                   const at::Tensor& points, bool grid_requires_grad,
                                                                   bool points_requires_grad);
+at::Tensor brick_grid_interpolate_cuda(const at::Tensor& values, const at::Tensor& table, const at::Tensor& points,
+                                       at::IntArrayRef shape, int64_t brick);
+std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& values, const at::Tensor& table, const at::Tensor& points,
+    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad);
 at::Tensor upsample_bilinear2d_cuda(const at::Tensor& x, int64_t scale_factor, bool align_corners);
 at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_out, int64_t input_height, int64_t input_width,
                                              int64_t scale_factor, bool align_corners);

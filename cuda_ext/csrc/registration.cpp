@@ -1,6 +1,6 @@
 // The one place where ops are declared and dispatched: schemas in a single TORCH_LIBRARY block,
 // one TORCH_LIBRARY_IMPL per backend. Autograd and fake (meta) kernels are registered from
-// Python beside the typed wrappers (cuda_ext/trilinear.py, upsample.py, gelu.py).
+// Python beside the typed wrappers (cuda_ext/trilinear.py, brick_grid.py, upsample.py, gelu.py, ...).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -25,6 +25,10 @@ TORCH_LIBRARY(cuda_ext, m) {
   m.def(
       "grid_interpolate_backward(Tensor grad_out, Tensor grid, Tensor points, "
       "bool grid_requires_grad, bool points_requires_grad) -> (Tensor, Tensor)");
+  m.def("brick_grid_interpolate(Tensor values, Tensor table, Tensor points, int[] shape, int brick) -> Tensor");
+  m.def(
+      "brick_grid_interpolate_backward(Tensor grad_out, Tensor values, Tensor table, Tensor points, int[] shape, "
+      "int brick, bool values_requires_grad, bool points_requires_grad) -> (Tensor, Tensor)");
   m.def("upsample_bilinear2d(Tensor x, int scale_factor, bool align_corners) -> Tensor");
   m.def(
       "upsample_bilinear2d_backward(Tensor grad_out, int input_height, int input_width, "
@@ -52,6 +56,8 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("trilinear_interpolate_backward", &cuda_ext::trilinear_interpolate_backward_cpu);
   m.impl("grid_interpolate", &cuda_ext::grid_interpolate_cpu);
   m.impl("grid_interpolate_backward", &cuda_ext::grid_interpolate_backward_cpu);
+  m.impl("brick_grid_interpolate", &cuda_ext::brick_grid_interpolate_cpu);
+  m.impl("brick_grid_interpolate_backward", &cuda_ext::brick_grid_interpolate_backward_cpu);
   m.impl("upsample_bilinear2d", &cuda_ext::upsample_bilinear2d_cpu);
   m.impl("upsample_bilinear2d_backward", &cuda_ext::upsample_bilinear2d_backward_cpu);
   m.impl("gelu", &cuda_ext::gelu_cpu);
@@ -68,6 +74,8 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("trilinear_interpolate_backward", &cuda_ext::trilinear_interpolate_backward_cuda);
   m.impl("grid_interpolate", &cuda_ext::grid_interpolate_cuda);
   m.impl("grid_interpolate_backward", &cuda_ext::grid_interpolate_backward_cuda);
+  m.impl("brick_grid_interpolate", &cuda_ext::brick_grid_interpolate_cuda);
+  m.impl("brick_grid_interpolate_backward", &cuda_ext::brick_grid_interpolate_backward_cuda);
   m.impl("upsample_bilinear2d", &cuda_ext::upsample_bilinear2d_cuda);
   m.impl("upsample_bilinear2d_backward", &cuda_ext::upsample_bilinear2d_backward_cuda);
   m.impl("gelu", &cuda_ext::gelu_cuda);

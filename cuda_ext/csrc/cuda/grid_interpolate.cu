@@ -95,17 +95,6 @@ __global__ void __launch_bounds__(kThreads, (kGridForwardMinBlocks<scalar_t, kOn
   }
 }
 
-// Calls fn(integral_constant<int, G>) for a lane group of G in 1..4.
-template <typename Fn>
-void with_lane_group(int64_t group, Fn&& fn) {
-  switch (group) {
-    case 1: return fn(std::integral_constant<int, 1>{});
-    case 2: return fn(std::integral_constant<int, 2>{});
-    case 3: return fn(std::integral_constant<int, 3>{});
-    default: return fn(std::integral_constant<int, 4>{});
-  }
-}
-
 }  // namespace
 
 // ------------------------------------------------------------------------------ entry point

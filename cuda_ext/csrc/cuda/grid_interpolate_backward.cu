@@ -24,21 +24,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// dst[0..N) += value[0..N) atomically. Hopper (sm_90) has a 16-byte float4 atomic: one L2
-// transaction instead of four.
-template <typename acc_t, int N>
-__device__ __forceinline__ void atomic_add_vec(acc_t* dst, const acc_t (&value)[N]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (std::is_same<acc_t, float>::value && N == 4) {
-    atomicAdd(reinterpret_cast<float4*>(dst), make_float4(value[0], value[1], value[2], value[3]));
-  } else
-#endif
-  {
-#pragma unroll
-    for (int e = 0; e < N; ++e) atomicAdd(dst + e, value[e]);
-  }
-}
-
 // For C = 4, 8, 12, 16 (and 24, 32 below 8-byte types, whose rows would take too many registers) the
 // channel count is a template argument, so the loop over channels unrolls and a lane's atomics and gathers
 // are all in flight together.

@@ -1,10 +1,11 @@
-// 16-byte vector loads and stores shared by the CUDA kernels. A Vec<T, N> is N elements moved as
-// whole machine words (16 bytes, or fewer when the vector is smaller), so a warp's accesses become
-// few wide transactions; the caller guarantees alignment (see aligned_to).
+// 16-byte vector loads, stores and atomic adds shared by the CUDA kernels. A Vec<T, N> is N elements
+// moved as whole machine words (16 bytes, or fewer when the vector is smaller), so a warp's accesses
+// become few wide transactions; the caller guarantees alignment (see aligned_to).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace cuda_ext {
 
@@ -74,6 +75,21 @@ __device__ __forceinline__ Vec<T, N> narrow(const acc_t (&in)[N]) {
 #pragma unroll
   for (int e = 0; e < N; ++e) v.v[e] = static_cast<T>(in[e]);
   return v;
+}
+
+// dst[0..N) += value[0..N) atomically (dst aligned to N elements). Hopper (sm_90) has a 16-byte float4
+// atomic: one L2 transaction instead of four.
+template <typename acc_t, int N>
+__device__ __forceinline__ void atomic_add_vec(acc_t* dst, const acc_t (&value)[N]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (std::is_same<acc_t, float>::value && N == 4) {
+    atomicAdd(reinterpret_cast<float4*>(dst), make_float4(value[0], value[1], value[2], value[3]));
+  } else
+#endif
+  {
+#pragma unroll
+    for (int e = 0; e < N; ++e) atomicAdd(dst + e, value[e]);
+  }
 }
 
 // Host side: whether p may be accessed with vectors of `bytes` bytes (nullptr counts as aligned).

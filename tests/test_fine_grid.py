@@ -1,0 +1,201 @@
+"""The model's sparse fine grid (models/brick_grid.py, ``model.fine``) on the CPU: where its bricks go, that it starts
+as a no-op, that its values add to the coarse lookups, the occupancy bound, its optimiser group and TV, checkpoints
+and model files with it, the config rules; the op itself is tests/test_brick_grid.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import TORCH_OPS, look_at_c2w, make_model, randomize_density
+
+from models import build_ops
+from models.brick_grid import BrickGrids, fine_shape, table_shape, wanted_bricks
+from models.config import parse_model_config
+
+FINE = {"fine.factor": 2, "fine.brick": 4, "fine.at": 6, "grow_at": [2, 4]}
+
+
+def fine_model(seed: int = 0, **overrides):
+    model = make_model(seed, **(FINE | overrides))
+    with torch.no_grad():
+        randomize_density(model)
+    for step in range(1, 6):
+        model.on_step(step, 10)
+    model.refresh_occupancy()
+    return model
+
+
+def test_wanted_bricks_hold_exactly_the_fine_vertices_of_the_wanted_cells():
+    cells = torch.rand(9, 7, 5) < 0.05
+    cells[1, 2, 3] = True
+    factor, brick, shape = 2, 4, fine_shape((10, 8, 6), 2)  # (19, 15, 11) fine vertices, bricks (5, 4, 3)
+    vertices = torch.zeros(shape, dtype=torch.bool)  # brute force: every fine vertex of every wanted cell
+    for c0, c1, c2 in cells.nonzero().tolist():
+        vertices[
+            c0 * factor : (c0 + 1) * factor + 1,
+            c1 * factor : (c1 + 1) * factor + 1,
+            c2 * factor : (c2 + 1) * factor + 1,
+        ] = True
+    expected = torch.zeros(table_shape(shape, brick))
+    for v in vertices.nonzero().tolist():
+        expected[v[0] // brick, v[1] // brick, v[2] // brick] += 1
+    score = wanted_bricks(cells, factor, brick, shape)
+    assert score.shape == (5, 4, 3)
+    torch.testing.assert_close(score, expected)
+    assert score[0, 1, 1] > 0 and score[1, 1, 2] > 0  # cell (1, 2, 3)'s far faces reach into the next bricks
+
+
+def test_allocate_gives_unique_slots_zero_values_and_respects_the_cap():
+    grids = BrickGrids(feature_dim=5, brick=4)
+    cells = torch.rand(11, 9, 7) < 0.2
+    count = grids.allocate(cells, factor=2, max_bricks=10_000)
+    wanted = int((wanted_bricks(cells, 2, 4, grids.shape) > 0).sum())
+    assert count == grids.bricks == wanted > 0
+    slots = grids.table[grids.table >= 0]
+    assert sorted(slots.tolist()) == list(range(count))
+    assert grids.density.shape == (count * 64, 1) and grids.features.shape == (count * 64, 5)
+    assert not grids.density.abs().any() and not grids.features.abs().any()
+    capped = BrickGrids(feature_dim=5, brick=4)
+    assert capped.allocate(cells, factor=2, max_bricks=3) == 3 == int((capped.table >= 0).sum())
+
+
+def test_the_fine_grid_appears_at_its_step_and_changes_nothing_then():
+    model = fine_model()
+    model.eval()
+    c2w = look_at_c2w((0.0, -4.0, 1.0))
+    before = model.render_image(c2w, 12, 12, 14.0, chunk=64)["rgb"]
+    assert not model.fine.active
+    assert model.on_step(6, 10) is True  # allocated: the trainer rebuilds its optimiser
+    assert model.fine.active and model.fine.shape == fine_shape(model.grid_shape, 2)
+    assert [g["name"] for g in model.param_groups(0.1, 0.01)] == ["grids", "decoder", "fine"]
+    after = model.render_image(c2w, 12, 12, 14.0, chunk=64)["rgb"]
+    torch.testing.assert_close(after, before)
+    assert model.on_step(7, 10) is False  # allocated once
+
+
+def test_training_marks_the_cells_it_sees_and_the_bricks_go_there():
+    model = fine_model(**{"fine.collect": 2})
+    model.train()
+    model.on_step(5, 10)  # step 5 of 10, fine.at 6: collecting
+    assert model.fine.collecting
+    origins = torch.tensor([[0.0, -4.0, 0.1]]).repeat(64, 1)
+    directions = torch.nn.functional.normalize(torch.randn(64, 3) * 0.05 + torch.tensor([0.0, 1.0, 0.0]), dim=1)
+    model.render_rays(origins, directions)
+    seen = model.fine.seen
+    assert seen is not None and 0 < int(seen.sum()) < 0.05 * seen.numel()  # the surface the rays hit, not the box
+    assert model.on_step(6, 10) and model.fine.active and not model.fine.collecting
+    table = model.fine.table
+    for cell in seen.nonzero().tolist():  # the brick of each seen cell's first fine vertex is allocated
+        assert table[tuple(c * 2 // model.fine.brick for c in cell)] >= 0
+    assert int((table >= 0).sum()) < table.numel()
+
+
+def test_fine_values_add_to_the_coarse_lookups():
+    model = fine_model()
+    model.on_step(6, 10)
+    with torch.no_grad():
+        model.fine.density.fill_(0.75)
+        model.fine.features.fill_(-0.25)
+    slot_brick = (model.fine.table >= 0).nonzero()[0]  # a vertex in an allocated brick, and its point in [-1, 1]
+    vertex = slot_brick * model.fine.brick
+    point = (vertex.float() / (torch.tensor(model.fine.shape) - 1).float() * 2 - 1)[None]
+    coarse_density = model.density(point, model.ops)[:, 0]
+    coarse_features = model.features(point, model.ops)
+    torch.testing.assert_close(model.query_density(point), coarse_density + 0.75)
+    torch.testing.assert_close(model.query_features(point), coarse_features - 0.25)
+
+
+def test_occupancy_keeps_cells_that_only_the_fine_grid_fills():
+    model = fine_model()
+    model.on_step(6, 10)
+    with torch.no_grad():
+        model.density.grid.fill_(-30.0)  # the coarse grid empty everywhere
+        model.fine.density.fill_(60.0)  # the fine grid opaque in its bricks
+    model.refresh_occupancy()
+    assert model.occupancy.mask.any()
+    slot_brick = (model.fine.table >= 0).nonzero()[0]
+    coarse_cell = torch.clamp(slot_brick * model.fine.brick // 2, max=torch.tensor(model.occupancy.mask.shape) - 1)
+    assert model.occupancy.mask[tuple(coarse_cell.tolist())]
+
+
+def test_fine_grid_trains_and_its_tv_has_a_gradient():
+    model = fine_model()
+    model.on_step(6, 10)
+    with torch.no_grad():
+        model.fine.features.normal_()
+    loss = model.regularization()
+    loss.backward()
+    assert model.fine.features.grad is not None and model.fine.features.grad.abs().sum() > 0
+
+
+def test_state_dict_round_trip_and_an_older_state_without_the_fine_grid():
+    model = fine_model()
+    model.on_step(6, 10)
+    with torch.no_grad():
+        model.fine.features.normal_()
+    state = model.state_dict()
+    fresh = make_model(1, **FINE)
+    fresh.load_state_dict(state)
+    assert fresh.fine.shape == model.fine.shape and torch.equal(fresh.fine.table, model.fine.table)
+    torch.testing.assert_close(fresh.fine.features, model.fine.features)
+    older = {k: v for k, v in state.items() if not k.startswith("fine.")}
+    plain = make_model(1, **FINE)
+    plain.load_state_dict(older)
+    assert not plain.fine.active
+
+
+def test_model_file_round_trip_keeps_the_fine_grid(tmp_path):
+    from training.compact_model import read_model, save_model
+
+    model = fine_model()
+    model.on_step(6, 10)
+    with torch.no_grad():
+        model.fine.density.normal_(std=0.1)
+        model.fine.features.normal_(std=0.1)
+    save_model(tmp_path / "model.pt", model, {"config": {}, "step": 6})
+    state, _ = read_model(tmp_path / "model.pt")
+    assert torch.equal(state["fine.table"], model.fine.table)
+    torch.testing.assert_close(state["fine.density"], model.fine.density.detach(), atol=1e-3, rtol=1e-3)
+    error = state["fine.features"] - model.fine.features.detach()  # uint8 codes: 256 levels a channel
+    assert error.pow(2).mean().sqrt() < 0.02 * model.fine.features.std()
+
+
+def test_growing_after_the_fine_grid_is_refused():
+    with pytest.raises(ValueError, match="model.fine.at"):  # steps against steps: checked with the config
+        parse_model_config({"grow_at": [3], "fine": {"factor": 2, "brick": 4, "at": 3}})
+    model = make_model(0, **(FINE | {"fine.at": 1, "grow_at": [0.3]}))  # a step against a fraction: at run time
+    model.on_step(1, 10)
+    assert model.fine.active
+    with pytest.raises(ValueError, match="model.fine.at"):
+        model.on_step(3, 10)
+
+
+@pytest.mark.parametrize(
+    "fine, match",
+    [
+        ({"factor": -1}, "model.fine.factor"),
+        ({"factor": 4, "brick": 2}, "model.fine.factor"),
+        ({"brick": 0}, "model.fine.brick"),
+        ({"at": 1.5}, "model.fine.at"),
+        ({"tv": -1.0}, "model.fine.tv"),
+        ({"max_bricks": 0}, "model.fine.max_bricks"),
+    ],
+)
+def test_bad_fine_settings_name_the_key(fine, match):
+    with pytest.raises(ValueError, match=match):
+        parse_model_config({"fine": fine})
+
+
+def test_ops_torch_and_custom_agree_with_a_fine_grid():
+    pytest.importorskip("cuda_ext._C")
+    model = fine_model()
+    model.on_step(6, 10)
+    with torch.no_grad():
+        model.fine.density.normal_()
+        model.fine.features.normal_()
+    model.eval()
+    c2w = look_at_c2w((0.0, -4.0, 1.0))
+    reference = model.render_image(c2w, 10, 10, 12.0, chunk=64)["rgb"]
+    custom = dict(TORCH_OPS, grid_interpolate="custom", brick_grid_interpolate="custom")
+    model.ops = build_ops(custom)
+    torch.testing.assert_close(model.render_image(c2w, 10, 10, 12.0, chunk=64)["rgb"], reference)
