@@ -86,7 +86,9 @@ class BrickGrids(nn.Module):
             return False
         seen = self.seen
         cells = seen if seen is not None and seen.shape == occupied.shape else occupied
-        self.allocate(F.max_pool3d(cells.float()[None, None], 3, 1, 1)[0, 0] > 0, cfg.factor, cfg.max_bricks)
+        count = self.allocate(F.max_pool3d(cells.float()[None, None], 3, 1, 1)[0, 0] > 0, cfg.factor, cfg.max_bricks)
+        source = "seen" if cells is seen else "occupied"
+        print(f"fine grid: {count} bricks of {self.brick}^3 around the {source} cells, {self.shape} vertices")
         return True
 
     def collect(self, unit_points: torch.Tensor, coarse_shape: tuple[int, int, int]) -> None:

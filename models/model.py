@@ -255,7 +255,8 @@ class VoxelNeRF(nn.Module):
             {"params": list(self.decoder.parameters()), "lr": lr_decoder, "name": "decoder"},
         ]
         if self.fine.active:  # dense Adam over the pool: it holds only the bricks near surfaces
-            groups.append({"params": [self.fine.density, self.fine.features], "lr": lr_grid, "name": "fine"})
+            fine = [self.fine.density, self.fine.features]
+            groups.append({"params": fine, "lr": lr_grid * self.config.fine.lr, "name": "fine"})
         if self.poses.enabled:
             groups.append({"params": [self.poses.table], "lr": lr_pose, "name": "poses"})
         return groups
