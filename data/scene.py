@@ -100,6 +100,13 @@ class Scene:
     def device(self) -> torch.device:
         return self.images.device
 
+    def pixel_footprint(self, point: torch.Tensor) -> float:
+        """World size of one pixel at the distance of ``point`` (3,) from the cameras: distance / fx, the median
+        over the views (the scale at which finer geometry stops showing in these images)."""
+        distance = (self.c2w[:, :3, 3].double().cpu() - point.double().cpu()).norm(dim=1)
+        fx = self.intrinsics[:, 0].cpu() if self.intrinsics is not None else torch.full_like(distance, self.focal)
+        return float((distance / fx).median())
+
     def to(self, device: torch.device | str) -> Scene:
         """A copy with images, alpha, cameras and box on ``device`` (the images stay uint8)."""
         return dataclasses.replace(

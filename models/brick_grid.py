@@ -75,20 +75,34 @@ class BrickGrids(nn.Module):
         self.features = nn.Parameter(torch.zeros(0, feature_dim))
         self.seen: torch.Tensor | None = None  # (R0-1, R1-1, R2-1) bool: coarse cells with visible samples lately
         self.collecting = False  # training marks them now (:meth:`schedule`: the last ``fine.collect`` steps)
+        self.pixel_size: float | None = None  # the training views' pixel footprint at the box (set by the trainer)
+        self.declined = False  # the coarse voxels were already as fine as the pixels (``fine.min_pixels``)
 
-    def schedule(self, step: int, total_steps: int, cfg: FineConfig, occupied: torch.Tensor) -> bool:
+    def schedule(self, step: int, total_steps: int, cfg: FineConfig, occupied: torch.Tensor, voxel: float) -> bool:
         """Call after optimiser step ``step``: sets :attr:`collecting`, and at ``cfg.at`` allocates the bricks of the
         cells training saw (none seen: the (R0-1, R1-1, R2-1) ``occupied`` cells), grown by one cell; returns True
-        then (new parameters: rebuild the optimiser)."""
-        at = None if cfg.factor == 0 else step_of(cfg.at, total_steps)
+        then (new parameters: rebuild the optimiser). Declines, once and for all, when a coarse voxel of size
+        ``voxel`` spans fewer than ``cfg.min_pixels`` pixels of :attr:`pixel_size` (finer detail would not show)."""
+        at = None if cfg.factor == 0 or self.declined else step_of(cfg.at, total_steps)
         self.collecting = at is not None and at - cfg.collect <= step < at
         if at is None or step < at or self.active:
+            return False
+        pixels = voxel / self.pixel_size if self.pixel_size else float("inf")
+        if pixels < cfg.min_pixels:
+            self.declined, self.collecting, self.seen = True, False, None
+            print(
+                f"fine grid: not needed, a coarse voxel spans {pixels:.2f} pixels (model.fine.min_pixels "
+                f"{cfg.min_pixels:g})"
+            )
             return False
         seen = self.seen
         cells = seen if seen is not None and seen.shape == occupied.shape else occupied
         count = self.allocate(F.max_pool3d(cells.float()[None, None], 3, 1, 1)[0, 0] > 0, cfg.factor, cfg.max_bricks)
         source = "seen" if cells is seen else "occupied"
-        print(f"fine grid: {count} bricks of {self.brick}^3 around the {source} cells, {self.shape} vertices")
+        print(
+            f"fine grid: {count} bricks of {self.brick}^3 around the {source} cells, {self.shape} vertices "
+            f"(a coarse voxel spans {pixels:.2f} pixels)"
+        )
         return True
 
     def collect(self, unit_points: torch.Tensor, coarse_shape: tuple[int, int, int]) -> None:

@@ -48,6 +48,7 @@ class FineConfig:
     min_weight: float = 0.01  # a sample's compositing weight from which it counts as visible
     tv: float = 1.0  # the fine grid's TV weight, as a multiple of tv_density / tv_features
     lr: float = 1.0  # its learning rate, as a multiple of the grids' (train.lr)
+    min_pixels: float = 0.0  # allocate only if a coarse voxel spans at least this many pixels of the training views
 
 
 @dataclass
@@ -192,6 +193,7 @@ def _check_fine(c: ModelConfig) -> None:
         raise ValueError(f"model.fine.factor: must be <= model.fine.brick ({f.brick}), got {f.factor}")
     _number_in("fine.tv", f.tv, 0.0)
     _number_in("fine.lr", f.lr, 0.0)
+    _number_in("fine.min_pixels", f.min_pixels, 0.0)
     _number_in("fine.min_weight", f.min_weight, 0.0, 1.0)
     if not _is_step_or_fraction(f.at):
         raise ValueError(f"model.fine.at: must be a step >= 1 (int) or a fraction in (0, 1), got {f.at!r}")

@@ -226,7 +226,8 @@ class VoxelNeRF(nn.Module):
         if target != self.resolution:
             self.set_resolution(target)
             grown = True
-        grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask) or grown  # its bricks, at fine.at
+        voxel = self.space.voxel(self.extent, self.grid_shape)
+        grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask, voxel) or grown  # at fine.at
         due = step == c.occupancy.warmup or step % c.occupancy.refresh_every == 0
         if step >= c.occupancy.warmup and (grown or due):
             self.refresh_occupancy()

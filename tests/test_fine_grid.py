@@ -15,6 +15,18 @@ from models.config import parse_model_config
 FINE = {"fine.factor": 2, "fine.brick": 4, "fine.at": 6, "grow_at": [2, 4]}
 
 
+def make_scene_stub():
+    """A two-view Scene 4 units from the origin, focal 50 px."""
+    from data.scene import Scene
+
+    c2w = torch.eye(4).repeat(2, 1, 1)
+    c2w[0, :3, 3] = torch.tensor([0.0, 0.0, 4.0])
+    c2w[1, :3, 3] = torch.tensor([4.0, 0.0, 0.0])
+    images = torch.zeros(2, 4, 4, 3, dtype=torch.uint8)
+    bbox = torch.tensor([[-1.0] * 3, [1.0] * 3])
+    return Scene(images, c2w, 4, 4, 50.0, 2.0, 6.0, bbox, (1.0, 1.0, 1.0), "train", ["a", "b"])
+
+
 def fine_model(seed: int = 0, **overrides):
     model = make_model(seed, **(FINE | overrides))
     with torch.no_grad():
@@ -88,6 +100,22 @@ def test_training_marks_the_cells_it_sees_and_the_bricks_go_there():
     for cell in seen.nonzero().tolist():  # the brick of each seen cell's first fine vertex is allocated
         assert table[tuple(c * 2 // model.fine.brick for c in cell)] >= 0
     assert int((table >= 0).sum()) < table.numel()
+
+
+def test_the_fine_grid_is_declined_where_the_voxels_are_finer_than_the_pixels():
+    model = fine_model(**{"fine.min_pixels": 1.5})
+    voxel = model.space.voxel(model.extent, model.grid_shape)
+    model.fine.pixel_size = voxel / 1.4  # a coarse voxel spans 1.4 pixels
+    assert model.on_step(6, 10) is False and not model.fine.active and model.fine.declined
+    assert not model.on_step(7, 10) and not model.fine.collecting
+    kept = fine_model(**{"fine.min_pixels": 1.5})
+    kept.fine.pixel_size = voxel / 1.6
+    assert kept.on_step(6, 10) is True and kept.fine.active
+
+
+def test_pixel_footprint_is_distance_over_focal():
+    scene = make_scene_stub()
+    assert abs(scene.pixel_footprint(torch.zeros(3)) - 4.0 / 50.0) < 1e-9
 
 
 def test_fine_values_add_to_the_coarse_lookups():
