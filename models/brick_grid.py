@@ -141,6 +141,14 @@ class BrickGrids(nn.Module):
         self.features = nn.Parameter(torch.zeros(rows, self.features.shape[1], device=device, dtype=dtype))
         return chosen.numel()
 
+    def summary(self) -> dict:
+        """For metrics.json: ``{"bricks", "brick", "shape", "rows", "declined", "pixel_size"}``."""
+        rows = self.density.shape[0]
+        shape = list(self.shape) if rows else None
+        return {"bricks": self.bricks, "brick": self.brick, "shape": shape, "rows": rows, "declined": self.declined} | {
+            "pixel_size": self.pixel_size
+        }
+
     def lookup(self, values: torch.Tensor, unit_points: torch.Tensor, ops: OpSet) -> torch.Tensor:
         """(N, 3) points in [-1, 1] -> (N, C) fine values (zero outside the allocated bricks)."""
         return ops.brick_grid_interpolate(values, self.table, unit_points, list(self.shape), self.brick)

@@ -4,6 +4,8 @@ and model files with it, the config rules; the op itself is tests/test_brick_gri
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_model import TORCH_OPS, look_at_c2w, make_model, randomize_density
@@ -100,6 +102,9 @@ def test_training_marks_the_cells_it_sees_and_the_bricks_go_there():
     for cell in seen.nonzero().tolist():  # the brick of each seen cell's first fine vertex is allocated
         assert table[tuple(c * 2 // model.fine.brick for c in cell)] >= 0
     assert int((table >= 0).sum()) < table.numel()
+    summary = model.fine.summary()
+    assert summary["bricks"] == int((table >= 0).sum()) and summary["rows"] == summary["bricks"] * 64
+    assert json.loads(json.dumps(summary)) == summary
 
 
 def test_the_fine_grid_is_declined_where_the_voxels_are_finer_than_the_pixels():
