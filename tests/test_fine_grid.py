@@ -232,3 +232,19 @@ def test_ops_torch_and_custom_agree_with_a_fine_grid():
     custom = dict(TORCH_OPS, grid_interpolate="custom", brick_grid_interpolate="custom")
     model.ops = build_ops(custom)
     torch.testing.assert_close(model.render_image(c2w, 10, 10, 12.0, chunk=64)["rgb"], reference)
+
+
+def test_mesh_export_reads_the_fine_grid_too():
+    from training.export import vertex_alpha
+
+    model = fine_model()
+    model.on_step(6, 10)
+    coarse_only = vertex_alpha(model)  # fine values zero: the same field
+    with torch.no_grad():
+        before = -torch.expm1(-torch.nn.functional.softplus(model.density.grid[..., 0] + model.config.density_shift))
+    torch.testing.assert_close(coarse_only, before, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        model.density.grid.fill_(-30.0)
+        model.fine.density.fill_(60.0)
+    assert vertex_alpha(model).max() > 0.99  # only the fine grid is dense now
+    assert vertex_alpha(model, resolution=9).max() > 0.99

@@ -128,21 +128,23 @@ def load_run(run_dir: str | os.PathLike, ops: OpSet | None = None) -> tuple[Voxe
 @torch.no_grad()
 def vertex_alpha(model: VoxelNeRF, resolution: int | None = None) -> torch.Tensor:
     """(R0, R1, R2) per-voxel alpha (one final-grid voxel step) at the density grid's vertices over
-    ``model.bbox``, or at the vertices of a grid of ``resolution`` vertices along the box's longest side."""
+    ``model.bbox``, or at the vertices of a grid of ``resolution`` vertices along the box's longest side (the
+    model's whole density: the fine grid's added where it has bricks)."""
     density = model.density.grid.detach()
-    if resolution is None:
+    if resolution is None and not model.fine.active:
         raw = density[..., 0]
     else:
-        if resolution < 2:
+        if resolution is not None and resolution < 2:
             raise ExportError(f"--resolution: need at least 2 vertices, got {resolution}")
         box = model.bbox.detach().cpu()
-        shape = grid_shape(tuple(float(e) for e in (box[1] - box[0]).tolist()), resolution)
+        extent = tuple(float(e) for e in (box[1] - box[0]).tolist())
+        shape = model.grid_shape if resolution is None else grid_shape(extent, resolution)
         axis0, axis1, axis2 = (torch.linspace(-1.0, 1.0, n) for n in shape)
         plane = torch.stack(torch.meshgrid(axis1, axis2, indexing="ij"), dim=-1).reshape(-1, 2)
         raw = torch.empty(shape)
         for i, u in enumerate(axis0.tolist()):  # one slab of vertices at a time: bounded memory at any resolution
             points = torch.cat([torch.full((len(plane), 1), u), plane], dim=1)
-            raw[i] = model.ops.grid_interpolate(density, points)[:, 0].reshape(shape[1], shape[2])
+            raw[i] = model.query_density(points.to(density.device)).cpu().reshape(shape[1], shape[2])
     return -torch.expm1(-optical_depth(raw.float(), model.config.density_shift, 1.0))
 
 
@@ -174,8 +176,17 @@ def extract_mesh(
     box = model.bbox.detach().cpu().double().numpy()
     world = box[0] + index * ((box[1] - box[0]) / (shape - 1))
     unit = to_unit(torch.from_numpy(world).float(), model.bbox.detach().cpu().float()).clamp(-1.0, 1.0)
-    diffuse = model.features.grid.detach()[..., :3].float().contiguous()
-    logits = torch.cat([model.ops.grid_interpolate(diffuse, unit[i : i + CHUNK]) for i in range(0, len(unit), CHUNK)])
+    if model.fine.active:  # the coarse grid's diffuse plus the fine grid's
+        parts = [
+            model.query_features(unit[i : i + CHUNK].to(model.bbox.device))[:, :3].float().cpu()
+            for i in range(0, len(unit), CHUNK)
+        ]
+        logits = torch.cat(parts)
+    else:
+        diffuse = model.features.grid.detach()[..., :3].float().contiguous()
+        logits = torch.cat(
+            [model.ops.grid_interpolate(diffuse, unit[i : i + CHUNK]) for i in range(0, len(unit), CHUNK)]
+        )
     colours = (torch.sigmoid(logits) * 255.0).round().to(torch.uint8).numpy()
     return world.astype(np.float32), faces.astype(np.int32), colours
 
