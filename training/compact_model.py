@@ -32,6 +32,10 @@ into its neighbour lies on their shared face to within a rounding error, where t
 ~1e-7: a bounded fill, the grid's own minimum rather than -inf, keeps that harmless.) The rounding of the stored
 rows and the strict occupancy are the only changes: tests/test_compact_model.py renders both and compares PSNR.
 
+The fine grid's pool (``fine.density``, ``fine.features``: rows of the bricks it allocated, models/brick_grid.py)
+holds only seen surfaces, so every row is stored, the density as float16 and the features as uint8 codes like the
+vertex grid's (``pools``; its table travels as it is).
+
 Besides the weights the file keeps the run's config, step and small history (what ``render_only``, ``view``,
 ``render_path`` and ``export`` read), never the optimiser state: resuming needs ``checkpoints/last.pt``.
 """
