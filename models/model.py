@@ -11,6 +11,7 @@ One training step renders rays as follows (shapes for B rays, S samples per ray,
    upsampled with ``ops.upsample_bilinear2d``); the background shows through ``1 - opacity``.
 
 Grids grow coarse to fine (``on_step``); the occupancy grid follows the density every ``occupancy.refresh_every``.
+With ``model.fine``, a sparse grid finer still (models/brick_grid.py) adds its values to both lookups after ``fine.at``.
 """
 
 from __future__ import annotations
