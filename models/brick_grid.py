@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.config import FineConfig, step_of
+from models.field import cell_coords, cell_corners
 from models.ops import OpSet
 
 
@@ -42,10 +43,10 @@ def wanted_bricks(cells: torch.Tensor, factor: int, brick: int, shape: tuple[int
     """(T0, T1, T2) float: how many fine vertices of the wanted coarse ``cells`` (R0-1, R1-1, R2-1) bool each brick
     of the fine grid holds (0: not needed). Coarse cell c spans fine vertices [c f, (c + 1) f] per axis: every one a
     lookup inside it reads, the far face's too (which may lie in the next brick)."""
-    fine_cells = cells.float()[None, None]
-    for axis in range(2, 5):
+    fine_cells = cells
+    for axis in range(3):
         fine_cells = fine_cells.repeat_interleave(factor, axis)
-    vertices = F.max_pool3d(F.pad(fine_cells, (1, 1, 1, 1, 1, 1)), 2, 1)  # a vertex of any wanted fine cell
+    vertices = cell_corners(fine_cells).float()[None, None]  # a vertex of any wanted fine cell
     bricks = table_shape(shape, brick)
     pad = [0, 0, 0, 0, 0, 0]
     for axis in range(3):  # F.pad lists the last axis first
@@ -55,10 +56,7 @@ def wanted_bricks(cells: torch.Tensor, factor: int, brick: int, shape: tuple[int
 
 def cell_index(unit_points: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     """(N, 3) points in [-1, 1] -> (N,) flat index of the cell of a grid of ``shape`` vertices each lies in."""
-    cells = [
-        ((unit_points[:, a] + 1.0) * (0.5 * (size - 1))).floor().clamp(0, size - 2).long()
-        for a, size in enumerate(shape)
-    ]
+    cells = cell_coords(unit_points, shape)
     return (cells[0] * (shape[1] - 1) + cells[1]) * (shape[2] - 1) + cells[2]
 
 
@@ -178,18 +176,19 @@ class BrickGrids(nn.Module):
 
     def regularization(self, tv_density: float, tv_features: float, num_samples: int) -> torch.Tensor:
         """``tv_density`` x the density rows' :meth:`total_variation` + ``tv_features`` x the features' (scalar)."""
-        total = self.density.sum() * 0.0
-        for weight, values in ((tv_density, self.density), (tv_features, self.features)):
-            if weight > 0:
-                total = total + weight * self.total_variation(values, num_samples)
-        return total
+        terms = [
+            weight * self.total_variation(values, num_samples)
+            for weight, values in ((tv_density, self.density), (tv_features, self.features))
+            if weight > 0
+        ]
+        return sum(terms) if terms else self.density[:1].sum() * 0.0  # the zero reads one row, not the pool
 
     def total_variation(self, values: torch.Tensor, num_samples: int) -> torch.Tensor:
         """Mean squared difference between neighbouring fine vertices inside bricks, summed over the 3 axes,
         estimated on ``num_samples`` random vertices (scalar; pairs across brick faces are left out)."""
         b = self.brick
         if b < 2 or not self.active:
-            return values.sum() * 0.0
+            return values[:1].sum() * 0.0
         device = values.device
         local = torch.randint(b - 1, (3, num_samples), device=device)
         slot = torch.randint(self.bricks, (num_samples,), device=device)

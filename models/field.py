@@ -31,15 +31,27 @@ def to_unit(points: torch.Tensor, bbox: torch.Tensor) -> torch.Tensor:
     return (points - bbox[0]) * (2.0 / (bbox[1] - bbox[0])) - 1.0
 
 
+def cell_coords(unit_points: torch.Tensor, shape: tuple[int, int, int]) -> list[torch.Tensor]:
+    """(N, 3) points in [-1, 1] -> per axis the (N,) int64 index of the cell of a grid of ``shape`` vertices each lies
+    in (points outside clamp to the border cell, as the lookup does)."""
+    return [
+        ((unit_points[:, a] + 1.0) * (0.5 * (size - 1))).floor().clamp(0, size - 2).long()
+        for a, size in enumerate(shape)
+    ]
+
+
+def cell_corners(cells: torch.Tensor) -> torch.Tensor:
+    """(R0, R1, R2) bool: the vertices that are a corner of at least one set cell of the (R0-1, R1-1, R2-1) mask."""
+    padded = F.pad(cells.float()[None, None], (1, 1, 1, 1, 1, 1))
+    return F.max_pool3d(padded, kernel_size=2, stride=1)[0, 0] > 0
+
+
 def corner_rows(unit_points: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     """(N, 3) points in [-1, 1] -> (8N,) flat vertex indices (rows of the (R0*R1*R2, C) view) of the 8 corners of
     each point's cell in a grid of ``shape``: the only rows a trilinear lookup of those points reads, so the only
     ones its gradient can reach (points outside clamp to the border cell, as the lookup does)."""
     r0, r1, r2 = shape
-    cells = [
-        ((unit_points[:, a] + 1.0) * (0.5 * (size - 1))).floor().clamp(0, size - 2).long()
-        for a, size in enumerate((r0, r1, r2))
-    ]
+    cells = cell_coords(unit_points, shape)
     base = (cells[0] * r1 + cells[1]) * r2 + cells[2]
     offsets = torch.tensor(
         [di * r1 * r2 + dj * r2 + dk for di in (0, 1) for dj in (0, 1) for dk in (0, 1)], device=base.device
@@ -253,6 +265,8 @@ __all__ = [
     "grid_shape",
     "voxel_size",
     "to_unit",
+    "cell_coords",
+    "cell_corners",
     "corner_rows",
     "resample",
     "resample_box",

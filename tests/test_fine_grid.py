@@ -39,6 +39,25 @@ def fine_model(seed: int = 0, **overrides):
     return model
 
 
+def allocated(std: float | None = None):
+    """:func:`fine_model` with its bricks allocated (step 6 of 10): values N(0, std) when given, else zero."""
+    model = fine_model()
+    model.on_step(6, 10)
+    if std is not None:
+        with torch.no_grad():
+            model.fine.density.normal_(std=std)
+            model.fine.features.normal_(std=std)
+    return model
+
+
+def saved_and_read(model, tmp_path) -> dict:
+    """The state dict of ``model`` written as a model file and read back."""
+    from training.compact_model import read_model, save_model
+
+    save_model(tmp_path / "model.pt", model, {"config": {}, "step": 6})
+    return read_model(tmp_path / "model.pt")[0]
+
+
 def test_wanted_bricks_hold_exactly_the_fine_vertices_of_the_wanted_cells():
     cells = torch.rand(9, 7, 5) < 0.05
     cells[1, 2, 3] = True
@@ -124,8 +143,7 @@ def test_pixel_footprint_is_distance_over_focal():
 
 
 def test_fine_values_add_to_the_coarse_lookups():
-    model = fine_model()
-    model.on_step(6, 10)
+    model = allocated()
     with torch.no_grad():
         model.fine.density.fill_(0.75)
         model.fine.features.fill_(-0.25)
@@ -139,8 +157,7 @@ def test_fine_values_add_to_the_coarse_lookups():
 
 
 def test_occupancy_keeps_cells_that_only_the_fine_grid_fills():
-    model = fine_model()
-    model.on_step(6, 10)
+    model = allocated()
     with torch.no_grad():
         model.density.grid.fill_(-30.0)  # the coarse grid empty everywhere
         model.fine.density.fill_(60.0)  # the fine grid opaque in its bricks
@@ -152,8 +169,7 @@ def test_occupancy_keeps_cells_that_only_the_fine_grid_fills():
 
 
 def test_fine_grid_trains_and_its_tv_has_a_gradient():
-    model = fine_model()
-    model.on_step(6, 10)
+    model = allocated()
     with torch.no_grad():
         model.fine.features.normal_()
     loss = model.regularization()
@@ -162,8 +178,7 @@ def test_fine_grid_trains_and_its_tv_has_a_gradient():
 
 
 def test_state_dict_round_trip_and_an_older_state_without_the_fine_grid():
-    model = fine_model()
-    model.on_step(6, 10)
+    model = allocated()
     with torch.no_grad():
         model.fine.features.normal_()
     state = model.state_dict()
@@ -178,15 +193,8 @@ def test_state_dict_round_trip_and_an_older_state_without_the_fine_grid():
 
 
 def test_model_file_round_trip_keeps_the_fine_grid(tmp_path):
-    from training.compact_model import read_model, save_model
-
-    model = fine_model()
-    model.on_step(6, 10)
-    with torch.no_grad():
-        model.fine.density.normal_(std=0.1)
-        model.fine.features.normal_(std=0.1)
-    save_model(tmp_path / "model.pt", model, {"config": {}, "step": 6})
-    state, _ = read_model(tmp_path / "model.pt")
+    model = allocated(std=0.1)
+    state = saved_and_read(model, tmp_path)
     assert torch.equal(state["fine.table"], model.fine.table)
     torch.testing.assert_close(state["fine.density"], model.fine.density.detach(), atol=1e-3, rtol=1e-3)
     error = state["fine.features"] - model.fine.features.detach()  # uint8 codes: 256 levels a channel
@@ -221,11 +229,7 @@ def test_bad_fine_settings_name_the_key(fine, match):
 
 def test_ops_torch_and_custom_agree_with_a_fine_grid():
     pytest.importorskip("cuda_ext._C")
-    model = fine_model()
-    model.on_step(6, 10)
-    with torch.no_grad():
-        model.fine.density.normal_()
-        model.fine.features.normal_()
+    model = allocated(std=1.0)
     model.eval()
     c2w = look_at_c2w((0.0, -4.0, 1.0))
     reference = model.render_image(c2w, 10, 10, 12.0, chunk=64)["rgb"]
@@ -237,8 +241,7 @@ def test_ops_torch_and_custom_agree_with_a_fine_grid():
 def test_mesh_export_reads_the_fine_grid_too():
     from training.export import vertex_alpha
 
-    model = fine_model()
-    model.on_step(6, 10)
+    model = allocated()
     coarse_only = vertex_alpha(model)  # fine values zero: the same field
     with torch.no_grad():
         before = -torch.expm1(-torch.nn.functional.softplus(model.density.grid[..., 0] + model.config.density_shift))
@@ -253,17 +256,11 @@ def test_mesh_export_reads_the_fine_grid_too():
 def test_a_model_file_with_a_fine_grid_renders_as_the_model_did(tmp_path):
     from test_model import make_cfg
 
-    from training.compact_model import read_model, save_model
     from training.export import build_model
 
-    model = fine_model()
-    model.on_step(6, 10)
-    with torch.no_grad():
-        model.fine.density.normal_(std=0.5)
-        model.fine.features.normal_(std=0.5)
+    model = allocated(std=0.5)
     model.eval()
-    save_model(tmp_path / "model.pt", model, {"config": {}, "step": 6})
-    state, _ = read_model(tmp_path / "model.pt")
+    state = saved_and_read(model, tmp_path)
     scene = {"near": model.near, "far": model.far, "bbox": model.bbox.tolist()}
     loaded = build_model(make_cfg(**FINE), scene, state, build_ops(TORCH_OPS))
     assert loaded.fine.active and loaded.fine.shape == model.fine.shape

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.field import cell_corners as kept_vertices  # the corners of the occupied cells: what a render reads
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 MODEL_FORMAT = "voxel-field-model"
@@ -73,12 +74,6 @@ RUN_KEYS = (  # the trainer counters restore_trainer reads besides the weights (
     "seed",
     "config",
 )
-
-
-def kept_vertices(occupied_cells: torch.Tensor) -> torch.Tensor:
-    """(R0, R1, R2) bool: the vertices that are a corner of at least one set cell of the (R0-1, R1-1, R2-1) mask."""
-    cells = occupied_cells.float()[None, None]
-    return F.max_pool3d(F.pad(cells, (1, 1, 1, 1, 1, 1)), kernel_size=2, stride=1)[0, 0] > 0
 
 
 def _pack_bits(mask: torch.Tensor) -> dict:
