@@ -146,8 +146,10 @@ class SampleDecoder(_ShadingMLP):
     """Per-sample shading (DirectVoxGO / TensoRF style), applied before compositing.
 
     forward(features (N,F), directions (N,3) unit, image_index (N,) or None) -> (N,3) colour:
-    ``sigmoid(features[:, :3] + mlp(features, encoding(direction)))`` (in (0,1); then the sample's image
-    transform with ``model.appearance=affine``; the image's code is an MLP input with ``embedding``). The first 3
+    ``sigmoid(features[:, :3] + mlp(features, encoding(direction)))`` (in (0,1); the image's code is an MLP input
+    with ``model.appearance=embedding``; an ``affine`` transform is applied by the model to the composited pixel,
+    ``A c + opacity * b``, which equals transforming every sample since compositing is linear, without a per-sample
+    gather of the table and its contended scatter-add in the backward). The first 3
     channels stay a diffuse colour logit (the residual starts at zero), so the grid learns most of the colour at grid
     learning rates
     while the MLP adds what depends on the view at that point: highlights and reflections that a per-pixel
@@ -157,8 +159,7 @@ class SampleDecoder(_ShadingMLP):
     def forward(
         self, features: torch.Tensor, directions: torch.Tensor, image_index: torch.Tensor | None = None
     ) -> torch.Tensor:
-        colour = torch.sigmoid(features[:, :DIFFUSE_CHANNELS] + self.residual(features, directions, image_index))
-        return self.appearance.transform(colour, image_index)
+        return torch.sigmoid(features[:, :DIFFUSE_CHANNELS] + self.residual(features, directions, image_index))
 
 
 class Decoder(_ShadingMLP):

@@ -365,7 +365,10 @@ class VoxelNeRF(nn.Module):
 
         ``background``: (M, 3) colours per pixel (training on random backgrounds), or None for the model's own.
         """
-        foreground = diffuse if self.per_sample else self.decoder(diffuse, features, opacity, directions, image_index)
+        if self.per_sample:  # the composited colour; the image's affine transform per pixel (models/decoder.py)
+            foreground = self.decoder.appearance.transform(diffuse, image_index, opacity)
+        else:
+            foreground = self.decoder(diffuse, features, opacity, directions, image_index)
         return foreground + (1.0 - opacity)[:, None] * (self.background if background is None else background)
 
     def render_rays(self, origins: torch.Tensor, directions: torch.Tensor, background=None, jitter=None, views=None):
