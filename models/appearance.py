@@ -6,11 +6,11 @@ decoder's (learning rate ``train.lr_decoder``, saved in the checkpoint's state d
 
 - ``embedding`` (NeRF-W / nerfacto): a learnt (num_images, D) code per training image, fed to the shading MLP
   beside its other inputs. Starts at zero.
-- ``affine``: a learnt colour transform per image, ``A c + b`` with A (3, 3) and b (3,), applied to each shaded
-  colour, always to the premultiplied per-pixel colour as ``A c + opacity * b``: since compositing is linear, the
-  same as transforming every sample, at a per-ray cost (per sample, the table's backward is a scatter-add of
-  millions of rows onto a few dozen: 27% of a capture step on an H100). Starts at the identity. Cheaper than the embedding (no MLP inputs) and cannot learn
-  anything but colour.
+- ``affine``: a learnt colour transform per image, ``A c + b`` with A (3, 3) and b (3,), applied to the
+  premultiplied per-pixel colour as ``A c + opacity * b``: since compositing is linear, the same as transforming
+  every sample, at a per-ray cost (per sample, the table's backward scatter-added millions of rows onto a few
+  dozen: 27% of a capture step on an H100). Starts at the identity. Cheaper than the embedding (no MLP inputs)
+  and cannot learn anything but colour.
 
 Rule for images without a code (held-out frames, renders, the viewer: ``image_index`` None): the mean of the
 training images' codes / transforms. The mean, not zero or the identity: the field and the per-image codes can

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.metrics import psnr, ssim
+from training.metrics import psnr, ssim, window_filter
 
 K1, K2, SIGMA, SIZE = 0.01, 0.03, 1.5, 11
 
@@ -149,3 +149,20 @@ def test_ssim_rejects_images_smaller_than_the_window():
         ssim(torch.rand(10, 30, 3), torch.rand(10, 30, 3))
     with pytest.raises(ValueError, match=r"\(H, W, C\)"):
         ssim(torch.rand(30, 30), torch.rand(30, 30))
+
+
+@pytest.mark.parametrize("name, a, b", list(_image_pairs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_window_filter_paths_agree(name, a, b):
+    # the GPU's banded matrix products and the CPU's 1-D convolutions are the same 'valid' Gaussian filter
+    maps = torch.from_numpy(np.stack([a, b, a * b])).permute(0, 3, 1, 2)  # (3, C, H, W), random, never zeros
+    banded, convolved = window_filter(maps, banded=True), window_filter(maps, banded=False)
+    assert banded.shape == (*maps.shape[:2], maps.shape[2] - 10, maps.shape[3] - 10)
+    torch.testing.assert_close(banded, convolved, rtol=0, atol=1e-13)
+    box = torch.ones(11, dtype=torch.float64) / 11  # and not any window: a box filter differs
+    assert (banded[..., 0, 0] - (maps[..., :11, :11] * box[:, None] * box).sum((-1, -2))).abs().max() > 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ssim_on_cuda_equals_cpu():
+    a, b = (torch.from_numpy(image) for image in list(_image_pairs())[1][1:])
+    assert ssim(a.cuda(), b.cuda()) == pytest.approx(ssim(a, b), abs=1e-12)

@@ -3,12 +3,10 @@ regularisers (``train.distortion_loss``, ``train.near_density_loss``)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from training.metrics import SSIM_K1, SSIM_K2, SSIM_WINDOW, gaussian_window
+from training.metrics import SSIM_K1, SSIM_K2, SSIM_WINDOW, separable_filter
 
 
 def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -27,27 +25,6 @@ def opacity_loss(opacity: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 
 PHOTOMETRIC_LOSSES = ("mse", "l1", "charbonnier")
 CHARBONNIER_EPS = 1e-3  # sqrt(d^2 + eps^2): L1 away from zero, smooth at it (as in Mip-NeRF / RawNeRF)
-
-
-@functools.lru_cache(maxsize=8)
-def _band(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(size - 10, size) matrix whose row i holds the window at columns i .. i + 10 ('valid' filtering). Built
-    outside inference mode: a cached inference tensor could not be saved for a later backward."""
-    with torch.inference_mode(False), torch.no_grad():
-        window = gaussian_window(dtype=dtype, device=device)
-        rows, columns = torch.arange(size - SSIM_WINDOW + 1, device=device), torch.arange(size, device=device)
-        offset = columns[None, :] - rows[:, None]
-        inside = (offset >= 0) & (offset < SSIM_WINDOW)
-        return torch.where(
-            inside, window[offset.clamp(0, SSIM_WINDOW - 1)], torch.zeros((), dtype=dtype, device=device)
-        )
-
-
-def separable_filter(maps: torch.Tensor) -> torch.Tensor:
-    """(..., H, W) -> (..., H - 10, W - 10): each map filtered by the 11 x 11 Gaussian window, 'valid'; two matrix
-    products with banded matrices (exact sums in the maps' dtype, no cuDNN algorithm choice)."""
-    height, width = maps.shape[-2:]
-    return _band(height, maps.dtype, maps.device) @ maps @ _band(width, maps.dtype, maps.device).T
 
 
 def ssim_unclipped(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

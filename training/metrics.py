@@ -6,6 +6,8 @@ do not depend on the precision the model rendered in.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,40 @@ def gaussian_window(
     return weights / weights.sum()
 
 
+@functools.lru_cache(maxsize=8)
+def _band(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(size - 10, size) matrix whose row i holds the window at columns i .. i + 10 ('valid' filtering). Built
+    outside inference mode: a cached inference tensor could not be saved for a later backward."""
+    with torch.inference_mode(False), torch.no_grad():
+        window = gaussian_window(dtype=dtype, device=device)
+        rows, columns = torch.arange(size - SSIM_WINDOW + 1, device=device), torch.arange(size, device=device)
+        offset = columns[None, :] - rows[:, None]
+        inside = (offset >= 0) & (offset < SSIM_WINDOW)
+        return torch.where(
+            inside, window[offset.clamp(0, SSIM_WINDOW - 1)], torch.zeros((), dtype=dtype, device=device)
+        )
+
+
+def separable_filter(maps: torch.Tensor) -> torch.Tensor:
+    """(..., H, W) -> (..., H - 10, W - 10): each map filtered by the 11 x 11 Gaussian window, 'valid'; two matrix
+    products with banded matrices (exact sums in the maps' dtype, no cuDNN algorithm choice)."""
+    height, width = maps.shape[-2:]
+    return _band(height, maps.dtype, maps.device) @ maps @ _band(width, maps.dtype, maps.device).T
+
+
+def window_filter(maps: torch.Tensor, banded: bool) -> torch.Tensor:
+    """(..., H, W) -> (..., H - 10, W - 10), the 11 x 11 Gaussian window, 'valid': :func:`separable_filter`'s two
+    matrix products when ``banded`` (on a GPU: cuDNN's float64 1-channel convolutions took ~6 ms a 400x400 view on
+    an H100), else two 1-D convolutions (on a CPU: 11 taps a pixel instead of a band row, ~40x fewer flops)."""
+    if banded:
+        return separable_filter(maps)
+    window = gaussian_window(dtype=maps.dtype, device=maps.device)
+    flat = maps.reshape(-1, 1, *maps.shape[-2:])
+    # the window is symmetric, so conv2d's correlation equals the convolution of the reference code
+    flat = F.conv2d(F.conv2d(flat, window.view(1, 1, -1, 1)), window.view(1, 1, 1, -1))
+    return flat.reshape(*maps.shape[:-2], *flat.shape[-2:])
+
+
 def ssim_map(
     pred: torch.Tensor | np.ndarray, target: torch.Tensor | np.ndarray, data_range: float = 1.0
 ) -> torch.Tensor:
@@ -93,10 +129,7 @@ def _ssim_map(pred: torch.Tensor, target: torch.Tensor, data_range: float) -> to
     x = pred.permute(2, 0, 1)
     y = target.permute(2, 0, 1)
     stack = torch.cat([x, y, x * x, y * y, x * y]).unsqueeze(1)
-    window = gaussian_window(device=pred.device)
-    # The window is symmetric, so conv2d's correlation equals the convolution of the reference code
-    stack = F.conv2d(stack, window.view(1, 1, -1, 1))
-    stack = F.conv2d(stack, window.view(1, 1, 1, -1))
+    stack = window_filter(stack, banded=pred.is_cuda)
     mu_x, mu_y, xx, yy, xy = stack.squeeze(1).split(channels)
 
     var_x = (xx - mu_x * mu_x).clamp_min(0.0)
