@@ -124,7 +124,7 @@ def test_a_finished_run_keeps_its_model_and_an_unfinished_one_its_checkpoint(tmp
     assert metrics["iters"] == 8 and not (run_dir / "checkpoints" / "last.pt").exists()
     assert metrics["model_bytes"] == (run_dir / "model.pt").stat().st_size
     assert metrics["startup_seconds"] > 0 and metrics["wall_seconds"] >= metrics["startup_seconds"]
-    assert set(metrics["seconds"]) == {"startup", "train", "eval", "checkpoint", "output", "other"}
+    assert set(metrics["seconds"]) == {"startup", "train", "eval", "checkpoint", "output", "periodic_eval", "other"}
     assert metrics["eval_rays_per_second"] > 0
     # resuming a finished run that kept only its model says what to do
     assert run_in_process(overrides + ["train.resume=true", "train.iters=10"], run_dir) == 2

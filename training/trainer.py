@@ -107,6 +107,7 @@ class Trainer:
         self.last_saved_step: int | None = None
         self.step_checkpoints: StepCheckpoints | None = None  # train.keep_checkpoints > 1: built at the first save
         self.checkpoints = RunCheckpoints(self)  # last.pt written behind training; model.pt at the end
+        self.periodic_eval_seconds = 0.0  # the held-out evaluations during training (train.eval_every)
         self.startup_seconds: float | None = None  # process start to the first step (imports, data, set-up)
         self.pending_writes: list = []  # (path, future) of the render writes in flight
         self.viewer = None  # training.viewer.Viewer with train.viewer=true (set by training.app)
@@ -322,7 +323,9 @@ class Trainer:
                     self.tensorboard.close()
                     return guard.exit_code or 128 + 15  # another rank's signal: as SIGTERM
                 if periodic_eval and self.group.is_main:
-                    evaluation.periodic_eval(self)
+                    eval_start = time.perf_counter()
+                    evaluation.periodic_eval(self)  # ends on a host sync (its scores)
+                    self.periodic_eval_seconds += time.perf_counter() - eval_start
                 if pause:
                     segment_start = window_start = time.perf_counter()
                     window_rays, window_samples = self.rays_done, self.samples_done
