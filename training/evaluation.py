@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -69,10 +68,11 @@ class RenderWriteError(OSError):
         self.path, self.cause = path, cause
 
 
-# zlib level 1: a 400x400 view's three PNGs encode ~4x faster than at the default level for ~25% more bytes
-# (the renders are for looking at, and their encoding is most of a run's output time)
-write_png = partial(iio.imwrite, compress_level=1)
-WRITE_THREADS = min(8, os.cpu_count() or 4)  # PNG encoding and numpy release the GIL
+# 4 writer threads at the default PNG level: 8 threads at zlib level 1 made lego's final evaluation 1.8x slower on an
+# H100 (3.15 s against 1.71 s for 100 views: the writers' numpy work holds the GIL the render loop needs) and saved
+# only 0.2 s of output time (bench/README "What the user waits for")
+write_png = iio.imwrite
+WRITE_THREADS = 4
 
 
 def _write_view(stem: Path, near: float, far: float, maps: dict[str, np.ndarray]) -> None:
