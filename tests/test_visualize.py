@@ -9,6 +9,7 @@ import torch
 
 from training.visualize import (
     _BAR_WIDTH,
+    _TURBO_COEFFS,
     DEFAULT_ERROR_VMAX,
     colorize_depth,
     comparison_image,
@@ -186,3 +187,12 @@ def test_depth_with_legend_shows_the_depth_and_a_near_to_far_bar():
     assert (text < 100).all(-1).sum() > 20  # the title
     labels = image[row - 4 : row + height + 4, bar_col + _BAR_WIDTH :].astype(int)
     assert (labels < 100).all(-1).sum() > 20  # the near .. far tick labels
+
+
+def test_turbo_is_the_polynomial():
+    # Horner's rule per channel against the (..., 6) powers times the coefficients, on random values and the ends
+    values = np.concatenate([np.random.default_rng(3).random(1000), [0.0, 1.0, -0.5, 1.5]])
+    t = np.clip(values, 0.0, 1.0)[:, None]
+    want = np.clip((t ** np.arange(6)) @ _TURBO_COEFFS, 0.0, 1.0)
+    np.testing.assert_allclose(turbo(values), want, rtol=0, atol=1e-12)
+    assert turbo(values[:1000].reshape(10, 100)).shape == (10, 100, 3)

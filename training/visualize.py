@@ -6,6 +6,7 @@ imageio, so no plotting library is needed.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -61,9 +62,16 @@ def _to_unit_float(name: str, image) -> np.ndarray:
 
 def turbo(values: np.ndarray) -> np.ndarray:
     """Turbo colormap: (...) values in [0, 1] (clipped) -> (..., 3) float64 RGB in [0, 1]."""
-    t = np.clip(np.asarray(values, np.float64), 0.0, 1.0)[..., None]
-    powers = t ** np.arange(6)  # (..., 6)
-    return np.clip(powers @ _TURBO_COEFFS, 0.0, 1.0)
+    t = np.clip(np.asarray(values, np.float64), 0.0, 1.0)
+    rgb = np.empty((*t.shape, 3))
+    for channel in range(3):  # Horner's rule per channel: ~8x faster than a (..., 6) matrix of powers
+        coefficients = _TURBO_COEFFS[::-1, channel]
+        value = np.full(t.shape, coefficients[0])
+        for coefficient in coefficients[1:]:
+            value *= t
+            value += coefficient
+        rgb[..., channel] = value
+    return np.clip(rgb, 0.0, 1.0, out=rgb)
 
 
 def to_uint8(img) -> np.ndarray:
@@ -171,14 +179,23 @@ _PLOT_LINE = np.array([31, 119, 180], np.float64)
 _MARGINS = {"left": 72, "right": 20, "top": 30, "bottom": 44}  # pixels around the plotting area
 
 
+@functools.lru_cache(maxsize=1)
+def _font() -> ImageFont.ImageFont:
+    return ImageFont.load_default()  # decoded from an embedded file on every call: once is enough
+
+
+@functools.lru_cache(maxsize=512)
 def _text_mask(text: str, rotate: bool = False) -> np.ndarray:
-    """Coverage in [0, 1] of ``text`` in Pillow's built-in font: (h, w), or turned 90 degrees left."""
-    font = ImageFont.load_default()
+    """Coverage in [0, 1] of ``text`` in Pillow's built-in font: (h, w), or turned 90 degrees left. Cached (every
+    render's titles and colour-bar labels are the same few strings); read-only."""
+    font = _font()
     left, top, right, bottom = font.getbbox(text)
     canvas = Image.new("L", (max(right - left, 1), max(bottom - top, 1)))
     ImageDraw.Draw(canvas).text((-left, -top), text, font=font, fill=255)
     mask = np.asarray(canvas, np.float64) / 255.0
-    return np.rot90(mask) if rotate else mask
+    mask = np.ascontiguousarray(np.rot90(mask) if rotate else mask)
+    mask.flags.writeable = False
+    return mask
 
 
 def _draw_text(canvas: np.ndarray, text: str, x: float, y: float, align: str = "center", rotate: bool = False) -> None:
@@ -192,7 +209,8 @@ def _draw_text(canvas: np.ndarray, text: str, x: float, y: float, align: str = "
     ys = slice(max(y0, 0), min(y0 + h, canvas.shape[0]))
     xs = slice(max(x0, 0), min(x0 + w, canvas.shape[1]))
     alpha = mask[ys.start - y0 : ys.stop - y0, xs.start - x0 : xs.stop - x0, None]
-    canvas[ys, xs] = canvas[ys, xs] * (1 - alpha) + _PLOT_INK * alpha
+    blended = canvas[ys, xs] * (1 - alpha) + _PLOT_INK * alpha
+    canvas[ys, xs] = blended if canvas.dtype != np.uint8 else blended.round()  # uint8: rounded where it is drawn
 
 
 def nice_ticks(low: float, high: float, count: int = 5) -> tuple[np.ndarray, float]:
@@ -362,7 +380,7 @@ def _row_layout(height: int, width: int, titles: Sequence[str], bar_range: tuple
 def _draw_row(panels: Sequence[np.ndarray], layout: PanelLayout) -> np.ndarray:
     """Panels, each (H, W, 3) uint8, drawn on white into ``layout`` with their titles and colour bar: (H', W', 3)."""
     height, width = panels[0].shape[:2]
-    canvas = np.broadcast_to(_PLOT_BACKGROUND, (*layout.shape, 3)).copy()
+    canvas = np.full((*layout.shape, 3), 255, np.uint8)  # white; uint8 throughout (the panels are uint8)
     for panel, title, (row, col), (start, stop) in zip(panels, layout.titles, layout.panels, layout.columns):
         canvas[row : row + height, col : col + width] = panel
         _draw_text(canvas, title, (start + stop) / 2, layout.title_height / 2)
@@ -373,7 +391,7 @@ def _draw_row(panels: Sequence[np.ndarray], layout: PanelLayout) -> np.ndarray:
         for tick_row, label in layout.ticks:
             canvas[row + tick_row, col + _BAR_WIDTH : col + _BAR_WIDTH + _TICK_LENGTH] = _PLOT_INK
             _draw_text(canvas, label, col + _BAR_WIDTH + _TICK_LENGTH + 2, row + tick_row, align="left")
-    return canvas.round().astype(np.uint8)
+    return canvas
 
 
 def comparison_layout(height: int, width: int, vmax: float | None = None) -> PanelLayout:
