@@ -4,12 +4,15 @@
     python bench/bench_render.py                            # a built-in lego-sized shell scene (no training needed)
     python bench/bench_render.py --sizes 400 800 --frames 20 --floor 10e6 --out bench/results/X.json
     python bench/bench_render.py --compare                  # also training's march (model.render_image), same views
+    python bench/bench_render.py --run RUN_DIR --profile 10 # torch.profiler tables over 10 views of the first size
 
 Per size: ``--frames`` orbit views (after one warm-up view), timed end to end with a device sync, as evaluation
 renders them (``render_view``: march, early termination, decode, composite, per chunk), then the same orbit through
 ``render_path``'s frame pipeline (RGB | depth frames assembled on the host while the next renders): frames per
-second. A row passes when its rays/s reach ``--floor`` (default 10 M rays/s on CUDA, issue 32's bar; on the CPU
-the floor is only reported). Exit status 1 when a CUDA row misses its floor with ``--check``.
+second; and evaluation's PSNR + SSIM per view (``metrics_ms_per_view``; ``eval_rays_per_second`` for render +
+metrics, without the PNG writes). A row passes when its rays/s reach ``--floor`` (default 10 M rays/s on CUDA,
+issue 32's bar; on the CPU the floor is only reported). Exit status 1 when a CUDA row misses its floor with
+``--check``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from data.cameras import look_at, orbit_positions  # noqa: E402
 from models.model import VoxelNeRF  # noqa: E402
 from training.export import load_run  # noqa: E402
 from training.inference import inference_chunk, render_view  # noqa: E402
+from training.metrics import psnr_tensor, ssim_tensor  # noqa: E402
 from training.render_path import render_frames  # noqa: E402
 from training.view import fast_ops  # noqa: E402
 
@@ -97,6 +101,36 @@ def time_views(render, cameras: np.ndarray, intrinsics: np.ndarray, size: int, d
     return time.perf_counter() - start, out
 
 
+def time_metrics(rgb: torch.Tensor, frames: int, device: torch.device) -> float:
+    """Seconds of ``frames`` evaluations' PSNR + SSIM (as training.evaluation computes them, on the device) of an
+    (H, W, 3) render against a perturbed copy, synchronised."""
+    target = (rgb + 0.01 * torch.rand_like(rgb)).clamp(0.0, 1.0)
+    psnr_tensor(rgb, target), ssim_tensor(rgb, target)  # warm-up (cached filter matrices)
+    sync(device)
+    start = time.perf_counter()
+    scores = [torch.stack([psnr_tensor(rgb, target), ssim_tensor(rgb, target)]) for _ in range(frames)]
+    torch.stack(scores).tolist()  # evaluation's one sync
+    return time.perf_counter() - start
+
+
+def profile_views(model: VoxelNeRF, size: int, views: int, chunk: int | None) -> str:
+    """torch.profiler's tables (by host time, by device time) over ``views`` renders of ``size`` x ``size``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cameras, intrinsics = orbit(model, views + 1, size)
+    render_view(model, cameras[0], size, size, torch.as_tensor(intrinsics[0]), chunk=chunk)  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.bbox.is_cuda else [])
+    with profile(activities=activities) as prof:
+        for camera, k in zip(cameras[1:], intrinsics[1:]):
+            render_view(model, camera, size, size, torch.as_tensor(k), chunk=chunk)
+        sync(model.bbox.device)
+    table = prof.key_averages()
+    by_device = "self_cuda_time_total" if model.bbox.is_cuda else "self_cpu_time_total"
+    return "\n".join(
+        table.table(sort_by=key, row_limit=15, max_name_column_width=50) for key in ("self_cpu_time_total", by_device)
+    )
+
+
 def bench_size(model: VoxelNeRF, size: int, frames: int, chunk: int | None, floor: float, compare: bool) -> dict:
     device = model.bbox.device
     cameras, intrinsics = orbit(model, frames + 1, size)
@@ -111,6 +145,7 @@ def bench_size(model: VoxelNeRF, size: int, frames: int, chunk: int | None, floo
     start = time.perf_counter()
     render_frames(model, cameras[1:], intrinsics[1:], (size, size), chunk)
     pipeline_seconds = time.perf_counter() - start
+    metrics_seconds = time_metrics(out["rgb"], frames, device)
     rays_per_second = frames * size * size / seconds
     return {
         "size": size,
@@ -119,6 +154,9 @@ def bench_size(model: VoxelNeRF, size: int, frames: int, chunk: int | None, floo
         "rays_per_second": rays_per_second,
         "fps": frames / seconds,
         "render_path_fps": frames / pipeline_seconds,
+        # evaluation's per-view PSNR + SSIM (training.evaluation), and the rate of render + metrics it allows
+        "metrics_ms_per_view": 1e3 * metrics_seconds / frames,
+        "eval_rays_per_second": frames * size * size / (seconds + metrics_seconds),
         "last_view_opacity": float(out["opacity"].mean()),  # > 0: the views see the scene
         "floor_rays_per_second": floor,
         "passes": rays_per_second >= floor,
@@ -137,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a CUDA row is below the floor")
     parser.add_argument("--compare", action="store_true", help="also time model.render_image (training's march)")
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON")
+    parser.add_argument("--profile", type=int, default=0, help="print torch.profiler tables over this many views")
     args = parser.parse_args(argv)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
@@ -152,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     occupied = model.occupancy.occupied_fraction()
     print(f"render benchmark on {device_name(device)}: {scene}, grid {list(model.grid_shape)}, {occupied:.1%} occupied")
     rows = [bench_size(model, size, frames, args.chunk, args.floor, args.compare) for size in sizes]
-    print(f"{'size':>6} {'rays/s':>12} {'floor':>10} {'fps':>7} {'render_path fps':>16}  verdict")
+    if args.profile > 0:
+        print(profile_views(model, sizes[0], args.profile, args.chunk))
+    print(f"{'size':>6} {'rays/s':>12} {'floor':>10} {'fps':>7} {'render_path fps':>16} {'metrics ms':>11}  verdict")
     for row in rows:
         verdict = "PASS" if row["passes"] else ("FAIL" if cuda else "(CPU: not judged)")
         print(
             f"{row['size']:>6} {row['rays_per_second'] / 1e6:>10.2f} M {row['floor_rays_per_second'] / 1e6:>8.1f} M "
-            f"{row['fps']:>7.1f} {row['render_path_fps']:>16.1f}  {verdict}"
+            f"{row['fps']:>7.1f} {row['render_path_fps']:>16.1f} {row['metrics_ms_per_view']:>11.2f}  {verdict}"
         )
         if "march_rays_per_second" in row:
             print(
