@@ -99,6 +99,20 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
         assert_same_model(one, load_checkpoint(folder / "last.pt", map_location="cpu"))
 
 
+def test_sparse_adam_on_two_gloo_ranks_steps_the_union_one_process_steps(tmp_path):
+    # train.sparse_adam under torchrun: the rows stepped are the union of the ranks' marks, which the touched-rows
+    # sync moved: what one process marks for the whole batch, so the two train the same model
+    cache, sparse = tmp_path / "cache", ["train.sparse_adam=true"]
+    result = single(tiny(cache, tmp_path / "one", 12) + sparse)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + sparse)
+    assert pair.returncode == 0, pair.stdout[-2000:] + pair.stderr[-2000:]
+    one, two = (
+        load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("one", "two")
+    )
+    assert_same_model(one, two)
+
+
 def test_a_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path):
     result = torchrun(2, tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.batch_rays=63"], timeout=120)
     assert result.returncode != 0
@@ -164,8 +178,21 @@ def _average_both_ways(rank: int, world: int, init_file: str, results: str) -> N
         for tensor in dense:
             dist.all_reduce(tensor)
             tensor.div_(world)
+        saved = [p.grad.clone() if p.grad is not None else None for p in (*grids, lonely)]
         Group(rank, world, rank).average_gradients([other], row_sparse=[*grids, lonely])
-        torch.save({"dense": dense, "touched": [p.grad for p in (*grids, other, lonely)]}, f"{results}.{rank}")
+        touched = [p.grad.clone() for p in (*grids, other, lonely)]
+        # the same from the model's marks: a superset of the rows with a gradient (a few read with zero gradient)
+        for parameter, grad in zip((*grids, lonely), saved):
+            parameter.grad = grad
+        marks = torch.stack([p.grad.reshape(6 * 7 * 8, -1).ne(0).any(1) for p in grids]).any(0)  # both grids' rows
+        marks[torch.randperm(6 * 7 * 8, generator=generator)[:5]] = True
+        mine = marks.nonzero().squeeze(1)
+        union = Group(rank, world, rank).average_gradients([], row_sparse=[*grids, lonely], marks=marks)
+        marked = [p.grad for p in grids]
+        torch.save(
+            {"dense": dense, "touched": touched, "marked": marked, "union": union, "mine": mine, "left": marks.any()},
+            f"{results}.{rank}",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -174,11 +201,16 @@ def test_touched_rows_average_equals_the_dense_average(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_average_both_ways, args=(2, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2)
-    for rank in range(2):
-        result = torch.load(tmp_path / f"out.{rank}")
+    results = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+    union = torch.unique(torch.cat([result["mine"] for result in results]))
+    for result in results:
         for index, (dense, touched) in enumerate(zip(result["dense"], result["touched"])):
             assert touched.abs().sum() > 0, f"parameter {index}: no gradient arrived"
             torch.testing.assert_close(touched, dense, rtol=1e-6, atol=1e-7, msg=f"parameter {index}")
+        # from the marks: the same averages for the grids of the marks' row count, the union of both ranks' marks
+        for index, (dense, marked) in enumerate(zip(result["dense"], result["marked"])):
+            torch.testing.assert_close(marked, dense, rtol=1e-6, atol=1e-7, msg=f"marked parameter {index}")
+        assert torch.equal(result["union"], union) and not result["left"]  # the marks start the next step empty
 
 
 def _gradients(step: int, rank: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:

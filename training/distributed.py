@@ -10,7 +10,10 @@ the learning rate and schedule need no change when N changes.
 How gradients move (``train.dist_grad_sync``): ``dense`` all-reduces every gradient whole; ``touched`` (the
 default) all-reduces the decoder whole but, for the voxel grids, only the rows (voxels) whose gradient is
 non-zero on some rank: a batch touches a few percent of a 320^3 grid, so a step moves tens of MB instead of
-1.7 GB. Both give the same averaged gradient (rows no rank touched are zero everywhere).
+1.7 GB. Both give the same averaged gradient (rows no rank touched are zero everywhere). The rows come from the
+model's own marks where it keeps them (``models.field.TouchedRows``: every row the step's lookups and TV estimate
+read), OR-reduced over the ranks as one byte a voxel; without marks, from a scan of every gradient for non-zero
+rows (which reads all 1.7 GB of them).
 
 Rank 0 alone logs, evaluates, writes checkpoints and renders; the others wait for it at the next all-reduce. The
 ranks agree on stopping (a signal) and on divergence at log steps only, so a step has no collective of its own
@@ -50,16 +53,22 @@ class Group:
         return self.world > 1
 
     def average_gradients(
-        self, parameters: Iterable[torch.nn.Parameter], row_sparse: Iterable[torch.nn.Parameter] = ()
-    ) -> None:
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        row_sparse: Iterable[torch.nn.Parameter] = (),
+        marks: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Replace each gradient by its mean over the ranks (a parameter without one contributes zeros).
 
         ``parameters`` are reduced whole. ``row_sparse`` parameters (seen as rows of their last dimension, e.g. a
         (R0, R1, R2, C) grid as R0*R1*R2 voxels of C channels) are reduced on the union over ranks of their
-        non-zero rows only; parameters with the same number of rows share one union and one all-reduce.
+        touched rows only; parameters with the same number of rows share one union and one all-reduce.
+        ``marks``: optional (R,) bool rows this rank's step read, a superset of its non-zero gradient rows (the
+        model's ``TouchedRows``): the union of the parameters with R rows is taken from them instead of a scan of
+        the gradients, and they are cleared. Returns that union's (K,) int64 sorted rows (None without marks).
         """
         if not self.active:
-            return
+            return None
         grads = []
         for parameter in parameters:
             grad = _grad(parameter)
@@ -79,28 +88,45 @@ class Group:
             grad = _grad(parameter)
             rows = grad.reshape(-1, grad.shape[-1] if grad.dim() else 1)
             by_rows.setdefault(rows.shape[0], []).append(rows)
-        for grads in by_rows.values():
-            self._average_touched_rows(grads)
+        union = None
+        for count, grads in by_rows.items():
+            rows = self._average_touched_rows(grads, marks if marks is not None and marks.numel() == count else None)
+            union = rows if marks is not None and marks.numel() == count else union
+        return union
 
-    def average_model_gradients(self, module: torch.nn.Module, row_sparse: list[torch.nn.Parameter], mode: str) -> None:
+    def average_model_gradients(
+        self,
+        module: torch.nn.Module,
+        row_sparse: list[torch.nn.Parameter],
+        mode: str,
+        marks: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Average all of ``module``'s gradients: ``row_sparse`` (its voxel grids) on their touched rows with
-        ``mode="touched"``, everything whole with ``mode="dense"`` (``train.dist_grad_sync``); with ``mode="sharded"``
-        everything but ``row_sparse``, whose gradients training.optim.ShardedGridAdam reduce-scatters itself."""
+        ``mode="touched"`` (``marks``: see :meth:`average_gradients`; returns the union's rows), everything whole
+        with ``mode="dense"`` (``train.dist_grad_sync``); with ``mode="sharded"`` everything but ``row_sparse``,
+        whose gradients training.optim.ShardedGridAdam reduce-scatters itself."""
         if not self.active:
-            return
+            return None
         if mode == "dense":
             self.average_gradients(module.parameters())
-            return
+            return None
         sparse_ids = {id(parameter) for parameter in row_sparse}
         others = [parameter for parameter in module.parameters() if id(parameter) not in sparse_ids]
-        self.average_gradients(others, row_sparse=() if mode == "sharded" else row_sparse)
+        if mode == "sharded":
+            return self.average_gradients(others)
+        return self.average_gradients(others, row_sparse=row_sparse, marks=marks)
 
-    def _average_touched_rows(self, grads: list[torch.Tensor]) -> None:
-        """Average (R, C_i) row views of gradients over the ranks, moving only the rows non-zero somewhere."""
-        touched = grads[0].ne(0).any(dim=1)
-        for grad in grads[1:]:
-            touched |= grad.ne(0).any(dim=1)
-        touched = touched.to(torch.uint8)
+    def _average_touched_rows(self, grads: list[torch.Tensor], marks: torch.Tensor | None = None) -> torch.Tensor:
+        """Average (R, C_i) row views of gradients over the ranks, moving only the rows touched somewhere: marked in
+        ``marks`` ((R,) bool, cleared here) or, without them, non-zero. Returns the union's (K,) sorted rows."""
+        if marks is not None:
+            touched = marks.to(torch.uint8)  # a copy: the marks start the next step empty
+            marks.zero_()
+        else:
+            touched = grads[0].ne(0).any(dim=1)
+            for grad in grads[1:]:
+                touched |= grad.ne(0).any(dim=1)
+            touched = touched.to(torch.uint8)
         _collective("all_reduce", dist.all_reduce, touched, dist.ReduceOp.MAX)  # the union over the ranks
         rows = touched.nonzero().squeeze(1)  # one host sync: the count
         packed = torch.cat([grad.index_select(0, rows) for grad in grads], dim=1)
@@ -110,6 +136,7 @@ class Group:
         for grad in grads:  # rows outside the union are zero on every rank already
             grad.index_copy_(0, rows, packed[:, start : start + grad.shape[1]])
             start += grad.shape[1]
+        return rows
 
     def shard_of(self, rows: int) -> RowShard:
         """This rank's part of a (rows, C) tensor split by rows (training.optim.ShardedGridAdam)."""

@@ -107,6 +107,7 @@ class Trainer:
         self.last_saved_step: int | None = None
         self.step_checkpoints: StepCheckpoints | None = None  # train.keep_checkpoints > 1: built at the first save
         self.checkpoints = RunCheckpoints(self)  # last.pt written behind training; model.pt at the end
+        self.synced_rows: torch.Tensor | None = None  # under torchrun: the grid rows the last gradient sync moved
         self.periodic_eval_seconds = 0.0  # the held-out evaluations during training (train.eval_every)
         self.startup_seconds: float | None = None  # process start to the first step (imports, data, set-up)
         self.pending_writes: list = []  # (path, future) of the render writes in flight
@@ -144,14 +145,20 @@ class Trainer:
         for group in groups:
             group["initial_lr"] = group["lr"]
         eps = float(self.train_cfg.get("adam_eps", 1e-8))
-        if self.train_cfg.get("sparse_adam", False):
-            # one process: the model lists the rows its lookups read; under torchrun the averaged gradients are
-            # non-zero on every rank's rows, so the optimiser scans them
-            self.model.touched.enabled = not self.group.active
+        sparse = bool(self.train_cfg.get("sparse_adam", False))
+        sharded = not sparse and shard_optimizer(self.train_cfg.get("shard_optimizer", "auto"), self.group)
+        touched_sync = self.group.active and not sharded and self.train_cfg.get("dist_grad_sync") == "touched"
+        # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
+        # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
+        self.model.touched.enabled = (sparse and not self.group.active) or touched_sync
+        if sparse:  # under torchrun: the union the sync moved, or (dense sync) a scan of the gradients
             model = self.model
-            rows_fn = (lambda: model.touched.take(model.grid_shape)) if model.touched.enabled else None
+            if not self.group.active:
+                rows_fn = lambda: model.touched.take(model.grid_shape)  # noqa: E731
+            else:
+                rows_fn = (lambda: self.synced_rows) if touched_sync else None
             return SparseGridAdam(groups, self.ops.sparse_adam_step, betas=ADAM_BETAS, eps=eps, rows_fn=rows_fn)
-        if shard_optimizer(self.train_cfg.get("shard_optimizer", "auto"), self.group):  # ZeRO-2 over the ranks
+        if sharded:  # ZeRO-2 over the ranks
             return ShardedGridAdam(groups, self.group, ADAM_BETAS, eps, fused=self.device.type == "cuda")
         return torch.optim.Adam(groups, betas=ADAM_BETAS, eps=eps, fused=self.device.type == "cuda")
 
@@ -202,7 +209,8 @@ class Trainer:
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
                 sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
-                self.group.average_model_gradients(self.model, grids, sync_mode)
+                marks = self.model.touched.mask(self.model.grid_shape) if self.model.touched.enabled else None
+                self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
             with profiler.section("optimizer"):
                 self.optimizer.step()
             if profiler.enabled and not isinstance(self.optimizer, SparseGridAdam):
