@@ -20,6 +20,7 @@ from tqdm import tqdm
 from data.cameras import look_at, orbit_positions
 from training.inference import HostPipeline, expected_depth, render_frames, render_view
 from training.metrics import psnr_tensor, ssim_tensor
+from training.plots import plot_curve
 from training.run_dir import RunError, write_error, write_json
 from training.scenes import describe_device
 from training.timing import process_seconds
@@ -27,7 +28,6 @@ from training.visualize import (
     colorize_depth,
     comparison_image,
     depth_with_legend,
-    plot_curve,
     to_uint8,
     write_turntable,
 )

@@ -1,4 +1,5 @@
-"""Pictures for humans: depth colouring, error maps, side-by-side comparisons, turntable GIFs and curves.
+"""Pictures for humans: depth colouring, error maps, side-by-side comparisons and turntable videos (line plots and
+the text drawing: training.plots).
 
 Everything is rasterised with numpy (text glyphs come from Pillow's built-in font) and written with
 imageio, so no plotting library is needed.
@@ -6,7 +7,6 @@ imageio, so no plotting library is needed.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Sequence
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
-import torch
-from PIL import Image, ImageDraw, ImageFont
+
+from training.plots import PLOT_INK, draw_text, nice_ticks, text_mask, to_numpy
 
 # Turbo colormap as a degree-5 polynomial per channel (coefficients of t^0..t^5): the published
 # polynomial fit to Google's Turbo (a perceptual rainbow: dark blue -> cyan -> yellow -> dark red).
@@ -37,18 +37,9 @@ _INVALID_COLOR = np.zeros(3, np.uint8)  # depth pixels that are NaN or infinite 
 DEFAULT_ERROR_VMAX = 0.25
 
 
-def _to_numpy(name: str, array) -> np.ndarray:
-    if isinstance(array, torch.Tensor):
-        array = array.detach().cpu().numpy()
-    try:
-        return np.asarray(array)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{name} must be a tensor or array-like, got {type(array).__name__}") from error
-
-
 def _to_unit_float(name: str, image) -> np.ndarray:
     """(H, W, 3) float [0, 1] or uint8 [0, 255] image -> float64 array in [0, 1], shape checked."""
-    image = _to_numpy(name, image)
+    image = to_numpy(name, image)
     if image.ndim != 3 or image.shape[-1] != 3:
         raise ValueError(f"{name} must have shape (H, W, 3), got {image.shape}")
     if image.dtype == np.uint8:
@@ -79,7 +70,7 @@ def to_uint8(img) -> np.ndarray:
 
     uint8 input is returned as a copy, so callers need not track which form they hold.
     """
-    img = _to_numpy("img", img)
+    img = to_numpy("img", img)
     if img.ndim not in (2, 3):
         raise ValueError(f"img must have shape (H, W, C) or (H, W), got {img.shape}")
     if img.dtype == np.uint8:
@@ -96,7 +87,7 @@ def colorize_depth(depth, near: float, far: float) -> np.ndarray:
 
     Depths outside [near, far] are clipped; NaN or infinite depths are painted black.
     """
-    depth = _to_numpy("depth", depth)
+    depth = to_numpy("depth", depth)
     if depth.ndim == 3 and depth.shape[-1] == 1:
         depth = depth[..., 0]
     if depth.ndim != 2:
@@ -150,7 +141,7 @@ def write_turntable(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: 
     """
     if len(frames) == 0:
         raise ValueError("frames is empty")
-    frames = [_to_numpy(f"frames[{i}]", frame) for i, frame in enumerate(frames)]
+    frames = [to_numpy(f"frames[{i}]", frame) for i, frame in enumerate(frames)]
     for i, frame in enumerate(frames):
         if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[-1] != 3:
             raise ValueError(f"frames[{i}] must be uint8 of shape (H, W, 3), got {frame.dtype} {frame.shape}")
@@ -170,165 +161,10 @@ def write_turntable(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: 
     return path
 
 
-# ---------------------------------------------------------------------------------------------- curves
-
-_PLOT_BACKGROUND = np.array([255, 255, 255], np.float64)
-_PLOT_INK = np.array([0, 0, 0], np.float64)
-_PLOT_GRID = np.array([225, 225, 225], np.float64)
-_PLOT_LINE = np.array([31, 119, 180], np.float64)
-_MARGINS = {"left": 72, "right": 20, "top": 30, "bottom": 44}  # pixels around the plotting area
-
-
-@functools.lru_cache(maxsize=1)
-def _font() -> ImageFont.ImageFont:
-    return ImageFont.load_default()  # decoded from an embedded file on every call: once is enough
-
-
-@functools.lru_cache(maxsize=512)
-def _text_mask(text: str, rotate: bool = False) -> np.ndarray:
-    """Coverage in [0, 1] of ``text`` in Pillow's built-in font: (h, w), or turned 90 degrees left. Cached (every
-    render's titles and colour-bar labels are the same few strings); read-only."""
-    font = _font()
-    left, top, right, bottom = font.getbbox(text)
-    canvas = Image.new("L", (max(right - left, 1), max(bottom - top, 1)))
-    ImageDraw.Draw(canvas).text((-left, -top), text, font=font, fill=255)
-    mask = np.asarray(canvas, np.float64) / 255.0
-    mask = np.ascontiguousarray(np.rot90(mask) if rotate else mask)
-    mask.flags.writeable = False
-    return mask
-
-
-def _draw_text(canvas: np.ndarray, text: str, x: float, y: float, align: str = "center", rotate: bool = False) -> None:
-    """Blend ``text`` into ``canvas`` (H, W, 3 float); (x, y) is the text's centre, right-middle or left-middle."""
-    if not text:
-        return
-    mask = _text_mask(text, rotate)
-    h, w = mask.shape
-    x0 = {"center": x - w / 2, "right": x - w, "left": x}[align]
-    y0, x0 = int(round(y - h / 2)), int(round(x0))
-    ys = slice(max(y0, 0), min(y0 + h, canvas.shape[0]))
-    xs = slice(max(x0, 0), min(x0 + w, canvas.shape[1]))
-    alpha = mask[ys.start - y0 : ys.stop - y0, xs.start - x0 : xs.stop - x0, None]
-    blended = canvas[ys, xs] * (1 - alpha) + _PLOT_INK * alpha
-    canvas[ys, xs] = blended if canvas.dtype != np.uint8 else blended.round()  # uint8: rounded where it is drawn
-
-
-def nice_ticks(low: float, high: float, count: int = 5) -> tuple[np.ndarray, float]:
-    """About ``count`` round tick values (steps of 1, 2 or 5 times a power of ten) in [low, high], and the step."""
-    raw = (high - low) / count
-    magnitude = 10.0 ** math.floor(math.log10(raw))
-    step = next(s * magnitude for s in (1, 2, 5, 10) if s * magnitude >= raw * (1 - 1e-9))
-    first = math.ceil(low / step - 1e-9) * step
-    ticks = np.arange(first, high + step * 1e-6, step)
-    return ticks, step
-
-
-def _tick_label(value: float, step: float) -> str:
-    if abs(value) < step * 1e-6:
-        value = 0.0  # avoid "-0" and 1e-17 from accumulated round-off
-    if step >= 1 and abs(value) < 1e7:
-        return f"{value:.0f}"
-    if step >= 1e-4 and abs(value) < 1e7:
-        return f"{value:.{math.ceil(-math.log10(step) - 1e-9)}f}"
-    return f"{value:.2e}"
-
-
-def _axis_range(values: np.ndarray, pad_fraction: float) -> tuple[float, float]:
-    low, high = float(values.min()), float(values.max())
-    span = high - low
-    if span <= 1e-12 * max(abs(low), abs(high), 1.0):  # constant data: give it a visible band
-        half = max(abs(low) * 0.05, 0.5)
-        return low - half, high + half
-    return low - pad_fraction * span, high + pad_fraction * span
-
-
-def _polyline_pixels(px: np.ndarray, py: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pixel centres along straight segments between consecutive points (both ends finite), plus the points."""
-    good = np.isfinite(px) & np.isfinite(py)
-    pairs = good[:-1] & good[1:]
-    start = np.stack([px[:-1][pairs], py[:-1][pairs]], axis=1)
-    delta = np.stack([px[1:][pairs], py[1:][pairs]], axis=1) - start
-    samples = (
-        np.ceil(np.abs(delta).max(axis=1, initial=0.0)).astype(np.int64) + 1 if len(delta) else np.zeros(0, np.int64)
-    )
-    segment = np.repeat(np.arange(len(samples)), samples)
-    index = np.arange(segment.size) - np.repeat(np.cumsum(samples) - samples, samples)
-    t = index / np.maximum(samples[segment] - 1, 1)
-    points = start[segment] + t[:, None] * delta[segment]
-    points = np.concatenate([points, np.stack([px[good], py[good]], axis=1)])
-    return points[:, 0], points[:, 1]
-
-
-def plot_curve(
-    xs,
-    ys,
-    path: str | os.PathLike,
-    title: str = "",
-    ylabel: str = "",
-    xlabel: str = "",
-    size: tuple[int, int] = (640, 400),
-) -> None:
-    """Write a line plot of ``ys`` against ``xs`` (1-D, same length) as a PNG of ``size`` (width, height).
-
-    Draws axes, grid lines with round tick labels, the title and axis labels. Points where x or y is NaN or
-    infinite are left out (the line breaks there); at least one finite point is required.
-    """
-    xs = _to_numpy("xs", xs).astype(np.float64)
-    ys = _to_numpy("ys", ys).astype(np.float64)
-    if xs.ndim != 1 or ys.ndim != 1 or xs.shape != ys.shape:
-        raise ValueError(f"xs and ys must be 1-D of the same length, got shapes {xs.shape} and {ys.shape}")
-    good = np.isfinite(xs) & np.isfinite(ys)
-    if not good.any():
-        raise ValueError("plot_curve needs at least one point where both xs and ys are finite")
-    width, height = size
-    left, right, top, bottom = (_MARGINS[k] for k in ("left", "right", "top", "bottom"))
-    if width < left + right + 20 or height < top + bottom + 20:
-        raise ValueError(f"size {size} leaves no room for the plot (minimum {left + right + 20}x{top + bottom + 20})")
-
-    x_low, x_high = _axis_range(xs[good], 0.0)
-    y_low, y_high = _axis_range(ys[good], 0.05)
-    plot_w, plot_h = width - left - right, height - top - bottom
-
-    def to_px(x):
-        return left + (x - x_low) / (x_high - x_low) * (plot_w - 1)
-
-    def to_py(y):
-        return top + (y_high - y) / (y_high - y_low) * (plot_h - 1)
-
-    canvas = np.broadcast_to(_PLOT_BACKGROUND, (height, width, 3)).copy()
-    x_ticks, x_step = nice_ticks(x_low, x_high)
-    y_ticks, y_step = nice_ticks(y_low, y_high)
-    for tick in x_ticks:
-        column = int(round(to_px(tick)))
-        canvas[top : top + plot_h, column] = _PLOT_GRID
-        canvas[top + plot_h : top + plot_h + 4, column] = _PLOT_INK
-        _draw_text(canvas, _tick_label(tick, x_step), column, top + plot_h + 12)
-    for tick in y_ticks:
-        row = int(round(to_py(tick)))
-        canvas[row, left : left + plot_w] = _PLOT_GRID
-        canvas[row, left - 4 : left] = _PLOT_INK
-        _draw_text(canvas, _tick_label(tick, y_step), left - 7, row, align="right")
-    canvas[top : top + plot_h, left - 1] = _PLOT_INK  # y axis
-    canvas[top + plot_h, left - 1 : left + plot_w] = _PLOT_INK  # x axis
-
-    px, py = _polyline_pixels(to_px(xs), to_py(ys))
-    for dx, dy in ((0, 0), (1, 0), (0, 1), (1, 1)):  # a 2x2 brush: a line that stays visible when scaled down
-        col = np.clip(np.round(px).astype(np.int64) + dx, left, left + plot_w - 1)
-        row = np.clip(np.round(py).astype(np.int64) + dy, top, top + plot_h - 1)
-        canvas[row, col] = _PLOT_LINE
-
-    _draw_text(canvas, title, left + plot_w / 2, top / 2)
-    _draw_text(canvas, xlabel, left + plot_w / 2, height - 12)
-    _draw_text(canvas, ylabel, 10, top + plot_h / 2, rotate=True)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(path, canvas.round().astype(np.uint8), extension=".png")
-
-
 # ---------------------------------------------------------------------------------------- labelled panels
 
 _PAD = 4  # pixels: around titles, between panels, after the colour bar's labels
-_LINE_HEIGHT = _text_mask("Ag|p(0.9)").shape[0]  # pixels of a line of text
+_LINE_HEIGHT = text_mask("Ag|p(0.9)").shape[0]  # pixels of a line of text
 _BAR_WIDTH = 12  # pixels of colour in a colour bar
 _TICK_LENGTH = 3
 
@@ -365,14 +201,14 @@ def _row_layout(height: int, width: int, titles: Sequence[str], bar_range: tuple
     title_height = _LINE_HEIGHT + 2 * _PAD
     columns, panels, x = [], [], 0
     for title in titles:
-        column_width = max(width, _text_mask(title).shape[1] + 2 * _PAD)
+        column_width = max(width, text_mask(title).shape[1] + 2 * _PAD)
         columns.append((x, x + column_width))
         panels.append((title_height, x + (column_width - width) // 2))
         x += column_width + _PAD
     bar, ticks = None, ()
     if bar_range is not None:
         bar, ticks = (title_height, x + _PAD), _bar_ticks(*bar_range, height)
-        x = bar[1] + _BAR_WIDTH + _TICK_LENGTH + 2 + max(_text_mask(label).shape[1] for _, label in ticks) + _PAD
+        x = bar[1] + _BAR_WIDTH + _TICK_LENGTH + 2 + max(text_mask(label).shape[1] for _, label in ticks) + _PAD
     shape = (title_height + height + _LINE_HEIGHT // 2 + 1, x)  # room below for the bar's low-end label
     return PanelLayout(shape, title_height, tuple(titles), tuple(columns), tuple(panels), bar, ticks)
 
@@ -383,14 +219,14 @@ def _draw_row(panels: Sequence[np.ndarray], layout: PanelLayout) -> np.ndarray:
     canvas = np.full((*layout.shape, 3), 255, np.uint8)  # white; uint8 throughout (the panels are uint8)
     for panel, title, (row, col), (start, stop) in zip(panels, layout.titles, layout.panels, layout.columns):
         canvas[row : row + height, col : col + width] = panel
-        _draw_text(canvas, title, (start + stop) / 2, layout.title_height / 2)
+        draw_text(canvas, title, (start + stop) / 2, layout.title_height / 2)
     if layout.bar is not None:
         row, col = layout.bar
         colors = to_uint8(turbo(1.0 - np.arange(height) / max(height - 1, 1)))  # top row: Turbo(1), the high end
         canvas[row : row + height, col : col + _BAR_WIDTH] = colors[:, None]
         for tick_row, label in layout.ticks:
-            canvas[row + tick_row, col + _BAR_WIDTH : col + _BAR_WIDTH + _TICK_LENGTH] = _PLOT_INK
-            _draw_text(canvas, label, col + _BAR_WIDTH + _TICK_LENGTH + 2, row + tick_row, align="left")
+            canvas[row + tick_row, col + _BAR_WIDTH : col + _BAR_WIDTH + _TICK_LENGTH] = PLOT_INK
+            draw_text(canvas, label, col + _BAR_WIDTH + _TICK_LENGTH + 2, row + tick_row, align="left")
     return canvas
 
 

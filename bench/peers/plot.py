@@ -1,5 +1,5 @@
 """Held-out PSNR against training seconds, one curve per method on the same axes (a PNG, no matplotlib: drawn
-with the helpers of training.visualize, as the runs' own curves are)."""
+with the helpers of training.plots, as the runs' own curves are)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import imageio.v3 as iio
 import numpy as np
 
 from training.evaluation import spread_views
-from training.visualize import _PLOT_BACKGROUND, _PLOT_GRID, _PLOT_INK, _draw_text, _polyline_pixels, _tick_label
-from training.visualize import nice_ticks as _nice_ticks
+from training.plots import PLOT_BACKGROUND, PLOT_GRID, PLOT_INK, draw_text, nice_ticks, polyline_pixels, tick_label
 
 # one colour per method, in order (colour-blind safe: Okabe-Ito)
 COLOURS = np.array(
@@ -83,24 +82,24 @@ def plot_methods(
     def to_py(y):
         return top + (y_high - y) / (y_high - y_low) * (plot_h - 1)
 
-    canvas = np.broadcast_to(_PLOT_BACKGROUND, (height, width, 3)).copy()
+    canvas = np.broadcast_to(PLOT_BACKGROUND, (height, width, 3)).copy()
     for axis, (low, high) in (("x", (x_low, x_high)), ("y", (y_low, y_high))):
-        ticks, step = _nice_ticks(low, high)
+        ticks, step = nice_ticks(low, high)
         for tick in ticks:
             if axis == "x":
                 column = int(round(to_px(tick)))
-                canvas[top : top + plot_h, column] = _PLOT_GRID
-                _draw_text(canvas, _tick_label(tick, step), column, top + plot_h + 12)
+                canvas[top : top + plot_h, column] = PLOT_GRID
+                draw_text(canvas, tick_label(tick, step), column, top + plot_h + 12)
             else:
                 row = int(round(to_py(tick)))
-                canvas[row, left : left + plot_w] = _PLOT_GRID
-                _draw_text(canvas, _tick_label(tick, step), left - 7, row, align="right")
-    canvas[top : top + plot_h, left - 1] = _PLOT_INK
-    canvas[top + plot_h, left - 1 : left + plot_w] = _PLOT_INK
+                canvas[row, left : left + plot_w] = PLOT_GRID
+                draw_text(canvas, tick_label(tick, step), left - 7, row, align="right")
+    canvas[top : top + plot_h, left - 1] = PLOT_INK
+    canvas[top + plot_h, left - 1 : left + plot_w] = PLOT_INK
 
     for index, (name, (x, y)) in enumerate(curves.items()):
         colour = COLOURS[index]
-        px, py = _polyline_pixels(to_px(x), to_py(y))
+        px, py = polyline_pixels(to_px(x), to_py(y))
         for dx, dy in ((0, 0), (1, 0), (0, 1), (1, 1)):
             col = np.clip(np.round(px).astype(np.int64) + dx, left, left + plot_w - 1)
             row = np.clip(np.round(py).astype(np.int64) + dy, top, top + plot_h - 1)
@@ -112,11 +111,11 @@ def plot_methods(
         # the legend in the lower right, where rising PSNR curves rarely are
         legend_y = top + plot_h - 12 - 16 * (len(curves) - 1 - index)
         canvas[legend_y - 1 : legend_y + 2, left + plot_w - 150 : left + plot_w - 130] = colour
-        _draw_text(canvas, name, left + plot_w - 124, legend_y, align="left")
+        draw_text(canvas, name, left + plot_w - 124, legend_y, align="left")
 
-    _draw_text(canvas, title, left + plot_w / 2, top / 2)
-    _draw_text(canvas, "training seconds (evaluation excluded)", left + plot_w / 2, height - 12)
-    _draw_text(canvas, "held-out PSNR (dB)", 14, top + plot_h / 2, rotate=True)
+    draw_text(canvas, title, left + plot_w / 2, top / 2)
+    draw_text(canvas, "training seconds (evaluation excluded)", left + plot_w / 2, height - 12)
+    draw_text(canvas, "held-out PSNR (dB)", 14, top + plot_h / 2, rotate=True)
     iio.imwrite(path, np.clip(np.round(canvas), 0, 255).astype(np.uint8))
 
 
