@@ -90,8 +90,9 @@ class Group:
             by_rows.setdefault(rows.shape[0], []).append(rows)
         union = None
         for count, grads in by_rows.items():
-            rows = self._average_touched_rows(grads, marks if marks is not None and marks.numel() == count else None)
-            union = rows if marks is not None and marks.numel() == count else union
+            own = marks if marks is not None and marks.numel() == count else None  # the marks of grids this size
+            rows = self._average_touched_rows(grads, own)
+            union = rows if own is not None else union
         return union
 
     def average_model_gradients(

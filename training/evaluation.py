@@ -68,21 +68,14 @@ class RenderWriteError(OSError):
         self.path, self.cause = path, cause
 
 
-# 4 writer threads at the default PNG level: 8 threads at zlib level 1 made lego's final evaluation 1.8x slower on an
-# H100 (3.15 s against 1.71 s for 100 views: the writers' numpy work holds the GIL the render loop needs) and saved
-# only 0.2 s of output time (bench/README "What the user waits for")
-write_png = iio.imwrite
-WRITE_THREADS = 4
-
-
 def _write_view(stem: Path, near: float, far: float, maps: dict[str, np.ndarray]) -> None:
     """A view's files from its host maps (worker thread): prediction, gt | pred | error, depth PNGs; the raw depth
     (H, W) float32, NaN where opacity < 0.5, and opacity (H, W) as .npy."""
     pred, gt, depth = maps["rgb"], maps["gt"].astype(np.float32) / 255.0, maps["depth"].astype(np.float32)
     files = [
-        ("pred.png", write_png, lambda: to_uint8(pred)),
-        ("compare.png", write_png, lambda: comparison_image(gt, pred)),
-        ("depth.png", write_png, lambda: depth_with_legend(depth, near, far)),
+        ("pred.png", iio.imwrite, lambda: to_uint8(pred)),
+        ("compare.png", iio.imwrite, lambda: comparison_image(gt, pred)),
+        ("depth.png", iio.imwrite, lambda: depth_with_legend(depth, near, far)),
         ("depth.npy", np.save, lambda: depth),
         ("opacity.npy", np.save, lambda: maps["opacity"].astype(np.float32)),
     ]
@@ -194,7 +187,9 @@ def write_outputs(trainer: Trainer, render_only: bool, data_seconds: float) -> d
     trainer.pending_writes = []
     try:
         trainer.paths.renders.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(max_workers=WRITE_THREADS) as writer:
+        # 4 writers at the default PNG level: 8 at zlib level 1 made lego's final evaluation 1.8x slower on an H100
+        # (the writers' numpy work holds the GIL the render loop needs; bench/README "What the user waits for")
+        with ThreadPoolExecutor(max_workers=4) as writer:
             result = evaluate(trainer, final_views(trainer), write_images=True, writer=writer)
             files_start = time.perf_counter()
             render_turntable(trainer)

@@ -147,7 +147,8 @@ class Trainer:
         eps = float(self.train_cfg.get("adam_eps", 1e-8))
         sparse = bool(self.train_cfg.get("sparse_adam", False))
         sharded = not sparse and shard_optimizer(self.train_cfg.get("shard_optimizer", "auto"), self.group)
-        touched_sync = self.group.active and not sharded and self.train_cfg.get("dist_grad_sync") == "touched"
+        dense_sync = self.train_cfg.get("dist_grad_sync", "touched") == "dense"
+        touched_sync = self.group.active and not sharded and not dense_sync
         # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
         # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
         self.model.touched.enabled = (sparse and not self.group.active) or touched_sync
@@ -209,7 +210,8 @@ class Trainer:
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
                 sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
-                marks = self.model.touched.mask(self.model.grid_shape) if self.model.touched.enabled else None
+                touched = self.group.active and self.model.touched.enabled  # the touched-rows sync reads the marks
+                marks = self.model.touched.mask(self.model.grid_shape) if touched else None
                 self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
             with profiler.section("optimizer"):
                 self.optimizer.step()
