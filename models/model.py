@@ -331,7 +331,7 @@ class VoxelNeRF(nn.Module):
         shaded = samples if keep is None else samples.take(keep)
         feats = self.query_features(shaded.points)
         if self.per_sample:
-            values = self.decoder(feats, directions[shaded.ray], None if views is None else views[shaded.ray])
+            values = self.decoder(feats, directions, shaded.ray, views)  # the direction per ray, gathered
         else:
             values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
         if keep is not None:  # skipped samples still attenuate the ray; their colour is zero

@@ -103,7 +103,8 @@ def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tenso
     alive, weights = survivors_and_weights(sigma_delta, ray, num_rays, c.early_termination)
     shows = alive & (weights > c.weight_threshold)  # the samples worth a colour
     keep = compact(shows, int(shows.sum()))  # the pass's one sync: how many samples the decoder gets
-    shown = torch.cat([_shade(model, points[part], directions[ray[part]]) for part in keep.split(DECODE_SLICE)])
+    shown = [_shade(model, points[part], directions, ray[part]) for part in keep.split(DECODE_SLICE)]
+    shown = shown[0] if len(shown) == 1 else torch.cat(shown)  # one slice: no copy
     values = shown.new_zeros(len(t), shown.shape[1]).index_copy(0, keep, shown)
     # dead samples (transmittance at or below early_termination) get no weight: the op's early stop
     colour, opacity, depth = model.ops.volume_render(sigma_delta, values, t, offsets, c.early_termination)
@@ -115,11 +116,12 @@ def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tenso
 DECODE_SLICE = 1 << 22  # samples decoded at once: bounds the MLP's activations (~2 GB at 128 wide) on any scene
 
 
-def _shade(model: VoxelNeRF, points: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
-    """(n, 3) sample points and their rays' directions -> (n, C) what is composited (colour + deferred features)."""
+def _shade(model: VoxelNeRF, points: torch.Tensor, directions: torch.Tensor, ray: torch.Tensor) -> torch.Tensor:
+    """(n, 3) sample points, the chunk's (B, 3) ray directions and the (n,) samples' rays -> (n, C) what is
+    composited (colour + deferred features)."""
     feats = model.query_features(points)
     if model.per_sample:
-        return model.decoder(feats, directions, None)  # held-out views: the mean appearance
+        return model.decoder(feats, directions, ray)  # held-out views: the mean appearance
     return torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
 
 

@@ -1,0 +1,95 @@
+"""The shading MLPs (models/decoder.py): the first layer split by input columns, the per-ray terms (direction
+encoding, image code) computed once per ray and gathered per sample, is the layer on the concatenated per-sample
+inputs; the gather's float32 backward; gradients of every input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import TORCH_OPS
+
+from models import build_ops
+from models.decoder import Decoder, SampleDecoder, gather_rows
+
+GELU = "tanh"
+
+
+def _decoder(kind, inputs, layers, encoding, appearance, gen):
+    ops = build_ops(TORCH_OPS)
+    decoder = kind(inputs, 16, layers, encoding, GELU, ops, "float32", appearance, 5).double()
+    decoder.appearance.resize(4)
+    with torch.no_grad():
+        for parameter in decoder.parameters():  # random everywhere, the zero-initialised last layer included
+            parameter.copy_(torch.randn(parameter.shape, generator=gen, dtype=torch.float64) * 0.5)
+    return decoder
+
+
+def _concatenated(decoder, rows: torch.Tensor, directions: torch.Tensor, image_index) -> torch.Tensor:
+    """The residual as one MLP on each row's concatenated inputs (what the split first layer must equal)."""
+    parts = [rows, decoder.encoding(directions)]
+    codes = decoder.appearance.codes(image_index, rows.shape[0])
+    x = torch.cat(parts if codes is None else parts + [codes], dim=-1)
+    for layer in decoder.hidden:
+        x = torch.nn.functional.gelu(layer(x), approximate=GELU)
+    return decoder.out(x)
+
+
+@pytest.mark.parametrize("encoding", ["pe3", "sh2", "none"])
+@pytest.mark.parametrize("layers", [0, 2])
+@pytest.mark.parametrize("appearance", ["none", "embedding"])
+def test_per_sample_decoder_equals_the_mlp_on_concatenated_inputs(gen, encoding, layers, appearance):
+    decoder = _decoder(SampleDecoder, 13, layers, encoding, appearance, gen)
+    rays, samples = 7, 40
+    features = torch.randn(samples, 13, generator=gen, dtype=torch.float64)
+    directions = torch.nn.functional.normalize(torch.randn(rays, 3, generator=gen, dtype=torch.float64), dim=-1)
+    ray = torch.randint(0, rays, (samples,), generator=gen)
+    views = torch.randint(0, 4, (rays,), generator=gen) if appearance == "embedding" else None
+    out = decoder(features, directions, ray, views)
+    per_sample_views = None if views is None else views[ray]
+    want = torch.sigmoid(features[:, :3] + _concatenated(decoder, features, directions[ray], per_sample_views))
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    # without ``ray`` every row is its own ray
+    rows = torch.sigmoid(features[:rays, :3] + _concatenated(decoder, features[:rays], directions, views))
+    torch.testing.assert_close(decoder(features[:rays], directions, None, views), rows, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("encoding", ["sh2", "pe3"])
+def test_per_pixel_decoder_equals_the_mlp_on_concatenated_inputs(gen, encoding):
+    decoder = _decoder(Decoder, 3 + 9, 2, encoding, "embedding", gen)
+    n = 11
+    diffuse = torch.rand(n, 3, generator=gen, dtype=torch.float64)
+    features = torch.randn(n, 9, generator=gen, dtype=torch.float64)
+    opacity = torch.rand(n, generator=gen, dtype=torch.float64)
+    directions = torch.nn.functional.normalize(torch.randn(n, 3, generator=gen, dtype=torch.float64), dim=-1)
+    views = torch.randint(0, 4, (n,), generator=gen)
+    residual = _concatenated(decoder, torch.cat([diffuse, features], dim=1), directions, views)
+    want = diffuse + opacity[:, None] * residual
+    torch.testing.assert_close(decoder(diffuse, features, opacity, directions, views), want, rtol=1e-12, atol=1e-12)
+
+
+def test_gather_rows_is_indexing_with_a_float32_sum_backward(gen):
+    values = torch.randn(5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([4, 0, 0, 2, 4, 4, 1])
+    torch.testing.assert_close(gather_rows(values, index), values[index])
+    assert torch.autograd.gradcheck(lambda v: gather_rows(v, index), (values,))
+    # bfloat16 values: the rows' gradient sums in float32 and is rounded once
+    grad = torch.full((3000, 2), 1.0 / 3.0).bfloat16()
+    half = torch.zeros(2, 2, dtype=torch.bfloat16, requires_grad=True)
+    gather_rows(half, torch.zeros(3000, dtype=torch.int64)).backward(grad)
+    exact = grad.float().sum(0)
+    assert half.grad.dtype == torch.bfloat16 and torch.equal(half.grad[0], exact.bfloat16())
+    assert half.grad[1].abs().sum() == 0  # a row no sample read
+
+
+def test_per_sample_decoder_gradients(gen):
+    decoder = _decoder(SampleDecoder, 13, 2, "pe3", "embedding", gen)
+    rays, samples = 4, 9
+    features = torch.randn(samples, 13, generator=gen, dtype=torch.float64, requires_grad=True)
+    directions = torch.nn.functional.normalize(torch.randn(rays, 3, generator=gen, dtype=torch.float64), dim=-1)
+    directions.requires_grad_()  # refined camera poses move the directions (models/pose_refinement.py)
+    ray = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3, 3])
+    views = torch.tensor([3, 1, 0, 2])
+    assert torch.autograd.gradcheck(lambda f, d: decoder(f, d, ray, views), (features, directions))
+    out = decoder(features, directions, ray, views)
+    out.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in decoder.parameters())
