@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import imageio.v3 as iio
 import numpy as np
@@ -46,6 +47,10 @@ def test_a_run_writes_scalars_and_evaluations_that_tensorboard_reads_back(tmp_pa
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
     assert [e.step for e in events.Scalars("eval/psnr")] == [4]
     assert events.Tags()["images"], "the evaluation image is missing"
+    # metrics.json keeps each periodic evaluation's own time (the command's periodic_eval is their sum)
+    metrics = json.loads((run / "metrics.json").read_text())
+    (entry,) = metrics["eval_history"]
+    assert entry["step"] == 4 and 0 < entry["seconds"] <= metrics["seconds"]["periodic_eval"]
     # the held-out curve beside the batch one: a real plot (axes and a line), not an empty canvas
     curve = iio.imread(run / "renders" / "heldout_curve.png")
     assert curve.ndim == 3 and (curve[..., :3] < 128).any() and (curve[..., :3] == 255).mean() > 0.5
