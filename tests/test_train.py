@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -466,3 +467,29 @@ def test_blender_experiment_config_composes():
         cfg = compose(config_name="config", overrides=["+experiment=blender", "data.root=/some/scene"])
     assert cfg.data.name == "blender" and cfg.data.root == "/some/scene"
     assert cfg.model.background == list(cfg.data.background)
+
+
+def test_a_periodic_evaluation_runs_before_the_checkpoint_of_its_step(tmp_path, scene_cache):
+    """At a step with both, the evaluation comes first: a checkpoint's background copy to the host held the
+    evaluation up (3.0 s instead of 0.04 s on an H100 lego run) when the checkpoint went first."""
+    block = (
+        "import sys, runpy\n"
+        "from training import evaluation, run_checkpoints\n"
+        "evaluate, save = evaluation.periodic_eval, run_checkpoints.RunCheckpoints.save_if_finite\n"
+        "def logged_eval(trainer):\n"
+        "    print(f'EVENT eval {trainer.step}', flush=True); return evaluate(trainer)\n"
+        "def logged_save(self, *args, **kwargs):\n"
+        "    print(f'EVENT checkpoint {self.trainer.step}', flush=True); return save(self, *args, **kwargs)\n"
+        "evaluation.periodic_eval, run_checkpoints.RunCheckpoints.save_if_finite = logged_eval, logged_save\n"
+        "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    args = tiny_overrides(scene_cache, 8) + [
+        "train.eval_every=2",
+        "train.checkpoint_every=4",
+        "train.turntable_frames=0",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    result = subprocess.run([sys.executable, "-c", block, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = re.findall(r"EVENT (\w+) (\d+)", result.stdout)  # the progress bar shares the lines
+    assert events == [("eval", "2"), ("eval", "4"), ("checkpoint", "4"), ("eval", "6")], result.stdout
