@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from training import visualize
 from training.visualize import (
     _BAR_WIDTH,
     _TURBO_COEFFS,
@@ -196,3 +197,29 @@ def test_turbo_is_the_polynomial():
     want = np.clip((t ** np.arange(6)) @ _TURBO_COEFFS, 0.0, 1.0)
     np.testing.assert_allclose(turbo(values), want, rtol=0, atol=1e-12)
     assert turbo(values[:1000].reshape(10, 100)).shape == (10, 100, 3)
+
+
+def turntable_frames(count: int = 5) -> list[np.ndarray]:
+    """Smooth frames (a colour ramp and a moving disc), each different, as a render's are."""
+    y, x = np.mgrid[0:48, 0:64]
+    frames = []
+    for i in range(count):
+        frame = np.stack([x * 4, y * 5, np.full_like(x, 60 + 30 * i)], -1).astype(np.float64)
+        frame[(x - 10 - 8 * i) ** 2 + (y - 24) ** 2 < 80] = (250, 250, 250)
+        frames.append(frame.astype(np.uint8))
+    return frames
+
+
+@pytest.mark.parametrize("suffix", [".gif", ".mp4"])
+def test_a_turntable_without_ffmpeg_is_a_gif_of_every_frame(tmp_path, monkeypatch, suffix):
+    import imageio.v3 as iio
+
+    monkeypatch.setattr(visualize, "ffmpeg_available", lambda: False)
+    frames = turntable_frames()
+    path = visualize.write_turntable(frames, tmp_path / f"turntable{suffix}", fps=10.0)
+    assert path == tmp_path / "turntable.gif" and not (tmp_path / f"turntable{suffix}").with_suffix(".mp4").exists()
+    back = iio.imread(path, index=None)[..., :3]
+    assert back.shape == (len(frames), 48, 64, 3)
+    for written, read in zip(frames, back):  # 256 colours a frame: close to the frame, not a copy of another
+        error = np.abs(read.astype(np.int64) - written.astype(np.int64))
+        assert error.mean() < 4 and error.max() < 48

@@ -167,7 +167,7 @@ def periodic_eval(trainer: Trainer) -> None:
         "ssim": result["ssim"],
         "psnr_worst10": result["psnr_worst10"],
         "views": len(views),
-        "seconds": result["seconds"],  # its own time (a periodic view cost 5x a final one on an H100: why?)
+        "seconds": result["seconds"],  # its own time: one beside a checkpoint's host copy took 75x longer
     }
     trainer.eval_history.append(entry)
     image = {f"view_{views[0]:03d}": to_uint8(result["first_rgb"])}  # the image evaluate just rendered

