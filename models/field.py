@@ -8,6 +8,8 @@ handed to the grids already mapped from the box to [-1, 1] (:func:`to_unit`), wh
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -119,6 +121,7 @@ class VoxelGrid(nn.Module):
         touched: torch.Tensor | None = None,
         foreground: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         outside: float = 1.0,
+        reader: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Mean squared difference between neighbouring voxels, summed over the 3 axes (scalar).
 
@@ -128,6 +131,7 @@ class VoxelGrid(nn.Module):
         ``foreground``: optional (R0,), (R1,), (R2,) bool masks of the vertices inside the foreground box per axis
         (a vertex is inside when all three are set); each squared difference with a vertex outside is multiplied
         by ``outside`` (``model.tv_background``; 1 or no masks: the unweighted sum, the same operations as ever).
+        ``reader``: optional, called with the (K,) rows the estimate reads before it reads them (TouchedRows.reader).
         """
         grid = self.grid
         r0, r1, r2 = self.shape
@@ -135,6 +139,8 @@ class VoxelGrid(nn.Module):
         if num_samples <= 0 or num_samples >= (r0 - 1) * (r1 - 1) * (r2 - 1):
             if touched is not None:
                 touched.fill_(True)
+            if reader is not None:
+                reader(torch.arange(r0 * r1 * r2, device=grid.device))
             if weighted:  # per axis a (R_a - 1 along a) weights of the pairs (v, v + e_a)
                 shapes = [[-1 if b == a else 1 for b in range(3)] for a in range(3)]
                 vertex = [f.reshape(shape) for f, shape in zip(foreground, shapes)]
@@ -151,6 +157,8 @@ class VoxelGrid(nn.Module):
         index = torch.stack([centre, centre + r1 * r2, centre + r2, centre + 1])
         if touched is not None:
             touched[index.reshape(-1)] = True
+        if reader is not None:
+            reader(index.reshape(-1))
         values = grid.reshape(-1, grid.shape[3])[index.reshape(-1)].reshape(4, num_samples, -1)
         if weighted:  # the (3, S) weights of each sampled voxel's three pairs
             vertex = [f[c] for f, c in zip(foreground, (i, j, k))]
@@ -236,6 +244,24 @@ class TouchedRows:
     def __init__(self):
         self.enabled = False
         self._mask: torch.Tensor | None = None
+        # set by an optimiser that replays skipped steps (training.lazy_adam): called with rows about to be read
+        # ((K,) int64, repeats allowed) and before a whole-grid read
+        self.reader: Callable[[torch.Tensor], None] | None = None
+        self.flusher: Callable[[], None] | None = None
+
+    def before_read(self, unit_points: torch.Tensor, shape: tuple[int, int, int]) -> None:
+        """The (N, 3) points' corner rows are about to be read: hand them to ``reader``, each row once (one host
+        sync, for the count)."""
+        if self.reader is None or unit_points.shape[0] == 0:
+            return
+        seen = torch.zeros(shape[0] * shape[1] * shape[2], dtype=torch.bool, device=unit_points.device)
+        seen[corner_rows(unit_points, shape)] = True
+        self.reader(seen.nonzero().squeeze(1))
+
+    def before_whole_read(self) -> None:
+        """Every row is about to be read (occupancy refresh, growth, evaluation, a checkpoint)."""
+        if self.flusher is not None:
+            self.flusher()
 
     def mask(self, shape: tuple[int, int, int], device: torch.device | None = None) -> torch.Tensor:
         """The (R0*R1*R2,) mask for a grid of ``shape`` (a fresh, empty one after the grid changed shape)."""

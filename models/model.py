@@ -212,25 +212,27 @@ class VoxelNeRF(nn.Module):
         self.occupancy.update(self.vertex_alpha(), self.config.occupancy.threshold, self.config.occupancy.dilate)
 
     def on_step(self, step: int, total_steps: int) -> bool:
-        """Call after optimiser step number ``step`` (1-based) of ``total_steps``.
-
-        Grows the grids when the schedule says so and refreshes the occupancy grid; returns True when the
-        grid parameters were replaced (rebuild the optimiser with :meth:`param_groups`).
-        """
+        """Call after optimiser step number ``step`` (1-based) of ``total_steps``. Grows the grids when the schedule
+        says so and refreshes the occupancy grid; True when the grid parameters were replaced (rebuild the
+        optimiser with :meth:`param_groups`)."""
         c = self.config
         self.progress = step / max(total_steps, 1)
         target = self.resolution_at(step, total_steps)
         shrink = self.shrink_step(total_steps)
         grown = False
-        if not self.shrunk and shrink is not None and step >= shrink:
+        shrinking = not self.shrunk and shrink is not None and step >= shrink
+        due = step == c.occupancy.warmup or step % c.occupancy.refresh_every == 0
+        if shrinking or target != self.resolution:  # whole-grid reads: a replaying optimiser catches up first
+            self.touched.before_whole_read()
+        if shrinking:
             grown = self.shrink_to_occupied(target)
         if target != self.resolution:
             self.set_resolution(target)
             grown = True
         voxel = self.space.voxel(self.extent, self.grid_shape)
         grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask, voxel) or grown  # at fine.at
-        due = step == c.occupancy.warmup or step % c.occupancy.refresh_every == 0
         if step >= c.occupancy.warmup and (grown or due):
+            self.touched.before_whole_read()
             self.refresh_occupancy()
         return grown
 
@@ -271,13 +273,14 @@ class VoxelNeRF(nn.Module):
             return zero
         total = zero
         touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
+        reader = self.touched.reader if self.touched.enabled else None  # a replaying Adam catches the rows up
         # model.tv_background: the contracted shell's pairs weigh that much more (None / 1: unweighted)
         weighted = c.tv_background != 1.0
         shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)
         if c.tv_density > 0:
-            total = total + c.tv_density * self.density.total_variation(c.tv_samples, touched, *shell)
+            total = total + c.tv_density * self.density.total_variation(c.tv_samples, touched, *shell, reader)
         if c.tv_features > 0:
-            total = total + c.tv_features * self.features.total_variation(c.tv_samples, touched, *shell)
+            total = total + c.tv_features * self.features.total_variation(c.tv_samples, touched, *shell, reader)
         weights = (c.tv_density * c.fine.tv, c.tv_features * c.fine.tv)  # the fine grid's own, at its spacing
         return total + self.fine.regularization(*weights, c.tv_samples) if self.fine.active else total
 
@@ -304,6 +307,8 @@ class VoxelNeRF(nn.Module):
             *rays, t_start, t_end, jitter, self.occupancy.mask, self.bbox, step, num_samples, t_split
         )
         samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
+        if self.touched.enabled and torch.is_grad_enabled():  # an optimiser that replays skipped steps does so now
+            self.touched.before_read(points, self.grid_shape)
         step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, self.bbox) / self.base_voxel
         keep = None  # (N,) which samples are shaded (None: all)
         if (c.early_termination > 0 or c.weight_threshold > 0) and len(samples) > 0:

@@ -184,8 +184,17 @@ def _check_train(cfg: DictConfig) -> None:
     shard = _get(cfg, "train.shard_optimizer")
     if shard is not _ABSENT and str(shard).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"train.shard_optimizer: expected auto, true or false, got {shard!r}")
-    if str(shard).lower() == "true" and _get(cfg, "train.sparse_adam") is True:
-        raise ConfigError("train.shard_optimizer: true shards dense Adam; not with train.sparse_adam=true")
+    sparse = _get(cfg, "train.sparse_adam")
+    if sparse is not _ABSENT and str(sparse).lower() not in ("false", "true", "exact"):
+        raise ConfigError(f"train.sparse_adam: expected false, true (masked) or exact, got {sparse!r}")
+    eps = _get(cfg, "train.adam_eps")
+    if str(sparse).lower() == "exact" and isinstance(eps, (int, float)) and eps > 1e-12:
+        raise ConfigError(
+            f"train.sparse_adam: exact replays skipped steps without Adam's eps, so it needs train.adam_eps <= 1e-12 "
+            f"(got {eps}; the blender and capture presets use 1e-15)"
+        )
+    if str(shard).lower() == "true" and str(sparse).lower() in ("true", "exact"):
+        raise ConfigError(f"train.shard_optimizer: true shards dense Adam; not with train.sparse_adam={sparse}")
     for key in (
         "train.batch_rays",
         "train.patch_size",
@@ -209,7 +218,6 @@ def _check_train(cfg: DictConfig) -> None:
         "train.profile",
         "train.overwrite",
         "train.random_background",
-        "train.sparse_adam",
         "train.tf32",
     ):
         _check_bool(cfg, key)

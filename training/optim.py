@@ -15,7 +15,9 @@ from typing import Callable
 
 import torch
 
+from training.config import ConfigError
 from training.distributed import Group, RowShard
+from training.lazy_adam import LazyGridAdam, adam_step_rows
 
 
 class SparseGridAdam(torch.optim.Optimizer):
@@ -57,38 +59,17 @@ class SparseGridAdam(torch.optim.Optimizer):
             raise ValueError("closure: SparseGridAdam does not re-evaluate the loss")
         listed = None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             if group.get("name") == "grids" and self.rows_fn is not None:
                 listed = self.rows_fn()
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["step"] += 1
-                columns = param.shape[-1] if param.dim() > 0 else 1
-                grad = param.grad.reshape(-1, columns)
-                if group.get("name") == "grids" and listed is not None:
-                    rows = listed
-                elif group.get("name") == "grids":
-                    rows = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # one host sync: the count
-                else:
-                    rows = torch.arange(grad.shape[0], device=grad.device)
-                self.step_fn(
-                    param.view(-1, columns),
-                    grad.contiguous(),
-                    state["exp_avg"].view(-1, columns),
-                    state["exp_avg_sq"].view(-1, columns),
-                    rows,
-                    int(state["step"].item()),
-                    float(group["lr"]),
-                    float(beta1),
-                    float(beta2),
-                    float(group["eps"]),
-                )
+                rows = None  # every row (the other groups: dense Adam)
+                if group.get("name") == "grids":
+                    grad = param.grad.reshape(-1, param.shape[-1])
+                    scanned = listed is None  # one host sync: the count
+                    rows = grad.ne(0).any(dim=1).nonzero().squeeze(1) if scanned else listed
+                adam_step_rows(self.state[param], param, group, self.step_fn, rows)
         return None
 
 
@@ -250,3 +231,80 @@ def _rows_of(entry: dict | None, grid: torch.Tensor, start: int, stop: int | Non
         key: value.clone() if key == "step" else value.reshape(-1, columns)[start:stop].clone()
         for key, value in entry.items()
     }
+
+
+def sparse_adam_mode(setting) -> str:
+    """``train.sparse_adam`` -> "off" | "masked" (true: untouched voxels keep value and moments) | "exact" (only
+    the touched voxels are stepped, the others replay dense Adam's zero-gradient steps when next read:
+    training.lazy_adam)."""
+    text = str(setting).lower()
+    if text in ("false", "0", "none", "off"):
+        return "off"
+    if text in ("true", "1", "masked"):
+        return "masked"
+    if text == "exact":
+        return "exact"
+    raise ValueError(f"train.sparse_adam: expected false, true (masked) or exact, got {setting!r}")
+
+
+def new_optimizer(trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
+    """The trainer's Adam over its model's param_groups: dense (``torch.optim.Adam``, fused on CUDA), sharded over
+    torchrun's ranks (:class:`ShardedGridAdam`), masked (:class:`SparseGridAdam`) or exact on the touched voxels
+    (training.lazy_adam.LazyGridAdam, whose catch-ups the model calls through ``model.touched``)."""
+    cfg, model, group = trainer.train_cfg, trainer.model, trainer.group
+    rates = (cfg.lr, cfg.lr_decoder, cfg.get("lr_pose", 6e-4))
+    groups = model.param_groups(*(float(rate) for rate in rates))
+    for entry in groups:
+        entry["initial_lr"] = entry["lr"]
+    eps = float(cfg.get("adam_eps", 1e-8))
+    mode = sparse_adam_mode(cfg.get("sparse_adam", False))
+    sharded = mode == "off" and shard_optimizer(cfg.get("shard_optimizer", "auto"), group)
+    touched_sync = group.active and not sharded and cfg.get("dist_grad_sync", "touched") != "dense"
+    # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
+    # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
+    model.touched.enabled = (mode != "off" and not group.active) or touched_sync
+    model.touched.reader = model.touched.flusher = None
+    if mode == "exact" and group.active:
+        raise ConfigError(
+            "train.sparse_adam: exact runs in one process for now (under torchrun each rank would replay other rows)"
+        )
+    if mode == "exact":
+        optimizer = LazyGridAdam(
+            groups, trainer.ops.sparse_adam_step, lambda: model.touched.take(model.grid_shape), betas=betas, eps=eps
+        )
+        model.touched.reader, model.touched.flusher = optimizer.catch_up, optimizer.flush
+        return optimizer
+    if mode == "masked":  # under torchrun: the union the sync moved, or (dense sync) a scan of the gradients
+        if not group.active:
+            rows_fn = lambda: model.touched.take(model.grid_shape)  # noqa: E731
+        else:
+            rows_fn = (lambda: trainer.synced_rows) if touched_sync else None
+        return SparseGridAdam(groups, trainer.ops.sparse_adam_step, betas=betas, eps=eps, rows_fn=rows_fn)
+    if sharded:  # ZeRO-2 over the ranks
+        return ShardedGridAdam(groups, group, betas, eps, fused=trainer.device.type == "cuda")
+    return torch.optim.Adam(groups, betas=betas, eps=eps, fused=trainer.device.type == "cuda")
+
+
+def rebuilt_optimizer(trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
+    """A new optimiser over the model's current parameters (after growth), keeping the moments of parameters that
+    survived; a replaying optimiser hands over every row current."""
+    old = trainer.optimizer
+    if hasattr(old, "flush"):
+        old.flush()
+    optimizer = new_optimizer(trainer, betas)
+    for entry in optimizer.param_groups:
+        for parameter in entry["params"]:
+            if parameter in old.state:
+                optimizer.state[parameter] = old.state[parameter]
+    if hasattr(optimizer, "adopt_state"):
+        optimizer.adopt_state()
+    return optimizer
+
+
+def prepare_for_whole_reads(optimizer) -> None:
+    """Before a checkpoint or an evaluation, on every rank: a sharded optimiser gathers its moments for rank 0's
+    checkpoint, a replaying one brings every voxel up to date."""
+    if isinstance(optimizer, ShardedGridAdam):
+        optimizer.gather()
+    if hasattr(optimizer, "flush"):
+        optimizer.flush()
