@@ -248,14 +248,17 @@ class TouchedRows:
         # ((K,) int64, repeats allowed) and before a whole-grid read
         self.reader: Callable[[torch.Tensor], None] | None = None
         self.flusher: Callable[[], None] | None = None
+        self.union: Callable[[torch.Tensor], None] | None = None  # under torchrun: OR-reduces a (R,) uint8 mask
 
     def before_read(self, unit_points: torch.Tensor, shape: tuple[int, int, int]) -> None:
         """The (N, 3) points' corner rows are about to be read: hand them to ``reader``, each row once (one host
-        sync, for the count)."""
-        if self.reader is None or unit_points.shape[0] == 0:
+        sync, for the count); under torchrun the union of every rank's rows, so that the ranks replay alike."""
+        if self.reader is None:
             return
-        seen = torch.zeros(shape[0] * shape[1] * shape[2], dtype=torch.bool, device=unit_points.device)
-        seen[corner_rows(unit_points, shape)] = True
+        seen = torch.zeros(shape[0] * shape[1] * shape[2], dtype=torch.uint8, device=unit_points.device)
+        seen[corner_rows(unit_points, shape)] = 1
+        if self.union is not None:
+            self.union(seen)
         self.reader(seen.nonzero().squeeze(1))
 
     def before_whole_read(self) -> None:

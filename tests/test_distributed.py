@@ -121,6 +121,20 @@ def test_sparse_adam_on_two_gloo_ranks_steps_the_union_one_process_steps(tmp_pat
     assert_same_model(one, two)
 
 
+def test_exact_sparse_adam_on_two_gloo_ranks_trains_what_one_process_trains_with_dense_adam(tmp_path):
+    # train.sparse_adam=exact under torchrun: every rank replays the union of the rows read and steps the synced
+    # union; with eps 1e-30 (the replay leaves eps out) one process's dense Adam, to float32 rounding
+    cache, eps = tmp_path / "cache", ["train.adam_eps=1e-30", "train.eval_every=6", "train.checkpoint_every=6"]
+    result = single(tiny(cache, tmp_path / "one", 12) + eps)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + eps + ["train.sparse_adam=exact"])
+    assert pair.returncode == 0, ranks_output(pair)
+    one, two = (
+        load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("one", "two")
+    )
+    assert_same_model(one, two)
+
+
 def test_a_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path):
     result = torchrun(2, tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.batch_rays=63"], timeout=120)
     assert result.returncode != 0

@@ -234,8 +234,13 @@ def test_new_optimizer_builds_the_replaying_adam_and_hooks_it_into_the_model():
     optimizer = new_optimizer(trainer, BETAS)
     assert isinstance(optimizer, LazyGridAdam) and model.touched.enabled
     assert model.touched.reader == optimizer.catch_up and model.touched.flusher == optimizer.flush
-    trainer.group = SimpleNamespace(active=True, world=2)
-    with pytest.raises(ConfigError, match="train.sparse_adam: exact runs in one process"):
+    trainer.group = SimpleNamespace(active=True, world=2, union_=lambda mask: None)
+    trainer.synced_rows = torch.arange(3)
+    optimizer = new_optimizer(trainer, BETAS)  # under torchrun: the synced union, caught up before its step
+    assert optimizer.catch_up_stepped and torch.equal(optimizer.rows_fn(), torch.arange(3))
+    assert model.touched.union == trainer.group.union_
+    trainer.train_cfg.dist_grad_sync = "dense"
+    with pytest.raises(ConfigError, match="train.sparse_adam: exact under torchrun steps the touched rows"):
         new_optimizer(trainer, BETAS)
     assert [sparse_adam_mode(v) for v in (False, "false", True, "true", "exact")] == ["off"] * 2 + ["masked"] * 2 + [
         "exact"

@@ -139,6 +139,10 @@ class Group:
             start += grad.shape[1]
         return rows
 
+    def union_(self, mask: torch.Tensor) -> None:
+        """OR-reduce a (R,) uint8 mask over the ranks, in place (the rows some rank is about to read)."""
+        _collective("all_reduce", dist.all_reduce, mask, dist.ReduceOp.MAX)
+
     def shard_of(self, rows: int) -> RowShard:
         """This rank's part of a (rows, C) tensor split by rows (training.optim.ShardedGridAdam)."""
         return RowShard(rows, self.world, self.rank)

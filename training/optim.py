@@ -263,16 +263,15 @@ def new_optimizer(trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
     # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
     model.touched.enabled = (mode != "off" and not group.active) or touched_sync
-    model.touched.reader = model.touched.flusher = None
-    if mode == "exact" and group.active:
-        raise ConfigError(
-            "train.sparse_adam: exact runs in one process for now (under torchrun each rank would replay other rows)"
-        )
-    if mode == "exact":
-        optimizer = LazyGridAdam(
-            groups, trainer.ops.sparse_adam_step, lambda: model.touched.take(model.grid_shape), betas=betas, eps=eps
-        )
+    model.touched.reader = model.touched.flusher = model.touched.union = None
+    if mode == "exact" and group.active and not touched_sync:
+        raise ConfigError("train.sparse_adam: exact under torchrun steps the touched rows: dist_grad_sync=touched")
+    if mode == "exact":  # under torchrun: every rank replays the union of the rows read, steps the synced union
+        rows_fn = (lambda: trainer.synced_rows) if group.active else (lambda: model.touched.take(model.grid_shape))
+        step_fn = trainer.ops.sparse_adam_step
+        optimizer = LazyGridAdam(groups, step_fn, rows_fn, betas=betas, eps=eps, catch_up_stepped=group.active)
         model.touched.reader, model.touched.flusher = optimizer.catch_up, optimizer.flush
+        model.touched.union = group.union_ if group.active else None
         return optimizer
     if mode == "masked":  # under torchrun: the union the sync moved, or (dense sync) a scan of the gradients
         if not group.active:

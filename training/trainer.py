@@ -289,10 +289,10 @@ class Trainer:
                     sync(self.device)
                     self.train_seconds += time.perf_counter() - segment_start
                     pause = True
+                if periodic_eval and hasattr(self.optimizer, "flush"):  # a replaying Adam: every voxel current,
+                    self.optimizer.flush()  # on every rank alike
                 if periodic_eval and self.group.is_main and not stop:
                     # before a same-step checkpoint, whose host copy held it up (H100: 3.0 s, not 0.04 s)
-                    if hasattr(self.optimizer, "flush"):  # a replaying Adam: every voxel current first
-                        self.optimizer.flush()
                     eval_start = time.perf_counter()
                     evaluation.periodic_eval(self)  # ends on a host sync (its scores)
                     self.periodic_eval_seconds += time.perf_counter() - eval_start
