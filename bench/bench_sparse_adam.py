@@ -7,7 +7,8 @@ A (size^3, C) float32 grid (default 256^3 x 13 on CUDA, 32^3 x 13 on the CPU), K
 rows, sorted (as SparseGridAdam's nonzero() hands them over). Reported per variant: median ms, GB/s on the bytes
 it must move, % of the device's copy bandwidth (a large tensor copy, bench_timing.measure_copy), and the speed-up
 over dense Adam (fused=True on CUDA, foreach=True on the CPU). Bytes: sparse K*C*4 * 7 (read param, grad, m, v;
-write param, m, v) + 8*K (rows); dense M*C*4 * 7. Two sparse timings: the raw op (the kernel and its launch) and
+write param, m, v) + 8*K (rows); dense M*C*4 * 7; exact (train.sparse_adam=exact: the replay of the rows' skipped
+steps, then the step) K*C*4 * 13 + 32*K. Two sparse timings: the raw op (the kernel and its launch) and
 the wrapper, which also checks rows' range (one reduction and one host sync per call). Row sets rotate so that
 the touched rows of one call are not still in the cache at the next (as bench_ops does).
 """
@@ -97,7 +98,36 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
             row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
             row["row_sets"] = sets
             rows.append(row)
+        timing = time_exact(param, grad, picks, timer)
+        row = _row("exact (replay + step)", fraction, k, exact_bytes(k, channels), timing, copy["GBps"])
+        row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
+        rows.append(row)
     return {"copy": copy, "results": rows}
+
+
+def exact_bytes(k: int, channels: int, itemsize: int = 4) -> int:
+    """The replay (read param, m, v; write them: 6 K C) and the step (7 K C), plus rows, last steps, replay sums."""
+    return 13 * k * channels * itemsize + 8 * k * 4
+
+
+def time_exact(param: torch.Tensor, grad: torch.Tensor, picks: list, timer: Timer) -> dict:
+    """train.sparse_adam=exact's optimiser work a step: catch up the K rows a step reads (left since random
+    earlier steps), then step them (training.lazy_adam.LazyGridAdam; the model's row marking is not included)."""
+    from training.lazy_adam import LazyGridAdam
+
+    grid = torch.nn.Parameter(param.clone())
+    grid.grad = grad.clone()
+    chosen = {}
+    betas = (HYPER["beta1"], HYPER["beta2"])
+    group = [{"params": [grid], "lr": HYPER["lr"], "name": "grids"}]
+    optimizer = LazyGridAdam(group, cuda_ext.sparse_adam_step, lambda: chosen["rows"], betas=betas, eps=HYPER["eps"])
+
+    def run(i: int) -> None:
+        chosen["rows"] = picks[i % len(picks)]
+        optimizer.catch_up(chosen["rows"])
+        optimizer.step()
+
+    return timer(run, lambda i: None, len(picks))
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

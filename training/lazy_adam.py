@@ -112,17 +112,18 @@ class LazyGridAdam(torch.optim.Optimizer):
             return
         rows = rows.reshape(-1)
         last = self._last[rows]
-        skipped = (self._done - last).to(torch.float64)  # steps with a zero gradient since the row's last one
         beta1, beta2 = self.grids["betas"]
-        shift = self._replay[last].unsqueeze(1)
+        dtype = self.grids["params"][0].dtype  # the grids' own precision, as dense Adam computes in it
+        skipped = (self._done - last).to(dtype)  # steps with a zero gradient since the row's last one
+        shift = self._replay[last].to(dtype).unsqueeze(1)
         decay1 = torch.pow(beta1, skipped).unsqueeze(1)
         decay2 = torch.pow(beta2, skipped).unsqueeze(1)
         for param, exp_avg, exp_avg_sq in self._views():
-            m, v = exp_avg[rows].double(), exp_avg_sq[rows].double()
-            ratio = torch.where(v > 0, m / v.clamp_min(1e-300).sqrt(), torch.zeros_like(m))
-            param[rows] = (param[rows].double() - shift * ratio).to(param.dtype)
-            exp_avg[rows] = (m * decay1).to(exp_avg.dtype)
-            exp_avg_sq[rows] = (v * decay2).to(exp_avg_sq.dtype)
+            m, v = exp_avg[rows], exp_avg_sq[rows]
+            ratio = torch.where(v > 0, m * v.rsqrt(), 0.0)  # a row never hit has m = v = 0: it does not move
+            param[rows] = param[rows] - shift * ratio
+            exp_avg[rows] = m * decay1
+            exp_avg_sq[rows] = v * decay2
         self._last[rows] = self._done
 
     @torch.no_grad()
