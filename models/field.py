@@ -249,17 +249,22 @@ class TouchedRows:
         self.reader: Callable[[torch.Tensor], None] | None = None
         self.flusher: Callable[[], None] | None = None
         self.union: Callable[[torch.Tensor], None] | None = None  # under torchrun: OR-reduces a (R,) uint8 mask
+        self._seen: torch.Tensor | None = None  # before_read's scratch mask
 
     def before_read(self, unit_points: torch.Tensor, shape: tuple[int, int, int]) -> None:
         """The (N, 3) points' corner rows are about to be read: hand them to ``reader``, each row once (one host
         sync, for the count); under torchrun the union of every rank's rows, so that the ranks replay alike."""
         if self.reader is None:
             return
-        seen = torch.zeros(shape[0] * shape[1] * shape[2], dtype=torch.uint8, device=unit_points.device)
-        seen[corner_rows(unit_points, shape)] = 1
+        rows = shape[0] * shape[1] * shape[2]
+        if self._seen is None or self._seen.numel() != rows or self._seen.device != unit_points.device:
+            self._seen = torch.zeros(rows, dtype=torch.uint8, device=unit_points.device)  # kept: no 33 MB a step
+        self._seen[corner_rows(unit_points, shape)] = 1
         if self.union is not None:
-            self.union(seen)
-        self.reader(seen.nonzero().squeeze(1))
+            self.union(self._seen)
+        read = self._seen.nonzero().squeeze(1)
+        self._seen.zero_()
+        self.reader(read)
 
     def before_whole_read(self) -> None:
         """Every row is about to be read (occupancy refresh, growth, evaluation, a checkpoint)."""
