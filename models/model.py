@@ -17,7 +17,6 @@ With ``model.fine``, a sparse grid finer still (models/brick_grid.py) adds its v
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from models import render_views
 from models.brick_grid import BrickGrids
 from models.config import ModelConfig, parse_model_config, step_of
 from models.contraction import SceneSpace
-from models.decoder import DIFFUSE_CHANNELS, Decoder, SampleDecoder
+from models.decoder import Decoder, SampleDecoder
 from models.field import (
     OccupancyGrid,
     TouchedRows,
@@ -38,14 +37,10 @@ from models.field import (
     visible_box,
 )
 from models.ops import OpSet
-from models.pose_refinement import PoseRefinement, points_with_ray_gradients
-from models.regularizers import RenderedSamples
+from models.pose_refinement import PoseRefinement
 from models.render import (
-    PackedSamples,
     check_rays,
     checked_box,
-    compact,
-    survivors_and_weights,
 )
 
 
@@ -286,71 +281,8 @@ class VoxelNeRF(nn.Module):
 
     # ------------------------------------------------------------------ rendering
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:
-        """Composite B rays: (B, 3) origins and unit directions (``views``: (B,) training images, or None) ->
-
-        dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count,
-        packed: the samples' models.regularizers.RenderedSamples, with gradients, for the regularisers).
-        With per-sample shading, ``diffuse`` is the composited view-dependent colour and ``features`` is (B, 0).
-        """
-        c = self.config
-        num_rays = origins.shape[0]
-        step = self.step_size
-        space = self.space
-        rays = (origins.detach(), directions.detach())  # the samples are data (refined poses: the points move below)
-        t_start, t_end, t_split, num_samples = space.march_range(
-            *rays, self.bbox, self.near, self.far, step, c.max_samples
-        )
-        if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
-            jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
-        jitter = jitter.reshape(num_rays).to(origins.device, origins.dtype)
-        ray, t, points, offsets = self.ops.march_rays(
-            *rays, t_start, t_end, jitter, self.occupancy.mask, self.bbox, step, num_samples, t_split
-        )
-        samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
-        if self.touched.enabled and torch.is_grad_enabled():  # an optimiser that replays skipped steps does so now
-            self.touched.before_read(points, self.grid_shape)
-        step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, self.bbox) / self.base_voxel
-        keep = None  # (N,) which samples are shaded (None: all)
-        if (c.early_termination > 0 or c.weight_threshold > 0) and len(samples) > 0:
-            # one no-grad pass: drop samples behind an opaque prefix (early termination; the survivors keep their
-            # transmittance) and skip the colour of samples that barely show (DVGO's fast_color_thres)
-            with torch.no_grad():
-                depth = optical_depth(self.query_density(samples.points), c.density_shift, step_scale)
-                alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
-                shows = (weights > c.weight_threshold) & alive
-                if self.fine.collecting and self.training:  # where the fine grid's bricks will go
-                    self.fine.collect(samples.points[(weights >= c.fine.min_weight) & alive], self.grid_shape)
-                alive_count, shown_count = torch.stack([alive.sum(), shows.sum()]).tolist()  # the pass's one sync
-                if c.early_termination > 0:
-                    index = compact(alive, alive_count)
-                    samples, shows = samples.take(index), shows[index]
-                    offsets = torch.searchsorted(samples.ray, torch.arange(num_rays + 1, device=samples.ray.device))
-                keep = compact(shows, shown_count) if c.weight_threshold > 0 else None
-        if self.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
-            self.touched.mark_points(samples.points, self.grid_shape)
-        # refined poses: the points move with their rays (same values; the gradient of o + t d)
-        moved = (samples.points, samples.ray, samples.t, origins, directions, self.bbox, space.contract)
-        samples.points = points_with_ray_gradients(*moved)
-        step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, self.bbox) / self.base_voxel
-        sigma_delta = optical_depth(self.query_density(samples.points), c.density_shift, step_scale)
-        shaded = samples if keep is None else samples.take(keep)
-        feats = self.query_features(shaded.points)
-        if self.per_sample:
-            values = self.decoder(feats, directions, shaded.ray, views)  # the direction per ray, gathered
-        else:
-            values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
-        if keep is not None:  # skipped samples still attenuate the ray; their colour is zero
-            values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
-        colour, opacity, depth = self.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
-        march = partial(space.march_coordinate, samples.t, samples.ray, t_split, self.bbox)  # only if asked for
-        return {
-            "diffuse": colour[:, :DIFFUSE_CHANNELS],
-            "features": colour[:, DIFFUSE_CHANNELS:],
-            "depth": depth,
-            "opacity": opacity,
-            "samples": torch.tensor(len(samples)),
-            "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march),
-        }
+        """Composite B rays with gradients, as training does: :func:`models.render_views.march`."""
+        return render_views.march(self, origins, directions, jitter, views)
 
     @property
     def per_sample(self) -> bool:

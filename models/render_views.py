@@ -1,6 +1,7 @@
 """Rendering whole pictures of a :class:`models.model.VoxelNeRF`: training's patches, full views through training's
 own march (the reference), and the inference-only march that evaluation and every app render through.
 
+- :func:`march`: training's march of a batch of rays, with gradients (``model.march``).
 - :func:`render_patches`: low-res patches marched with gradients, the composited channels upsampled and decoded
   per full-res pixel (training's deferred path).
 - :func:`render_image`: a full view through ``model.march`` (no jitter), in chunks: exactly what training renders.
@@ -17,6 +18,7 @@ in how a chunk of rays is composited.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +28,9 @@ from data.rays import camera_rays
 from data.samplers import PatchBatch
 from models.decoder import DIFFUSE_CHANNELS
 from models.field import optical_depth
-from models.render import compact, survivors_and_weights
+from models.pose_refinement import points_with_ray_gradients
+from models.regularizers import RenderedSamples
+from models.render import PackedSamples, compact, survivors_and_weights
 
 if TYPE_CHECKING:  # models.model imports this module
     from models.model import VoxelNeRF
@@ -77,6 +81,77 @@ def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor
         "opacity": out["opacity"].reshape(n, p, p),
         "samples": out["samples"],
         "packed": out["packed"],
+    }
+
+
+def march(
+    model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None
+) -> dict:
+    """Training's march of B rays: (B, 3) origins and unit directions, ``jitter`` (True: random offsets, False:
+    midpoints, or (B,) offsets), ``views``: (B,) training images or None ->
+
+    dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count,
+    packed: the samples' models.regularizers.RenderedSamples, with gradients, for the regularisers).
+    With per-sample shading, ``diffuse`` is the composited view-dependent colour and ``features`` is (B, 0).
+    """
+    c = model.config
+    num_rays = origins.shape[0]
+    step = model.step_size
+    space = model.space
+    rays = (origins.detach(), directions.detach())  # the samples are data (refined poses: the points move below)
+    t_start, t_end, t_split, num_samples = space.march_range(
+        *rays, model.bbox, model.near, model.far, step, c.max_samples
+    )
+    if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
+        jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
+    jitter = jitter.reshape(num_rays).to(origins.device, origins.dtype)
+    ray, t, points, offsets = model.ops.march_rays(
+        *rays, t_start, t_end, jitter, model.occupancy.mask, model.bbox, step, num_samples, t_split
+    )
+    samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
+    if model.touched.enabled and torch.is_grad_enabled():  # an optimiser that replays skipped steps does so now
+        model.touched.before_read(points, model.grid_shape)
+    step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, model.bbox) / model.base_voxel
+    keep = None  # (N,) which samples are shaded (None: all)
+    if (c.early_termination > 0 or c.weight_threshold > 0) and len(samples) > 0:
+        # one no-grad pass: drop samples behind an opaque prefix (early termination; the survivors keep their
+        # transmittance) and skip the colour of samples that barely show (DVGO's fast_color_thres)
+        with torch.no_grad():
+            depth = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
+            alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
+            shows = (weights > c.weight_threshold) & alive
+            if model.fine.collecting and model.training:  # where the fine grid's bricks will go
+                model.fine.collect(samples.points[(weights >= c.fine.min_weight) & alive], model.grid_shape)
+            alive_count, shown_count = torch.stack([alive.sum(), shows.sum()]).tolist()  # the pass's one sync
+            if c.early_termination > 0:
+                index = compact(alive, alive_count)
+                samples, shows = samples.take(index), shows[index]
+                offsets = torch.searchsorted(samples.ray, torch.arange(num_rays + 1, device=samples.ray.device))
+            keep = compact(shows, shown_count) if c.weight_threshold > 0 else None
+    if model.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
+        model.touched.mark_points(samples.points, model.grid_shape)
+    # refined poses: the points move with their rays (same values; the gradient of o + t d)
+    moved = (samples.points, samples.ray, samples.t, origins, directions, model.bbox, space.contract)
+    samples.points = points_with_ray_gradients(*moved)
+    step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, model.bbox) / model.base_voxel
+    sigma_delta = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
+    shaded = samples if keep is None else samples.take(keep)
+    feats = model.query_features(shaded.points)
+    if model.per_sample:
+        values = model.decoder(feats, directions, shaded.ray, views)  # the direction per ray, gathered
+    else:
+        values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
+    if keep is not None:  # skipped samples still attenuate the ray; their colour is zero
+        values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
+    colour, opacity, depth = model.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
+    march = partial(space.march_coordinate, samples.t, samples.ray, t_split, model.bbox)  # only if asked for
+    return {
+        "diffuse": colour[:, :DIFFUSE_CHANNELS],
+        "features": colour[:, DIFFUSE_CHANNELS:],
+        "depth": depth,
+        "opacity": opacity,
+        "samples": torch.tensor(len(samples)),
+        "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march),
     }
 
 
@@ -177,4 +252,4 @@ def infer_image(
     return _view(model, lambda o, d: infer_march(model, o, d), c2w, height, width, focal, chunk, lens)
 
 
-__all__ = ["upsample_channels", "render_patches", "infer_march", "render_image", "infer_image"]
+__all__ = ["upsample_channels", "render_patches", "march", "infer_march", "render_image", "infer_image"]
