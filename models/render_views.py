@@ -64,7 +64,8 @@ def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor
     jitter = batch.jitter if model.training and batch.jitter is not None else model.training
     # training images' refined cameras (model.pose_refinement; held out or off: as given)
     origins, directions, hr_directions = model.poses(batch.views, batch.origins, batch.directions, batch.hr_directions)
-    out = model.march(origins.reshape(-1, 3), directions.reshape(-1, 3), jitter=jitter)
+    per_ray_views = None if batch.views is None else batch.views.repeat_interleave(p * p)  # per-sample codes
+    out = model.march(origins.reshape(-1, 3), directions.reshape(-1, 3), jitter=jitter, views=per_ray_views)
     low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
     high = upsample_channels(model, low).reshape(n * side * side, -1)
     rgb = model.shade(

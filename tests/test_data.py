@@ -271,6 +271,17 @@ def test_patch_sampler_aligns_patches_rays_and_pixels(tiny_scene, device):
         PatchSampler(scene, 9, 3, 1)
 
 
+def test_patch_sampler_at_scale_one_draws_pixel_patches(tiny_scene):
+    # train.dssim with model.upsample=1: patches of patch_size pixels, one ray through each pixel centre
+    scene = load_blender(tiny_scene, "train")
+    batch = PatchSampler(scene, 11, 1, 8, generator=torch.Generator().manual_seed(3)).sample()
+    assert batch.origins.shape == batch.rgb.shape == (8, 11, 11, 3)
+    torch.testing.assert_close(batch.directions, batch.hr_directions)
+    _, full = camera_rays(scene.c2w, scene.height, scene.width, scene.focal)
+    for view, (y0, x0), directions in zip(batch.views, batch.top_left, batch.directions):
+        torch.testing.assert_close(directions, full[view][y0 : y0 + 11, x0 : x0 + 11], atol=1e-6, rtol=0)
+
+
 def test_scene_moves_between_devices(tiny_scene):
     scene = load_blender(tiny_scene, "val")
     moved = scene.to("cpu")

@@ -203,7 +203,7 @@ def test_dssim_matches_the_metric_and_has_gradients(gen):
         ("train.near_density_loss", math.inf, "train.near_density_loss: must be finite"),
         ("train.near_density_fraction", -1.0, "train.near_density_fraction: must be >= 0"),
         ("train.dssim", -0.5, "train.dssim: must be >= 0"),
-        ("train.dssim", 0.2, "train.dssim: needs patch batches"),  # upsample 1 draws rays
+        ("train.dssim", 0.2, "train.dssim: needs patch batches"),  # upsample 1: patches of 8 < 11 pixels
         ("train.patch_size", 5, "train.dssim: needs patch batches"),  # 5 * 2 < 11
     ],
 )
@@ -248,6 +248,17 @@ def test_compositing_weights_used_are_the_renderers(gen):
             "train.loss=charbonnier",
             "train.distortion_loss=0.01",
         ],
+        # per-sample shading, D-SSIM on per-pixel patches (upsample 1): each patch's image code per sample
+        [
+            "model.appearance=embedding",
+            "model.appearance_dim=3",
+            "model.upsample=1",
+            "model.shading=per_sample",
+            "train.loss=l1",
+            "train.dssim=0.25",
+            "train.patch_size=12",
+            "train.patches_per_batch=2",
+        ],
     ],
 )
 def test_training_with_the_levers(tmp_path, levers):
@@ -265,6 +276,8 @@ def test_training_with_the_levers(tmp_path, levers):
         if key.endswith("decoder.appearance.table")
     ]
     assert tables and all(t.shape[0] == 6 for t in tables)
+    if "model.appearance=embedding" in levers:  # each image's rays reached its own code (None: the mean, alike)
+        assert all(not torch.allclose(t, t[:1].expand_as(t)) for t in tables)
 
 
 def _flat(state, prefix: str = ""):

@@ -232,10 +232,10 @@ def _check_dssim(cfg: DictConfig) -> None:
     weight = _get(cfg, "train.dssim")
     if weight is not _ABSENT and weight > 0:
         upsample, side = _get(cfg, "model.upsample"), _get(cfg, "train.patch_size")
-        if upsample == 1 or upsample * side < SSIM_WINDOW:
+        if upsample * side < SSIM_WINDOW:  # with upsample 1, patches of patch_size pixels replace single rays
             raise ConfigError(
-                f"train.dssim: needs patch batches of at least {SSIM_WINDOW} pixels a side (model.upsample > 1 and "
-                f"train.patch_size * model.upsample >= {SSIM_WINDOW}), got upsample={upsample}, patch_size={side}"
+                f"train.dssim: needs patch batches of at least {SSIM_WINDOW} pixels a side "
+                f"(train.patch_size * model.upsample >= {SSIM_WINDOW}), got upsample={upsample}, patch_size={side}"
             )
 
 

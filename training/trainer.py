@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data import PatchSampler, RaySampler, Scene
+from data.samplers import PatchBatch
 from models.model import VoxelNeRF
 from models.ops import OpSet
 from training import evaluation
@@ -124,7 +125,8 @@ class Trainer:
                 )
 
     def _build_sampler(self) -> RaySampler | PatchSampler:
-        if self.model.upsample == 1:
+        # patches for the image-space decoder (upsample > 1) or for D-SSIM, whose window needs neighbouring pixels
+        if self.model.upsample == 1 and not float(self.train_cfg.get("dssim", 0.0)) > 0:
             return RaySampler(self.train_scene, self.train_cfg.batch_rays, self.generator)
         try:
             return PatchSampler(
@@ -161,10 +163,10 @@ class Trainer:
                 batch = batch.shard(self.group.rank, self.group.world) if self.group.active else batch
                 background, target = self._training_background(batch)
             with profiler.section("forward"):
-                if self.model.upsample == 1:
-                    out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
-                else:
+                if isinstance(batch, PatchBatch):
                     out = self.model.render_patches(batch, background)
+                else:
+                    out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
             with profiler.section("regularization"):
                 regularization = self.model.regularization()
             with profiler.section("loss_backward"):
