@@ -56,6 +56,7 @@ COUNTING_RULES = {
     "bw (grad=grid): grad_out + points + grad_grid once; random gathers and scattered atomics move more than this",
     "upsample": "fw: in + out; bw: grad_out + grad_in",
     "gelu": "fw: in + out; bw: grad_out + x + grad_x",
+    "gelu_rows": "fw: x + out + rows once + index; bw (the op alone): grad_out + x + grad_x + rows once + index",
     "bw_ms": "the backward op timed alone where the custom op has one (marked * in the table), else fwbw - fw",
     "builtin": "F.grid_sample gets its (1,C,R0,R1,R2) grid and flipped (1,N,1,1,3) points made once outside the timing",
 }
@@ -301,11 +302,47 @@ def gelu_cases(s: Sizes, ops: Ops) -> list[Case]:
     ]
 
 
+def gelu_rows_cases(s: Sizes, ops: Ops) -> list[Case]:
+    """The decoder's first activation, gelu(x + rows[index]): (N, 256) samples, ~32 a ray, rows per ray."""
+    width = 256
+    n = max(1, s.gelu // width)
+    count = max(1, n // 32)
+    e = DTYPE.itemsize
+    backward = ops.backward_op("gelu_rows")
+
+    def make(gen: torch.Generator) -> tuple:
+        x = torch.randn(n, width, generator=gen, device=gen.device, dtype=DTYPE)
+        rows = torch.randn(count, width, generator=gen, device=gen.device, dtype=DTYPE)
+        index = torch.randint(count, (n,), generator=gen, device=gen.device).sort().values
+        return x, rows, index
+
+    variants = {
+        "custom": Variant(ops.custom("gelu_rows", "none")),
+        "reference": Variant(ops.ref("gelu_rows", "none")),
+        "builtin": Variant(lambda x, rows, index: F.gelu(x + rows[index], approximate="none")),
+    }
+    return [
+        Case(
+            "gelu_rows",
+            "exact",
+            f"N={n} x {width}, {count} rows",
+            make,
+            (n, width),
+            (True, True, False),
+            variants,
+            lambda g, x: backward(g, x[0], x[1], x[2], "none"),
+            bytes_fw=2 * n * width * e + count * width * e + 8 * n,
+            bytes_bw=3 * n * width * e + count * width * e + 8 * n,
+        )
+    ]
+
+
 CASE_BUILDERS = {
     "trilinear": trilinear_cases,
     "grid_interpolate": grid_cases,
     "upsample": upsample_cases,
     "gelu": gelu_cases,
+    "gelu_rows": gelu_rows_cases,
 }
 
 

@@ -46,7 +46,7 @@ from bench_timing import Timer, _no_reset, cache_bytes, measure_copy, rotation_s
 # what the bucket order gains on grids larger than L2
 # former: the model's PyTorch compositing that volume_render replaced (models/render.py)
 VARIANTS = ("custom", "custom-in-order", "reference", "builtin", "former")
-OPS = ("trilinear", "grid_interpolate", "brick_grid_interpolate", "upsample", "gelu", "volume_render")
+OPS = ("trilinear", "grid_interpolate", "brick_grid_interpolate", "upsample", "gelu", "gelu_rows", "volume_render")
 CASE_BUILDERS = {**CASE_BUILDERS, "brick_grid_interpolate": brick_cases, "volume_render": render_cases}
 COUNTING_RULES = {**COUNTING_RULES, "brick_grid_interpolate": BRICK_RULE, "volume_render": RENDER_RULE}
 OP_ALIASES = {"grid": "grid_interpolate", "brick": "brick_grid_interpolate"}  # --ops grid still works

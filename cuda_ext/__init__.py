@@ -6,7 +6,7 @@ Public ops (each differentiable, dispatching on the input's device):
 - :func:`grid_interpolate` (R0,R1,R2,C) x (N,3) -> (N,C): fused dense-grid lookup.
 - :func:`brick_grid_interpolate` (M,C) bricks + (T0,T1,T2) int32 table x (N,3) -> (N,C): sparse-grid lookup.
 - :func:`upsample_bilinear2d` (B,C,H,W) -> (B,C,sH,sW).
-- :func:`gelu`, exact or tanh.
+- :func:`gelu`, exact or tanh; :func:`gelu_rows`, GELU of x plus a gathered row (the decoder's first layer).
 - :func:`sparse_adam_step` Adam on the listed rows of a (M, C) parameter, in place (masked Adam).
 - :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets.
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
@@ -31,7 +31,7 @@ except ImportError as _error:  # not built (or built for another torch): the ref
 else:
     from cuda_ext.adam import sparse_adam_step
     from cuda_ext.brick_grid import brick_grid_interpolate
-    from cuda_ext.gelu import gelu
+    from cuda_ext.gelu import gelu, gelu_rows
     from cuda_ext.march import march_rays
     from cuda_ext.render import volume_render
     from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
@@ -43,6 +43,7 @@ _CUSTOM_OPS = (
     "brick_grid_interpolate",
     "upsample_bilinear2d",
     "gelu",
+    "gelu_rows",
     "volume_render",
     "march_rays",
     "sparse_adam_step",
@@ -124,6 +125,7 @@ __all__ = [
     "brick_grid_interpolate",
     "upsample_bilinear2d",
     "gelu",
+    "gelu_rows",
     "volume_render",
     "march_rays",
     "sparse_adam_step",

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from cuda_ext import _checks
+from cuda_ext._gelu_rows_checks import check_gelu_rows_backward_inputs, check_gelu_rows_inputs
 
-__all__ = ["gelu"]
+__all__ = ["gelu", "gelu_rows"]
 
 APPROXIMATIONS = _checks.GELU_APPROXIMATIONS
 
@@ -36,6 +37,24 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """
     _checks.check_gelu_inputs(x, approximate)
     return torch.ops.cuda_ext.gelu(x, approximate)
+
+
+def gelu_rows(x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``gelu(x + rows[index])`` in one pass, without the (N, H) gathered tensor: the decoder's first activation,
+    where ``rows`` holds what depends only on a ray (its direction's encoding through the first layer) and x the
+    per-sample part.
+
+    Args:
+        x: (N, H) float32/float64 (float16/bfloat16 on CUDA, computed in float32 after the sum is rounded).
+        rows: (B, H), x's dtype and device. index: (N,) int64 in [0, B) (checked on the CPU; on CUDA an
+            out-of-range index makes its output row NaN instead of costing a host sync to check).
+        approximate: ``"none"`` or ``"tanh"``.
+    Returns:
+        (N, H), x's dtype. Differentiable in x and rows (first order): the gradient of rows sums its samples'
+        in float32 (``index_add_``), as models.decoder.gather_rows does.
+    """
+    check_gelu_rows_inputs(x, rows, index, approximate)
+    return torch.ops.cuda_ext.gelu_rows(x, rows, index, approximate)
 
 
 # ----------------------------------------------------------------------------------------- fake kernels
@@ -108,3 +127,38 @@ def _backward_of_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 torch.library.register_autograd("cuda_ext::gelu", _backward, setup_context=_setup_context)
 torch.library.register_autograd("cuda_ext::gelu_backward", _backward_of_backward, setup_context=_setup_backward_context)
+
+
+@torch.library.register_fake("cuda_ext::gelu_rows")
+def _gelu_rows_fake(x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, approximate: str) -> torch.Tensor:
+    check_gelu_rows_inputs(x, rows, index, approximate)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("cuda_ext::gelu_rows_backward")
+def _gelu_rows_backward_fake(grad_out, x, rows, index, approximate: str) -> torch.Tensor:
+    check_gelu_rows_backward_inputs(grad_out, x, rows, index, approximate)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup_rows_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, rows, index, approximate = inputs
+    ctx.save_for_backward(x, rows, index)
+    ctx.approximate = approximate
+
+
+def _rows_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    x, rows, index = ctx.saved_tensors
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (grad, x, rows)):  # fail loudly, not a silent zero
+        raise RuntimeError("gelu_rows: double backward (create_graph=True through this op) is not supported")
+    grad_pre = torch.ops.cuda_ext.gelu_rows_backward(grad.contiguous(), x, rows, index, ctx.approximate)
+    grad_x = grad_pre if ctx.needs_input_grad[0] else None
+    grad_rows = None
+    if ctx.needs_input_grad[1]:  # each row's samples summed in float32, rounded once
+        summed = torch.zeros(rows.shape, dtype=torch.float32 if rows.dtype != torch.float64 else rows.dtype,
+                             device=rows.device)  # fmt: skip
+        grad_rows = summed.index_add_(0, index, grad_pre.to(summed.dtype)).to(rows.dtype)
+    return grad_x, grad_rows, None, None
+
+
+torch.library.register_autograd("cuda_ext::gelu_rows", _rows_backward, setup_context=_setup_rows_context)

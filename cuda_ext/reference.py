@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cuda_ext import _brick_checks, _checks, _step_checks
+from cuda_ext._gelu_rows_checks import check_gelu_rows_inputs
 
 __all__ = [
     "trilinear_interpolate",
@@ -20,6 +21,7 @@ __all__ = [
     "brick_grid_interpolate",
     "upsample_bilinear2d",
     "gelu",
+    "gelu_rows",
     "volume_render",
     "march_rays",
     "contract_points",
@@ -151,6 +153,12 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """Elementwise GELU, exact (``"none"``, erf) or ``"tanh"`` (``F.gelu``)."""
     _checks.check_gelu_inputs(x, approximate)
     return F.gelu(x, approximate=approximate)
+
+
+def gelu_rows(x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``F.gelu(x + rows[index])``: (N, H), (B, H), (N,) int64 -> (N, H)."""
+    check_gelu_rows_inputs(x, rows, index, approximate)
+    return F.gelu(x + rows.index_select(0, index), approximate=approximate)
 
 
 def volume_render(

@@ -141,10 +141,11 @@ class _ShadingMLP(nn.Module):
         under bfloat16 autocast, else the inputs' dtype).
 
         The first layer is split by its input columns: what depends only on the ray (the direction encoding and
-        the image's code) goes through its columns once per ray and is gathered per row, then each per-row input
-        through its own columns (``addmm``). The same function as the layer on the concatenated inputs, without
-        building that (N, C) concatenation (the profile's largest cost of a render) or encoding each sample's
-        direction again."""
+        the image's code) goes through its columns once per ray, each per-row input through its own columns
+        (``addmm``), and the two meet inside the first GELU (``ops.gelu_rows``: gelu(per_row + per_ray[ray]), no
+        (N, H) gathered tensor; without a hidden layer the rows are gathered, :func:`gather_rows`). The same
+        function as the layer on the concatenated inputs, without building that (N, C) concatenation (the
+        profile's largest cost of a render) or encoding each sample's direction again."""
         codes = self.appearance.codes(image_index, directions.shape[0])
         per_ray = self.encoding(directions)
         per_ray = per_ray if codes is None else torch.cat([per_ray, codes], dim=-1)
@@ -152,11 +153,19 @@ class _ShadingMLP(nn.Module):
         width = sum(part.shape[1] for part in inputs)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.precision == "bfloat16" and per_ray.is_cuda):
             x = nn.functional.linear(per_ray, first.weight[:, width:], first.bias)  # (B, H)
-            x = x if ray is None else gather_rows(x, ray)
-            start = 0
+            fused = ray is not None and len(rest) > 0 and len(inputs) > 0  # gathered in the first GELU
+            x = x if ray is None or fused else gather_rows(x, ray)
+            per_row, start = None, 0
             for part in inputs:
-                x = torch.addmm(x, part, first.weight[:, start : start + part.shape[1]].t())
+                weight = first.weight[:, start : start + part.shape[1]].t()
+                if fused:
+                    per_row = part @ weight if per_row is None else torch.addmm(per_row, part, weight)
+                else:
+                    x = torch.addmm(x, part, weight)
                 start += part.shape[1]
+            if fused:  # gelu(per_row + x[ray]) with no (N, H) gathered tensor in between
+                x = rest[0](self.ops.gelu_rows(per_row, x.to(per_row.dtype), ray, self.gelu_approximate))
+                rest = rest[1:]
             for layer in rest:
                 x = layer(self.ops.gelu(x, self.gelu_approximate))
             return x.float() if x.dtype == torch.bfloat16 else x  # autocast's bf16 back to float32

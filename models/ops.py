@@ -24,6 +24,7 @@ OP_NAMES = (
     "brick_grid_interpolate",
 )  # the config keys: functions of cuda_ext
 EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
+FAMILIES = {"gelu": ("gelu_rows",)}  # more ops of one family, swapped by the family's key
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class OpSet:
     - ``grid_interpolate(grid (R0,R1,R2,C), points (N,3) in [-1,1]) -> (N,C)``
     - ``brick_grid_interpolate(values (M,C), table (T0,T1,T2) int32, points (N,3), shape [V0,V1,V2], brick) -> (N,C)``
     - ``upsample_bilinear2d(x (B,C,H,W), scale_factor: int, align_corners=False) -> (B,C,sH,sW)``
-    - ``gelu(x, approximate="none") -> x.shape``
+    - ``gelu(x, approximate="none") -> x.shape``; ``gelu_rows(x (N,H), rows (B,H), index (N,), approximate) ->
+      gelu(x + rows[index])`` (the same backend: ``ops.gelu``)
     - ``volume_render(optical_depth (N,), values (N,C), t (N,), ray_offsets (B+1,), early_stop) ->
       (values (B,C), opacity (B,), depth (B,))``
     - ``march_rays(origins, directions (B,3), t_start, t_end, offset (B,), occupancy (R0,R1,R2) bool, box (2,3),
@@ -48,6 +50,7 @@ class OpSet:
     brick_grid_interpolate: Callable[..., torch.Tensor]
     upsample_bilinear2d: Callable[..., torch.Tensor]
     gelu: Callable[..., torch.Tensor]
+    gelu_rows: Callable[..., torch.Tensor]
     volume_render: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     march_rays: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     sparse_adam_step: Callable[..., None]
@@ -80,6 +83,8 @@ def build_ops(ops_cfg: Mapping[str, str | None]) -> OpSet:
         module = cuda_ext if backend == "custom" else cuda_ext.reference
         try:
             chosen[name] = getattr(module, name)
+            for member in FAMILIES.get(name, ()):  # ops that share the key's backend (gelu: gelu_rows)
+                chosen[member] = getattr(module, member)
         except ImportError as error:  # the custom op without a compiled extension
             raise ValueError(f"ops.{name}: {error}") from None
     return OpSet(**chosen, backends={name: str(backend) for name, backend in wanted.items()})

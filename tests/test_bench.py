@@ -46,6 +46,7 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
         ("grid_interpolate", "rays"),
         ("upsample", "x2"),
         ("gelu", "exact"),
+        ("gelu_rows", "exact"),
         *(("brick_grid_interpolate", f"{points} C={c}") for c in (12, 1) for points in ("random", "rays")),
         ("volume_render", "C=3 B=64"),
         ("volume_render", "C=12 B=64"),
@@ -55,9 +56,9 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
 
     # The pure-PyTorch variants run everywhere: each has positive times, bandwidths and custom-speed-up slots.
     timed = [key for key in rows if key[2] in ("builtin", "former") or (key[2] == "reference" and key[0] != "gelu")]
-    # reference: trilinear x2, grid x2, brick x4, upsample, volume_render x2; builtin: grid x2, upsample, gelu;
-    # former: x2
-    assert len(timed) == 11 + 4 + 2
+    # reference: trilinear x2, grid x2, brick x4, upsample, gelu_rows, volume_render x2; builtin: grid x2,
+    # upsample, gelu, gelu_rows; former: x2
+    assert len(timed) == 12 + 5 + 2
     for key in timed:
         row = rows[key]
         for field in ("fw_ms", "fwbw_ms", "fw_GBps", "fw_pct_copy", "fwbw_GBps"):

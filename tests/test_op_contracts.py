@@ -734,6 +734,7 @@ def _no_double_backward_calls():
     return [
         ("trilinear_interpolate", cuda_ext.trilinear_interpolate, (feats, points)),
         ("grid_interpolate", cuda_ext.grid_interpolate, (grid, points)),
+        ("gelu_rows", cuda_ext.gelu_rows, (randn(6, 5, seed=21), randn(3, 5, seed=22), torch.arange(6) // 2)),
     ]
 
 

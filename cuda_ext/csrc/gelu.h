@@ -26,6 +26,22 @@ inline void check_gelu_backward_inputs(const at::Tensor& grad_out, const at::Ten
               grad_out.sizes());
 }
 
+// gelu_rows: x (N, H), rows (B, H) of x's dtype and device, index (N,) int64 on that device (values in [0, B):
+// checked on the CPU; on CUDA, where reading them would cost a host sync, an output row whose index is out of
+// range comes out NaN).
+inline void check_gelu_rows_inputs(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
+                                   const char* op) {
+  check_gelu_input(x, op);
+  check_same_device_and_dtype(rows, x, op, "rows", "x");
+  TORCH_CHECK(x.dim() == 2, op, ": x must have shape (N, H), got ", x.sizes());
+  TORCH_CHECK(rows.dim() == 2 && rows.size(1) == x.size(1), op, ": rows must have shape (B, ", x.size(1), "), got ",
+              rows.sizes());
+  TORCH_CHECK(index.device() == x.device(), op, ": index must be on x's device ", x.device(), ", got ", index.device());
+  TORCH_CHECK(index.scalar_type() == at::kLong, op, ": index must be int64, got ", index.scalar_type());
+  TORCH_CHECK(index.dim() == 1 && index.size(0) == x.size(0), op, ": index must have shape (", x.size(0), "), got ",
+              index.sizes());
+}
+
 // Calls fn(std::true_type) for "tanh" and fn(std::false_type) for "none", so kernels get the mode as a
 // compile-time constant instead of a branch per element.
 template <typename Fn>

@@ -41,6 +41,10 @@ at::Tensor upsample_bilinear2d_backward_cpu(const at::Tensor& grad_out, int64_t 
 // GELU, exact ("none") or tanh approximation.
 at::Tensor gelu_cpu(const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, c10::string_view approximate);
+at::Tensor gelu_rows_cpu(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
+                         c10::string_view approximate);
+at::Tensor gelu_rows_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
+                                  const at::Tensor& index, c10::string_view approximate);
 
 // volume_render: alpha compositing of packed samples, ray b's at [ray_offsets[b], ray_offsets[b + 1]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> volume_render_cpu(const at::Tensor& optical_depth,
@@ -98,6 +102,10 @@ at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_out, int64_t
                                              int64_t scale_factor, bool align_corners);
 at::Tensor gelu_cuda(const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, c10::string_view approximate);
+at::Tensor gelu_rows_cuda(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
+                          c10::string_view approximate);
+at::Tensor gelu_rows_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
+                                   const at::Tensor& index, c10::string_view approximate);
 #endif
 
 }  // namespace cuda_ext

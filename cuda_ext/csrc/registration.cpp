@@ -35,6 +35,8 @@ TORCH_LIBRARY(cuda_ext, m) {
       "int scale_factor, bool align_corners) -> Tensor");
   m.def("gelu(Tensor x, str approximate) -> Tensor");
   m.def("gelu_backward(Tensor grad_out, Tensor x, str approximate) -> Tensor");
+  m.def("gelu_rows(Tensor x, Tensor rows, Tensor index, str approximate) -> Tensor");
+  m.def("gelu_rows_backward(Tensor grad_out, Tensor x, Tensor rows, Tensor index, str approximate) -> Tensor");
   m.def(
       "volume_render(Tensor optical_depth, Tensor values, Tensor t, Tensor ray_offsets, float early_stop) "
       "-> (Tensor, Tensor, Tensor)");
@@ -62,6 +64,8 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("upsample_bilinear2d_backward", &cuda_ext::upsample_bilinear2d_backward_cpu);
   m.impl("gelu", &cuda_ext::gelu_cpu);
   m.impl("gelu_backward", &cuda_ext::gelu_backward_cpu);
+  m.impl("gelu_rows", &cuda_ext::gelu_rows_cpu);
+  m.impl("gelu_rows_backward", &cuda_ext::gelu_rows_backward_cpu);
   m.impl("volume_render", &cuda_ext::volume_render_cpu);
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cpu);
   m.impl("march_rays", &cuda_ext::march_rays_cpu);
@@ -80,6 +84,8 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("upsample_bilinear2d_backward", &cuda_ext::upsample_bilinear2d_backward_cuda);
   m.impl("gelu", &cuda_ext::gelu_cuda);
   m.impl("gelu_backward", &cuda_ext::gelu_backward_cuda);
+  m.impl("gelu_rows", &cuda_ext::gelu_rows_cuda);
+  m.impl("gelu_rows_backward", &cuda_ext::gelu_rows_backward_cuda);
   m.impl("volume_render", &cuda_ext::volume_render_cuda);
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cuda);
   m.impl("march_rays", &cuda_ext::march_rays_cuda);

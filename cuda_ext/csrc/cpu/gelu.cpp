@@ -4,6 +4,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "cpu/fast_float.h"
@@ -48,7 +49,78 @@ CUDA_EXT_SIMD_CLONES void gelu_backward_span(const scalar_t* __restrict grad_out
   }
 }
 
+// The rows ops: the pre-activation of row i is x[i] + rows[index[i]]; each task takes whole rows.
+template <typename scalar_t, bool kTanh, bool kBackward>
+void gelu_rows_span(const scalar_t* grad_out, const scalar_t* x, const scalar_t* rows, const int64_t* index,
+                    scalar_t* out, int64_t begin, int64_t end, int64_t width) {
+  using acc_t = CpuMathType<scalar_t>;
+  for (int64_t i = begin; i < end; ++i) {
+    const scalar_t* bias = rows + index[i] * width;
+    const scalar_t* xi = x + i * width;
+    scalar_t* oi = out + i * width;
+    if constexpr (kBackward) {
+      const scalar_t* gi = grad_out + i * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        oi[j] = plain(acc_t(gi[j]) * GeluMath<acc_t, kTanh>::derivative(acc_t(xi[j] + bias[j])));
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) oi[j] = plain(GeluMath<acc_t, kTanh>::value(acc_t(xi[j] + bias[j])));
+    }
+  }
+}
+
+// Both rows ops: checks, the index range (host memory: checked before anything is written), then the spans.
+template <bool kBackward>
+at::Tensor gelu_rows_cpu_impl(const at::Tensor* grad_out_in, const at::Tensor& x_in, const at::Tensor& rows_in,
+                              const at::Tensor& index_in, c10::string_view approximate, const char* op) {
+  const GeluApproximate mode = parse_gelu_approximate(approximate);
+  check_gelu_rows_inputs(x_in, rows_in, index_in, op);
+  const at::Tensor x = contiguous_on(x_in, "x", at::kCPU, op);
+  const at::Tensor rows = contiguous_on(rows_in, "rows", at::kCPU, op);
+  const at::Tensor index = contiguous_on(index_in, "index", at::kCPU, op);
+  at::Tensor grad_out;
+  if (kBackward) {
+    check_same_device_and_dtype(*grad_out_in, x_in, op, "grad_out", "x");
+    TORCH_CHECK(grad_out_in->sizes() == x_in.sizes(), op, ": grad_out must have the shape of x ", x_in.sizes(),
+                ", got ", grad_out_in->sizes());
+    grad_out = contiguous_on(*grad_out_in, "grad_out", at::kCPU, op);
+  }
+  const int64_t n = x.size(0), width = x.size(1), count = rows.size(0);
+  const int64_t* idx = index.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < count, op, ": index[", i, "] = ", idx[i], " is outside [0, ", count,
+                ") (rows has ", count, " rows)");
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (n == 0 || width == 0) return out;
+  const int64_t grain = std::max<int64_t>(1, kGrain / width);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_rows_cpu", [&] {
+    const scalar_t* g = kBackward ? grad_out.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* xs = x.const_data_ptr<scalar_t>();
+    const scalar_t* rs = rows.const_data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    dispatch_gelu_approximate(mode, [&](auto tanh_tag) {
+      at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+        gelu_rows_span<scalar_t, decltype(tanh_tag)::value, kBackward>(g, xs, rs, idx, dst, begin, end, width);
+      });
+    });
+  });
+  return out;
+}
+
 }  // namespace
+
+at::Tensor gelu_rows_cpu(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
+                         c10::string_view approximate) {
+  return gelu_rows_cpu_impl<false>(nullptr, x, rows, index, approximate, "gelu_rows");
+}
+
+at::Tensor gelu_rows_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
+                                  const at::Tensor& index, c10::string_view approximate) {
+  return gelu_rows_cpu_impl<true>(&grad_out, x, rows, index, approximate, "gelu_rows_backward");
+}
 
 at::Tensor gelu_cpu(const at::Tensor& x_in, c10::string_view approximate) {
   const GeluApproximate mode = parse_gelu_approximate(approximate);

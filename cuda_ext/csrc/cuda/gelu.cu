@@ -111,7 +111,102 @@ void launch_elementwise(int64_t n, const Op& op) {
   }
 }
 
+// The rows ops: element (i, j) of the pre-activation is x[i, j] + rows[index[i], j]. One thread per pack of
+// kVec along a row (16 bytes: 8 bf16 or 4 float), so x, grad_out and out move as in the elementwise kernel and
+// rows' packs, a few hundred rows reused by every sample of a ray, come from L2. An index outside [0, count)
+// (not checked on the host: that would cost a sync) turns its row into NaN rather than reading out of bounds.
+template <int kVec, bool kBackward, bool kTanh, typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    gelu_rows_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ x,
+                     const scalar_t* __restrict__ rows, const int64_t* __restrict__ index, scalar_t* __restrict__ out,
+                     int64_t packs, int64_t packs_per_row, int64_t count) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; p < packs; p += stride) {
+    const int64_t i = p / packs_per_row, j = p - i * packs_per_row;
+    const int64_t row = index[i];
+    Vec<scalar_t, kVec> result;
+    if (row < 0 || row >= count) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) result.v[e] = static_cast<scalar_t>(NAN);
+    } else {
+      const Vec<scalar_t, kVec> xs = load_vec<scalar_t, kVec, /*kStreaming=*/false>(x + p * kVec);
+      const Vec<scalar_t, kVec> bias =
+          load_vec<scalar_t, kVec, /*kStreaming=*/false>(rows + (row * packs_per_row + j) * kVec);
+      Vec<scalar_t, kVec> grads;
+      if constexpr (kBackward) grads = load_vec<scalar_t, kVec, /*kStreaming=*/false>(grad_out + p * kVec);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        // the sum rounded to scalar_t first, as x + rows[index] is in the reference
+        const acc_t pre = static_cast<acc_t>(static_cast<scalar_t>(xs.v[e] + bias.v[e]));
+        if constexpr (kBackward) {
+          result.v[e] = static_cast<scalar_t>(static_cast<acc_t>(grads.v[e]) * GeluMath<acc_t, kTanh>::derivative(pre));
+        } else {
+          result.v[e] = static_cast<scalar_t>(GeluMath<acc_t, kTanh>::value(pre));
+        }
+      }
+    }
+    store_vec(out + p * kVec, result);
+  }
+}
+
+template <bool kBackward>
+at::Tensor gelu_rows_cuda_impl(const at::Tensor* grad_out_in, const at::Tensor& x_in, const at::Tensor& rows_in,
+                               const at::Tensor& index_in, c10::string_view approximate, const char* op) {
+  const GeluApproximate mode = parse_gelu_approximate(approximate);
+  check_gelu_rows_inputs(x_in, rows_in, index_in, op);
+  const at::Tensor x = contiguous_on(x_in, "x", at::kCUDA, op);
+  const at::Tensor rows = contiguous_on(rows_in, "rows", at::kCUDA, op);
+  const at::Tensor index = contiguous_on(index_in, "index", at::kCUDA, op);
+  at::Tensor grad_out;
+  if (kBackward) {
+    check_same_device_and_dtype(*grad_out_in, x_in, op, "grad_out", "x");
+    TORCH_CHECK(grad_out_in->sizes() == x_in.sizes(), op, ": grad_out must have the shape of x ", x_in.sizes(),
+                ", got ", grad_out_in->sizes());
+    grad_out = contiguous_on(*grad_out_in, "grad_out", at::kCUDA, op);
+  }
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t n = x.size(0), width = x.size(1), count = rows.size(0);
+  if (n == 0 || width == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gelu_rows_cuda", [&] {
+    const scalar_t* g = kBackward ? grad_out.const_data_ptr<scalar_t>() : nullptr;
+    constexpr int kWide = kPackBytes / sizeof(scalar_t);
+    bool wide = width % kWide == 0 && aligned_to(x.const_data_ptr<scalar_t>(), kPackBytes) &&
+                aligned_to(rows.const_data_ptr<scalar_t>(), kPackBytes) &&
+                aligned_to(out.data_ptr<scalar_t>(), kPackBytes);
+    if (kBackward) wide = wide && aligned_to(g, kPackBytes);
+    dispatch_gelu_approximate(mode, [&](auto tanh_tag) {
+      auto launch = [&](auto kernel, int64_t vec) {
+        const int64_t packs = n * width / vec;
+        const int64_t blocks = std::min<int64_t>((packs + kThreads - 1) / kThreads, int64_t(1) << 20);
+        kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            g, x.const_data_ptr<scalar_t>(), rows.const_data_ptr<scalar_t>(), index.const_data_ptr<int64_t>(),
+            out.data_ptr<scalar_t>(), packs, width / vec, count);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      constexpr bool kTanh = decltype(tanh_tag)::value;
+      if (wide) {
+        launch(gelu_rows_kernel<kWide, kBackward, kTanh, scalar_t>, kWide);
+      } else {
+        launch(gelu_rows_kernel<1, kBackward, kTanh, scalar_t>, 1);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
+
+at::Tensor gelu_rows_cuda(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
+                          c10::string_view approximate) {
+  return gelu_rows_cuda_impl<false>(nullptr, x, rows, index, approximate, "gelu_rows");
+}
+
+at::Tensor gelu_rows_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
+                                   const at::Tensor& index, c10::string_view approximate) {
+  return gelu_rows_cuda_impl<true>(&grad_out, x, rows, index, approximate, "gelu_rows_backward");
+}
 
 at::Tensor gelu_cuda(const at::Tensor& x_in, c10::string_view approximate) {
   const GeluApproximate mode = parse_gelu_approximate(approximate);

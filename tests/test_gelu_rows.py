@@ -1,0 +1,114 @@
+"""cuda_ext.gelu_rows: gelu(x + rows[index]) in one pass (the decoder's first activation), against its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cuda_ext
+from cuda_ext import reference
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+MODES = ["none", "tanh"]
+
+
+def inputs(n=37, width=16, count=5, dtype=torch.float64, device="cpu", seed=0):
+    """Random x (n, width), rows (count, width) and a sorted index (several samples a ray, as the march packs them)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, width, generator=generator, dtype=torch.float64) * 2).to(dtype=dtype, device=device)
+    rows = torch.randn(count, width, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+    index = torch.randint(count, (n,), generator=generator).sort().values.to(device)
+    return x, rows, index
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("width", [16, 13, 1])  # packs of 16 bytes, a scalar tail row, a single column
+def test_forward_and_backward_match_the_reference_float64(device, mode, width):
+    x, rows, index = inputs(width=width, device=device)
+    x.requires_grad_(True)
+    rows.requires_grad_(True)
+    got = cuda_ext.gelu_rows(x, rows, index, mode)
+    want = reference.gelu_rows(x, rows, index, mode)
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    upstream = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(4)).to(device)
+    got_grads = torch.autograd.grad(got, (x, rows), upstream)
+    want_grads = torch.autograd.grad(want, (x, rows), upstream)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradcheck_x_and_rows(mode):
+    x, rows, index = inputs(n=9, width=6, count=3)
+    x.requires_grad_(True)
+    rows.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: cuda_ext.gelu_rows(a, b, index, mode), (x, rows))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_output_element_is_written(device):
+    x, rows, index = inputs(n=64, width=24, device=device, dtype=torch.float32)
+    poisoned = torch.full_like(x, float("nan"))  # freed just before the call: the allocator hands its block back
+    address = poisoned.data_ptr()
+    del poisoned
+    out = cuda_ext.gelu_rows(x, rows, index)
+    assert torch.isfinite(out).all(), f"unwritten elements (output at the poisoned block: {out.data_ptr() == address})"
+    torch.testing.assert_close(out, reference.gelu_rows(x, rows, index), rtol=1e-6, atol=1e-6)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("width", [128, 256, 24, 7])
+def test_cuda_matches_cpu(dtype, tol, width):
+    x, rows, index = inputs(n=3000, width=width, count=300, dtype=torch.float32)
+    want = reference.gelu_rows(x.to(dtype).float(), rows.to(dtype).float(), index)  # the sum rounded as in dtype
+    got = cuda_ext.gelu_rows(x.to(dtype).cuda(), rows.to(dtype).cuda(), index.cuda()).float().cpu()
+    torch.testing.assert_close(got, reference.gelu_rows(x.to(dtype), rows.to(dtype), index).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got, want, rtol=4 * tol, atol=4 * tol)
+
+
+@requires_cuda
+def test_cuda_out_of_range_index_gives_nan_rows_not_a_crash():
+    x, rows, index = inputs(n=8, width=16, dtype=torch.float32, device="cuda")
+    index[3] = 99
+    out = cuda_ext.gelu_rows(x, rows, index)
+    assert torch.isnan(out[3]).all() and torch.isfinite(out[torch.arange(8, device="cuda") != 3]).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_opcheck(mode):
+    x, rows, index = inputs(n=11, width=8, count=4)
+    x.requires_grad_(True)
+    rows.requires_grad_(True)
+    torch.library.opcheck(torch.ops.cuda_ext.gelu_rows.default, (x, rows, index, mode))
+    grad = torch.randn(11, 8, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.cuda_ext.gelu_rows_backward.default, (grad, x.detach(), rows.detach(), index, mode))
+
+
+@pytest.mark.parametrize("fn", [cuda_ext.gelu_rows, reference.gelu_rows], ids=["op", "reference"])
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda x, r, i: (x[0], r, i), ValueError, r"gelu_rows: x must have shape \(N, H\)"),
+        (lambda x, r, i: (x, r[:, :3], i), ValueError, r"gelu_rows: rows must have shape \(B, 16\)"),
+        (lambda x, r, i: (x, r.float(), i), TypeError, "gelu_rows: rows and x must have the same dtype"),
+        (lambda x, r, i: (x, r, i.int()), TypeError, "gelu_rows: index must be int64"),
+        (lambda x, r, i: (x, r, i[:-1]), ValueError, r"gelu_rows: index must have shape \(37,\)"),
+        (lambda x, r, i: (x, "rows", i), TypeError, "gelu_rows: rows must be a torch.Tensor"),
+    ],
+)
+def test_bad_input_names_the_argument(fn, change, error, match):
+    with pytest.raises(error, match=match):
+        fn(*change(*inputs(width=16)))
+
+
+def test_cpu_kernel_rejects_an_out_of_range_index_before_writing():
+    x, rows, index = inputs(width=16)
+    index[-1] = 5  # rows has 5
+    with pytest.raises(RuntimeError, match=r"gelu_rows: index\[36\] = 5 is outside \[0, 5\)"):
+        torch.ops.cuda_ext.gelu_rows(x, rows, index, "none")
+    index[-1] = -1
+    with pytest.raises(RuntimeError, match=r"gelu_rows_backward: index\[36\] = -1 is outside"):
+        torch.ops.cuda_ext.gelu_rows_backward(torch.ones_like(x), x, rows, index, "none")
