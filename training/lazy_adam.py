@@ -23,6 +23,7 @@ Who calls what:
 - :meth:`flush` brings every row up to date: before a whole-grid reader (occupancy refresh, growth, evaluation,
   checkpoints), so a checkpoint holds exactly ``torch.optim.Adam``'s state and moves between optimisers.
 Other groups (the decoder, the fine grid's pool, poses) step densely through ``torch.optim.Adam``'s formula.
+The live viewer renders between flushes: voxels no recent step read show their last stepped values there.
 """
 
 from __future__ import annotations

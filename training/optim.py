@@ -11,13 +11,16 @@ the result is dense Adam's. Other groups (the decoder) take every row: dense Ada
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from training.config import ConfigError
 from training.distributed import Group, RowShard
 from training.lazy_adam import LazyGridAdam, adam_step_rows
+
+if TYPE_CHECKING:  # training.trainer imports this module
+    from training.trainer import Trainer
 
 
 class SparseGridAdam(torch.optim.Optimizer):
@@ -247,7 +250,7 @@ def sparse_adam_mode(setting) -> str:
     raise ValueError(f"train.sparse_adam: expected false, true (masked) or exact, got {setting!r}")
 
 
-def new_optimizer(trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
+def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """The trainer's Adam over its model's param_groups: dense (``torch.optim.Adam``, fused on CUDA), sharded over
     torchrun's ranks (:class:`ShardedGridAdam`), masked (:class:`SparseGridAdam`) or exact on the touched voxels
     (training.lazy_adam.LazyGridAdam, whose catch-ups the model calls through ``model.touched``)."""
@@ -284,7 +287,7 @@ def new_optimizer(trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     return torch.optim.Adam(groups, betas=betas, eps=eps, fused=trainer.device.type == "cuda")
 
 
-def rebuilt_optimizer(trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
+def rebuilt_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """A new optimiser over the model's current parameters (after growth), keeping the moments of parameters that
     survived; a replaying optimiser hands over every row current."""
     old = trainer.optimizer
@@ -300,7 +303,7 @@ def rebuilt_optimizer(trainer, betas: tuple[float, float]) -> torch.optim.Optimi
     return optimizer
 
 
-def prepare_for_whole_reads(optimizer) -> None:
+def prepare_for_whole_reads(optimizer: torch.optim.Optimizer | ShardedGridAdam) -> None:
     """Before a checkpoint or an evaluation, on every rank: a sharded optimiser gathers its moments for rank 0's
     checkpoint, a replaying one brings every voxel up to date."""
     if isinstance(optimizer, ShardedGridAdam):

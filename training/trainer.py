@@ -22,6 +22,7 @@ from training.config import ConfigError
 from training.distributed import Group
 from training.evaluation import sync
 from training.floors import adam_bytes
+from training.lazy_adam import LazyGridAdam
 from training.losses import dssim, floater_losses, opacity_loss, photometric_loss
 from training.optim import ShardedGridAdam, SparseGridAdam, new_optimizer, prepare_for_whole_reads, rebuilt_optimizer
 from training.profiler import StepProfiler
@@ -190,7 +191,7 @@ class Trainer:
                 self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
             with profiler.section("optimizer"):
                 self.optimizer.step()
-            if profiler.enabled and not isinstance(self.optimizer, SparseGridAdam):
+            if profiler.enabled and not isinstance(self.optimizer, (SparseGridAdam, LazyGridAdam)):  # dense only
                 profiler.count("optimizer", bytes=adam_bytes(p for p in self.model.parameters() if p.grad is not None))
             self.step += 1
             with profiler.section("schedule"):
