@@ -154,9 +154,8 @@ def _rows_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     grad_pre = torch.ops.cuda_ext.gelu_rows_backward(grad.contiguous(), x, rows, index, ctx.approximate)
     grad_x = grad_pre if ctx.needs_input_grad[0] else None
     grad_rows = None
-    if ctx.needs_input_grad[1]:  # each row's samples summed in float32, rounded once
-        summed = torch.zeros(rows.shape, dtype=torch.float32 if rows.dtype != torch.float64 else rows.dtype,
-                             device=rows.device)  # fmt: skip
+    if ctx.needs_input_grad[1]:  # each row's samples summed in float32 (float64 stays), rounded once
+        summed = rows.new_zeros(rows.shape, dtype=torch.promote_types(rows.dtype, torch.float32))
         grad_rows = summed.index_add_(0, index, grad_pre.to(summed.dtype)).to(rows.dtype)
     return grad_x, grad_rows, None, None
 

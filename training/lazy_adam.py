@@ -96,13 +96,9 @@ class LazyGridAdam(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- the grids' rows
     def _views(self):
+        """(param, exp_avg, exp_avg_sq) row views of each grid (their state exists once a step was taken)."""
         for param in self.grids["params"]:
-            state = self.state[param]
-            if not state:
-                state["step"] = torch.tensor(float(self._done))
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            columns = param.shape[-1]
+            state, columns = self.state[param], param.shape[-1]
             yield param.view(-1, columns), state["exp_avg"].view(-1, columns), state["exp_avg_sq"].view(-1, columns)
 
     @torch.no_grad()
@@ -153,24 +149,21 @@ class LazyGridAdam(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure: LazyGridAdam does not re-evaluate the loss")
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            if group is self.grids:
-                rows = self.rows_fn()
-                if self.catch_up_stepped:
-                    self.catch_up(rows)
-                step = self._done + 1
-                for (param, exp_avg, exp_avg_sq), source in zip(self._views(), group["params"]):
-                    grad = source.grad if source.grad is not None else torch.zeros_like(source)
-                    self.state[source]["step"] += 1
-                    self.step_fn(param, grad.reshape(param.shape).contiguous(), exp_avg, exp_avg_sq, rows, step,
-                                 float(group["lr"]), float(beta1), float(beta2), float(group["eps"]))  # fmt: skip
-                self._last[rows] = step
-                self._done = step
-                self._advance(float(group["lr"]))
+            if group is not self.grids:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        adam_step_rows(self.state[param], param, group, self.step_fn)
                 continue
-            for param in group["params"]:
-                if param.grad is not None:
-                    adam_step_rows(self.state[param], param, group, self.step_fn)
+            rows = self.rows_fn()
+            if self.catch_up_stepped:
+                self.catch_up(rows)
+            for param in group["params"]:  # the grids share one step count: each is stepped, gradient or not
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                adam_step_rows(self.state[param], param, group, self.step_fn, rows)
+            self._done += 1
+            self._last[rows] = self._done
+            self._advance(float(group["lr"]))
         return None
 
     # ---------------------------------------------------------------- checkpoints

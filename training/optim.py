@@ -240,14 +240,10 @@ def sparse_adam_mode(setting) -> str:
     """``train.sparse_adam`` -> "off" | "masked" (true: untouched voxels keep value and moments) | "exact" (only
     the touched voxels are stepped, the others replay dense Adam's zero-gradient steps when next read:
     training.lazy_adam)."""
-    text = str(setting).lower()
-    if text in ("false", "0", "none", "off"):
-        return "off"
-    if text in ("true", "1", "masked"):
-        return "masked"
-    if text == "exact":
-        return "exact"
-    raise ValueError(f"train.sparse_adam: expected false, true (masked) or exact, got {setting!r}")
+    modes = {"false": "off", "true": "masked", "exact": "exact"}  # the values training.config_rules accepts
+    if str(setting).lower() not in modes:
+        raise ValueError(f"train.sparse_adam: expected false, true (masked) or exact, got {setting!r}")
+    return modes[str(setting).lower()]
 
 
 def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:

@@ -292,8 +292,8 @@ class Trainer:
                     sync(self.device)
                     self.train_seconds += time.perf_counter() - segment_start
                     pause = True
-                if periodic_eval and hasattr(self.optimizer, "flush"):  # a replaying Adam: every voxel current,
-                    self.optimizer.flush()  # on every rank alike
+                if periodic_eval:  # a whole-grid read, on every rank alike (a replaying Adam catches up)
+                    self.model.touched.before_whole_read()
                 if periodic_eval and self.group.is_main and not stop:
                     # before a same-step checkpoint, whose host copy held it up (H100: 3.0 s, not 0.04 s)
                     eval_start = time.perf_counter()

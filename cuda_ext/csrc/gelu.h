@@ -28,10 +28,15 @@ inline void check_gelu_backward_inputs(const at::Tensor& grad_out, const at::Ten
 
 // gelu_rows: x (N, H), rows (B, H) of x's dtype and device, index (N,) int64 on that device (values in [0, B):
 // checked on the CPU; on CUDA, where reading them would cost a host sync, an output row whose index is out of
-// range comes out NaN).
-inline void check_gelu_rows_inputs(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
-                                   const char* op) {
+// range comes out NaN). grad_out (the backward's; nullptr for the forward) has the shape, dtype and device of x.
+inline void check_gelu_rows_inputs(const at::Tensor* grad_out, const at::Tensor& x, const at::Tensor& rows,
+                                   const at::Tensor& index, const char* op) {
   check_gelu_input(x, op);
+  if (grad_out != nullptr) {
+    check_same_device_and_dtype(*grad_out, x, op, "grad_out", "x");
+    TORCH_CHECK(grad_out->sizes() == x.sizes(), op, ": grad_out must have the shape of x ", x.sizes(), ", got ",
+                grad_out->sizes());
+  }
   check_same_device_and_dtype(rows, x, op, "rows", "x");
   TORCH_CHECK(x.dim() == 2, op, ": x must have shape (N, H), got ", x.sizes());
   TORCH_CHECK(rows.dim() == 2 && rows.size(1) == x.size(1), op, ": rows must have shape (B, ", x.size(1), "), got ",

@@ -76,17 +76,11 @@ template <bool kBackward>
 at::Tensor gelu_rows_cpu_impl(const at::Tensor* grad_out_in, const at::Tensor& x_in, const at::Tensor& rows_in,
                               const at::Tensor& index_in, c10::string_view approximate, const char* op) {
   const GeluApproximate mode = parse_gelu_approximate(approximate);
-  check_gelu_rows_inputs(x_in, rows_in, index_in, op);
+  check_gelu_rows_inputs(grad_out_in, x_in, rows_in, index_in, op);
   const at::Tensor x = contiguous_on(x_in, "x", at::kCPU, op);
   const at::Tensor rows = contiguous_on(rows_in, "rows", at::kCPU, op);
   const at::Tensor index = contiguous_on(index_in, "index", at::kCPU, op);
-  at::Tensor grad_out;
-  if (kBackward) {
-    check_same_device_and_dtype(*grad_out_in, x_in, op, "grad_out", "x");
-    TORCH_CHECK(grad_out_in->sizes() == x_in.sizes(), op, ": grad_out must have the shape of x ", x_in.sizes(),
-                ", got ", grad_out_in->sizes());
-    grad_out = contiguous_on(*grad_out_in, "grad_out", at::kCPU, op);
-  }
+  const at::Tensor grad_out = kBackward ? contiguous_on(*grad_out_in, "grad_out", at::kCPU, op) : at::Tensor();
   const int64_t n = x.size(0), width = x.size(1), count = rows.size(0);
   const int64_t* idx = index.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
