@@ -65,7 +65,12 @@ def test_cuda_matches_cpu(dtype, tol, width):
     x, rows, index = inputs(n=3000, width=width, count=300, dtype=torch.float32)
     want = reference.gelu_rows(x.to(dtype).float(), rows.to(dtype).float(), index)  # the sum rounded as in dtype
     got = cuda_ext.gelu_rows(x.to(dtype).cuda(), rows.to(dtype).cuda(), index.cuda()).float().cpu()
-    torch.testing.assert_close(got, reference.gelu_rows(x.to(dtype), rows.to(dtype), index).float(), rtol=tol, atol=tol)
+    same_device = reference.gelu_rows(x.to(dtype).cuda(), rows.to(dtype).cuda(), index.cuda()).float().cpu()
+    torch.testing.assert_close(got, same_device, rtol=tol, atol=tol)
+    # the CPU kernel's erf (A&S 7.1.26, within 1.5e-7) is not CUDA's erff: 1.04e-6 apart at most (H100, float32)
+    torch.testing.assert_close(
+        got, reference.gelu_rows(x.to(dtype), rows.to(dtype), index).float(), rtol=4 * tol, atol=4 * tol
+    )
     torch.testing.assert_close(got, want, rtol=4 * tol, atol=4 * tol)
 
 

@@ -163,13 +163,15 @@ class Trainer:
                 batch = self.sampler.sample()  # the global batch: every rank draws the same one
                 batch = batch.shard(self.group.rank, self.group.world) if self.group.active else batch
                 background, target = self._training_background(batch)
+            # the TV estimate before the forward: a replaying Adam catches up the rows it reads in place, which
+            # must not happen to a grid the forward's lookups have already saved for their backward
+            with profiler.section("regularization"):
+                regularization = self.model.regularization()
             with profiler.section("forward"):
                 if isinstance(batch, PatchBatch):
                     out = self.model.render_patches(batch, background)
                 else:
                     out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
-            with profiler.section("regularization"):
-                regularization = self.model.regularization()
             with profiler.section("loss_backward"):
                 mse = F.mse_loss(out["rgb"], target)
                 kind = self.train_cfg.get("loss", "mse")
