@@ -67,10 +67,8 @@ def test_cuda_matches_cpu(dtype, tol, width):
     got = cuda_ext.gelu_rows(x.to(dtype).cuda(), rows.to(dtype).cuda(), index.cuda()).float().cpu()
     same_device = reference.gelu_rows(x.to(dtype).cuda(), rows.to(dtype).cuda(), index.cuda()).float().cpu()
     torch.testing.assert_close(got, same_device, rtol=tol, atol=tol)
-    # the CPU kernel's erf (A&S 7.1.26, within 1.5e-7) is not CUDA's erff: 1.04e-6 apart at most (H100, float32)
-    torch.testing.assert_close(
-        got, reference.gelu_rows(x.to(dtype), rows.to(dtype), index).float(), rtol=4 * tol, atol=4 * tol
-    )
+    # against the CPU: its float erf (A&S 7.1.26, within 1.5e-7) is not CUDA's erff (1.04e-6 apart at most on an
+    # H100 in float32), and the CPU reference computes half precisions in float32 after the rounding of the inputs
     torch.testing.assert_close(got, want, rtol=4 * tol, atol=4 * tol)
 
 
