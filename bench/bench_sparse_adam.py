@@ -106,13 +106,15 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
 
 
 def exact_bytes(k: int, channels: int, itemsize: int = 4) -> int:
-    """The replay (read param, m, v; write them: 6 K C) and the step (7 K C), plus rows, last steps, replay sums."""
+    """The replay (read param, m, v; write them: 6 K C) and the step (7 K C), plus rows, last steps, replay sums
+    (the M-byte mask pass is left out: it is a few percent at K = M / 10)."""
     return 13 * k * channels * itemsize + 8 * k * 4
 
 
 def time_exact(param: torch.Tensor, grad: torch.Tensor, picks: list, timer: Timer) -> dict:
-    """train.sparse_adam=exact's optimiser work a step: catch up the K rows a step reads (left since random
-    earlier steps), then step them (training.lazy_adam.LazyGridAdam; the model's row marking is not included)."""
+    """train.sparse_adam=exact's optimiser work a step: mark the K rows a step reads in a mask, replay them
+    (cuda_ext.adam_replay_rows; left since random earlier steps), then step them (training.lazy_adam.LazyGridAdam;
+    the model's marking of the rows a lookup reads is not included)."""
     from training.lazy_adam import LazyGridAdam
 
     grid = torch.nn.Parameter(param.clone())
@@ -120,11 +122,18 @@ def time_exact(param: torch.Tensor, grad: torch.Tensor, picks: list, timer: Time
     chosen = {}
     betas = (HYPER["beta1"], HYPER["beta2"])
     group = [{"params": [grid], "lr": HYPER["lr"], "name": "grids"}]
-    optimizer = LazyGridAdam(group, cuda_ext.sparse_adam_step, lambda: chosen["rows"], betas=betas, eps=HYPER["eps"])
+    optimizer = LazyGridAdam(
+        group,
+        cuda_ext.sparse_adam_step,
+        cuda_ext.adam_replay_rows,
+        lambda: chosen["rows"],
+        betas=betas,
+        eps=HYPER["eps"],
+    )
 
     def run(i: int) -> None:
         chosen["rows"] = picks[i % len(picks)]
-        optimizer.catch_up(chosen["rows"])
+        optimizer.catch_up_rows(chosen["rows"])
         optimizer.step()
 
     return timer(run, lambda i: None, len(picks))

@@ -7,7 +7,8 @@ Public ops (each differentiable, dispatching on the input's device):
 - :func:`brick_grid_interpolate` (M,C) bricks + (T0,T1,T2) int32 table x (N,3) -> (N,C): sparse-grid lookup.
 - :func:`upsample_bilinear2d` (B,C,H,W) -> (B,C,sH,sW).
 - :func:`gelu`, exact or tanh; :func:`gelu_rows`, GELU of x plus a gathered row (the decoder's first layer).
-- :func:`sparse_adam_step` Adam on the listed rows of a (M, C) parameter, in place (masked Adam).
+- :func:`sparse_adam_step` Adam on the listed rows of a (M, C) parameter, in place (masked Adam);
+  :func:`adam_replay_rows` dense Adam's zero-gradient steps replayed on the masked rows (the exact lazy Adam).
 - :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets.
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
 
@@ -29,7 +30,7 @@ except ImportError as _error:  # not built (or built for another torch): the ref
         "`python3 -m pip install --no-build-isolation -e .` (cuda_ext.reference and ops=torch need no build)"
     )
 else:
-    from cuda_ext.adam import sparse_adam_step
+    from cuda_ext.adam import adam_replay_rows, sparse_adam_step
     from cuda_ext.brick_grid import brick_grid_interpolate
     from cuda_ext.gelu import gelu, gelu_rows
     from cuda_ext.march import march_rays
@@ -47,6 +48,7 @@ _CUSTOM_OPS = (
     "volume_render",
     "march_rays",
     "sparse_adam_step",
+    "adam_replay_rows",
 )
 
 
@@ -129,6 +131,7 @@ __all__ = [
     "volume_render",
     "march_rays",
     "sparse_adam_step",
+    "adam_replay_rows",
     "reference",
     "has_extension",
     "has_cuda_kernels",

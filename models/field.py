@@ -131,7 +131,8 @@ class VoxelGrid(nn.Module):
         ``foreground``: optional (R0,), (R1,), (R2,) bool masks of the vertices inside the foreground box per axis
         (a vertex is inside when all three are set); each squared difference with a vertex outside is multiplied
         by ``outside`` (``model.tv_background``; 1 or no masks: the unweighted sum, the same operations as ever).
-        ``reader``: optional, called with the (K,) rows the estimate reads before it reads them (TouchedRows.reader).
+        ``reader``: optional, called with the (K,) rows the estimate reads before it reads them
+        (TouchedRows.before_read_rows with the grid's shape).
         """
         grid = self.grid
         r0, r1, r2 = self.shape
@@ -244,27 +245,32 @@ class TouchedRows:
     def __init__(self):
         self.enabled = False
         self._mask: torch.Tensor | None = None
-        # set by an optimiser that replays skipped steps (training.lazy_adam): called with rows about to be read
-        # ((K,) int64, repeats allowed) and before a whole-grid read
+        # set by an optimiser that replays skipped steps (training.lazy_adam): called with the (R,) uint8 mask of
+        # the rows about to be read, and before a whole-grid read
         self.reader: Callable[[torch.Tensor], None] | None = None
         self.flusher: Callable[[], None] | None = None
         self.union: Callable[[torch.Tensor], None] | None = None  # under torchrun: OR-reduces a (R,) uint8 mask
         self._seen: torch.Tensor | None = None  # before_read's scratch mask
 
     def before_read(self, unit_points: torch.Tensor, shape: tuple[int, int, int]) -> None:
-        """The (N, 3) points' corner rows are about to be read: hand them to ``reader``, each row once (one host
-        sync, for the count); under torchrun the union of every rank's rows, so that the ranks replay alike."""
+        """The (N, 3) points' corner rows are about to be read (:meth:`before_read_rows`)."""
+        if self.reader is not None:
+            self.before_read_rows(corner_rows(unit_points, shape), shape)
+
+    def before_read_rows(self, rows: torch.Tensor, shape: tuple[int, int, int]) -> None:
+        """The (K,) rows (repeats allowed) of grids of ``shape`` are about to be read: hand ``reader`` their
+        (R,) uint8 mask (no device sync); under torchrun the union of every rank's, so that the ranks replay
+        alike."""
         if self.reader is None:
             return
-        rows = shape[0] * shape[1] * shape[2]
-        if self._seen is None or self._seen.numel() != rows or self._seen.device != unit_points.device:
-            self._seen = torch.zeros(rows, dtype=torch.uint8, device=unit_points.device)  # kept: no 33 MB a step
-        self._seen[corner_rows(unit_points, shape)] = 1
+        count = shape[0] * shape[1] * shape[2]
+        if self._seen is None or self._seen.numel() != count or self._seen.device != rows.device:
+            self._seen = torch.zeros(count, dtype=torch.uint8, device=rows.device)  # kept: no 33 MB a step
+        self._seen[rows] = 1
         if self.union is not None:
             self.union(self._seen)
-        read = self._seen.nonzero().squeeze(1)
+        self.reader(self._seen)
         self._seen.zero_()
-        self.reader(read)
 
     def before_whole_read(self) -> None:
         """Every row is about to be read (occupancy refresh, growth, evaluation, a checkpoint)."""

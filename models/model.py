@@ -17,6 +17,7 @@ With ``model.fine``, a sparse grid finer still (models/brick_grid.py) adds its v
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -268,7 +269,8 @@ class VoxelNeRF(nn.Module):
             return zero
         total = zero
         touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
-        reader = self.touched.reader if self.touched.enabled else None  # a replaying Adam catches the rows up
+        # a replaying Adam catches up the rows the estimate reads
+        reader = partial(self.touched.before_read_rows, shape=self.grid_shape) if self.touched.reader else None
         # model.tv_background: the contracted shell's pairs weigh that much more (None / 1: unweighted)
         weighted = c.tv_background != 1.0
         shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)

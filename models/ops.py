@@ -24,7 +24,7 @@ OP_NAMES = (
     "brick_grid_interpolate",
 )  # the config keys: functions of cuda_ext
 EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
-FAMILIES = {"gelu": ("gelu_rows",)}  # more ops of one family, swapped by the family's key
+FAMILIES = {"gelu": ("gelu_rows",), "sparse_adam_step": ("adam_replay_rows",)}  # swapped by the family's key
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,9 @@ class OpSet:
       (values (B,C), opacity (B,), depth (B,))``
     - ``march_rays(origins, directions (B,3), t_start, t_end, offset (B,), occupancy (R0,R1,R2) bool, box (2,3),
       step, max_samples) -> (ray (N,), t (N,), points (N,3) in [-1,1], ray_offsets (B+1,))``
-    - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``
-      (the optimiser's, training.optim)
+    - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``,
+      ``adam_replay_rows(param, exp_avg, exp_avg_sq (M,C), mask (M,), last (M,), replay (T,), done, beta1, beta2)``
+      (the optimisers', training.optim; the same backend: ``ops.sparse_adam_step``)
 
     ``backends`` maps each op's name to "custom" or "torch" (for logs and metrics.json).
     """
@@ -54,6 +55,7 @@ class OpSet:
     volume_render: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     march_rays: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     sparse_adam_step: Callable[..., None]
+    adam_replay_rows: Callable[..., None]
     backends: dict[str, str] = field(default_factory=dict)
 
 

@@ -13,7 +13,11 @@ from cuda_ext import reference
 from training.lazy_adam import WINDOW, LazyGridAdam
 
 BETAS = (0.9, 0.99)
-STEP_FNS = [cuda_ext.sparse_adam_step, reference.sparse_adam_step]
+# (step, replay) of each backend: our kernels and the references
+STEP_FNS = [
+    (cuda_ext.sparse_adam_step, cuda_ext.adam_replay_rows),
+    (reference.sparse_adam_step, reference.adam_replay_rows),
+]
 
 
 def grids(rows: int, seed: int = 0, dtype=torch.float64) -> list[torch.nn.Parameter]:
@@ -34,14 +38,14 @@ def run_both(steps, rows, read_fraction, eps, step_fn, dtype=torch.float64, seed
     dense = torch.optim.Adam([{"params": dense_params, "lr": 0.05, "name": "grids"}], betas=BETAS, eps=eps)
     stepped = {}
     lazy = LazyGridAdam(
-        [{"params": lazy_params, "lr": 0.05, "name": "grids"}], step_fn, lambda: stepped["rows"], betas=BETAS, eps=eps
+        [{"params": lazy_params, "lr": 0.05, "name": "grids"}], *step_fn, lambda: stepped["rows"], betas=BETAS, eps=eps
     )
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
         for optimizer in (dense, lazy):
             optimizer.param_groups[0]["lr"] = schedule(step, steps)
         read = torch.randperm(rows, generator=generator)[: max(1, int(rows * read_fraction))].sort().values
-        lazy.catch_up(torch.cat([read, read[: len(read) // 3]]))  # repeats allowed
+        lazy.catch_up_rows(torch.cat([read, read[: len(read) // 3]]))  # repeats allowed
         if check_reads:
             for d, z in zip(dense_params, lazy_params):
                 torch.testing.assert_close(z.detach()[read], d.detach()[read], rtol=1e-9, atol=1e-12)
@@ -72,21 +76,19 @@ def test_lazy_adam_follows_dense_adam_at_every_read_and_after_a_flush(step_fn):
 
 
 def test_rows_left_longer_than_the_window_still_follow_dense_adam():
-    dense_params, lazy_params, _, _ = run_both(WINDOW + 80, 12, 0.1, 1e-30, reference.sparse_adam_step)
+    dense_params, lazy_params, _, _ = run_both(WINDOW + 80, 12, 0.1, 1e-30, STEP_FNS[1])
     for d, z in zip(dense_params, lazy_params):
         torch.testing.assert_close(z.detach(), d.detach(), rtol=1e-9, atol=1e-12)
 
 
 def test_the_presets_eps_moves_the_replay_by_a_relative_eps_over_sqrt_v():
-    dense_params, lazy_params, _, _ = run_both(60, 40, 0.2, 1e-15, cuda_ext.sparse_adam_step, check_reads=False)
+    dense_params, lazy_params, _, _ = run_both(60, 40, 0.2, 1e-15, STEP_FNS[0], check_reads=False)
     for d, z in zip(dense_params, lazy_params):  # gradients of 1e-3 over steps of ~0.05: well under 1e-9
         torch.testing.assert_close(z.detach(), d.detach(), rtol=0, atol=1e-9)
 
 
 def test_float32_grids_are_within_float_rounding():
-    dense_params, lazy_params, _, _ = run_both(
-        40, 30, 0.25, 1e-15, cuda_ext.sparse_adam_step, dtype=torch.float32, check_reads=False
-    )
+    dense_params, lazy_params, _, _ = run_both(40, 30, 0.25, 1e-15, STEP_FNS[0], dtype=torch.float32, check_reads=False)
     for d, z in zip(dense_params, lazy_params):
         torch.testing.assert_close(z.detach(), d.detach(), rtol=1e-5, atol=2e-6)
 
@@ -94,16 +96,16 @@ def test_float32_grids_are_within_float_rounding():
 def test_a_large_eps_is_what_the_replay_leaves_out():
     # Adam's eps 1e-8 against elements whose gradients reach 1e-6 and less: dense Adam's steps there are damped
     # by up to 1%, the replay's are not (hence train.sparse_adam=exact requires train.adam_eps <= 1e-12)
-    dense_params, lazy_params, _, _ = run_both(40, 30, 0.25, 1e-8, reference.sparse_adam_step, check_reads=False)
+    dense_params, lazy_params, _, _ = run_both(40, 30, 0.25, 1e-8, STEP_FNS[1], check_reads=False)
     error = max(float((d - z).detach().abs().max()) for d, z in zip(dense_params, lazy_params))
     assert 1e-6 < error < 0.05
 
 
 def test_checkpoint_state_is_torch_adams_and_loads_back():
-    _, lazy_params, dense, lazy = run_both(20, 16, 0.3, 1e-30, reference.sparse_adam_step)
+    _, lazy_params, dense, lazy = run_both(20, 16, 0.3, 1e-30, STEP_FNS[1])
     saved = lazy.state_dict()
     fresh = LazyGridAdam(
-        [{"params": lazy_params, "lr": 0.05, "name": "grids"}], reference.sparse_adam_step, lambda: None, betas=BETAS
+        [{"params": lazy_params, "lr": 0.05, "name": "grids"}], *STEP_FNS[1], lambda: None, betas=BETAS
     )
     fresh.load_state_dict(saved)
     assert fresh._done == 20 and bool((fresh._last == 20).all())
@@ -114,9 +116,7 @@ def test_checkpoint_state_is_torch_adams_and_loads_back():
 
 def test_replay_sum_is_the_closed_form_of_the_skipped_steps():
     params = grids(4)
-    lazy = LazyGridAdam(
-        [{"params": params, "lr": 0.1, "name": "grids"}], reference.sparse_adam_step, lambda: torch.arange(1)
-    )
+    lazy = LazyGridAdam([{"params": params, "lr": 0.1, "name": "grids"}], *STEP_FNS[1], lambda: torch.arange(1))
     rates = []
     for step in range(1, 9):
         lr = 0.1 / step
@@ -141,15 +141,15 @@ def test_replay_sum_is_the_closed_form_of_the_skipped_steps():
 )
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LazyGridAdam([{"params": grids(3), "name": "grids"}], reference.sparse_adam_step, lambda: None, **kwargs)
+        LazyGridAdam([{"params": grids(3), "name": "grids"}], *STEP_FNS[1], lambda: None, **kwargs)
 
 
 def test_grids_must_share_their_rows():
     params = [torch.nn.Parameter(torch.zeros(3, 1)), torch.nn.Parameter(torch.zeros(4, 2))]
     with pytest.raises(ValueError, match="share their rows"):
-        LazyGridAdam([{"params": params, "name": "grids"}], reference.sparse_adam_step, lambda: None)
+        LazyGridAdam([{"params": params, "name": "grids"}], *STEP_FNS[1], lambda: None)
     with pytest.raises(ValueError, match="'grids'"):
-        LazyGridAdam([{"params": grids(3)}], reference.sparse_adam_step, lambda: None)
+        LazyGridAdam([{"params": grids(3)}], *STEP_FNS[1], lambda: None)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ a row's last step serves every row: ``_replay[t0]`` is kept up to date as steps 
 ``WINDOW`` steps back (beyond it (b1 / sqrt(b2))^s < 1e-16 and nothing is added).
 
 Who calls what:
-- the model calls :meth:`catch_up` with the rows a lookup is about to read (models.field.TouchedRows.before_read:
+- the model calls :meth:`catch_up` with a mask of the rows a lookup is about to read (models.field.TouchedRows:
   every marched sample's corners before the no-grad density pass, the TV estimate's rows), so every read sees
-  dense Adam's values;
+  dense Adam's values; ``replay_fn`` (cuda_ext.adam_replay_rows) replays them in one pass over the mask, with no
+  list of rows and no device sync;
 - :meth:`step` runs Adam on the rows that can have a gradient (the model's marks) and stamps them with the step;
 - :meth:`flush` brings every row up to date: before a whole-grid reader (occupancy refresh, growth, evaluation,
   checkpoints), so a checkpoint holds exactly ``torch.optim.Adam``'s state and moves between optimisers.
@@ -61,6 +62,7 @@ class LazyGridAdam(torch.optim.Optimizer):
     Args:
         params: parameter groups; the one named ``grids`` is lazy, every other steps densely.
         step_fn: ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)``.
+        replay_fn: ``adam_replay_rows(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)``.
         rows_fn: ``() -> (K,) int64`` unique rows of the ``grids`` group that may have a gradient this step.
         catch_up_stepped: also replay the stepped rows first (under torchrun: the union holds rows that only
             another rank read, so this rank never caught them up).
@@ -70,6 +72,7 @@ class LazyGridAdam(torch.optim.Optimizer):
         self,
         params,
         step_fn: Callable,
+        replay_fn: Callable,
         rows_fn: Callable[[], torch.Tensor],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -88,7 +91,8 @@ class LazyGridAdam(torch.optim.Optimizer):
         rows = {p.reshape(-1, p.shape[-1]).shape[0] for p in self.grids["params"]}
         if len(rows) != 1:
             raise ValueError(f"params: the grids must share their rows, got row counts {sorted(rows)}")
-        self.step_fn, self.rows_fn, self.catch_up_stepped = step_fn, rows_fn, catch_up_stepped
+        self.step_fn, self.replay_fn, self.rows_fn = step_fn, replay_fn, rows_fn
+        self.catch_up_stepped = catch_up_stepped
         device = self.grids["params"][0].device
         self._last = torch.zeros(rows.pop(), dtype=torch.int64, device=device)  # the step each row is current at
         self._replay = torch.zeros(1, dtype=torch.float64, device=device)  # [t0]: the replay sum from t0 to now
@@ -102,33 +106,30 @@ class LazyGridAdam(torch.optim.Optimizer):
             yield param.view(-1, columns), state["exp_avg"].view(-1, columns), state["exp_avg_sq"].view(-1, columns)
 
     @torch.no_grad()
-    def catch_up(self, rows: torch.Tensor) -> None:
-        """Bring ``rows`` ((K,) int64, repeats allowed: the same values are written) to dense Adam's values after
-        the last step taken. Idempotent; a row already current is left as it is."""
-        if rows.numel() == 0 or self._done == 0:
+    def catch_up(self, mask: torch.Tensor) -> None:
+        """Bring the rows set in ``mask`` ((R,) bool or uint8) to dense Adam's values after the last step taken.
+        Idempotent; a row already current is left as it is."""
+        if self._done == 0:
             return
-        rows = rows.reshape(-1)
-        last = self._last[rows]
         beta1, beta2 = self.grids["betas"]
-        dtype = self.grids["params"][0].dtype  # the grids' own precision, as dense Adam computes in it
-        skipped = (self._done - last).to(dtype)  # steps with a zero gradient since the row's last one
-        shift = self._replay[last].to(dtype).unsqueeze(1)
-        decay1 = torch.pow(beta1, skipped).unsqueeze(1)
-        decay2 = torch.pow(beta2, skipped).unsqueeze(1)
         for param, exp_avg, exp_avg_sq in self._views():
-            m, v = exp_avg[rows], exp_avg_sq[rows]
-            ratio = torch.where(v > 0, m * v.rsqrt(), 0.0)  # a row never hit has m = v = 0: it does not move
-            param[rows] = param[rows] - shift * ratio
-            exp_avg[rows] = m * decay1
-            exp_avg_sq[rows] = v * decay2
-        self._last[rows] = self._done
+            self.replay_fn(param, exp_avg, exp_avg_sq, mask, self._last, self._replay, self._done, beta1, beta2)
+        self._last.masked_fill_(mask.bool(), self._done)
+
+    @torch.no_grad()
+    def catch_up_rows(self, rows: torch.Tensor) -> None:
+        """:meth:`catch_up` of the (K,) int64 ``rows`` (repeats allowed)."""
+        mask = torch.zeros(self._last.numel(), dtype=torch.bool, device=self._last.device)
+        mask[rows] = True
+        self.catch_up(mask)
 
     @torch.no_grad()
     def flush(self) -> None:
         """Every row up to date (a whole-grid read, a checkpoint): the state is then dense Adam's."""
         if self._done and bool((self._last != self._done).any()):
-            self.catch_up(torch.arange(self._last.numel(), device=self._last.device))
+            self.catch_up(torch.ones(self._last.numel(), dtype=torch.bool, device=self._last.device))
 
+    @torch.no_grad()
     def _advance(self, lr: float) -> None:
         """Step ``self._done`` was just taken at rate ``lr``: add its term to the replay sums of the rows last
         stepped within the window (one small host-to-device copy)."""
@@ -156,7 +157,7 @@ class LazyGridAdam(torch.optim.Optimizer):
                 continue
             rows = self.rows_fn()
             if self.catch_up_stepped:
-                self.catch_up(rows)
+                self.catch_up_rows(rows)
             for param in group["params"]:  # the grids share one step count: each is stepped, gradient or not
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)

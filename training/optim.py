@@ -267,8 +267,10 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
         raise ConfigError("train.sparse_adam: exact under torchrun steps the touched rows: dist_grad_sync=touched")
     if mode == "exact":  # under torchrun: every rank replays the union of the rows read, steps the synced union
         rows_fn = (lambda: trainer.synced_rows) if group.active else (lambda: model.touched.take(model.grid_shape))
-        step_fn = trainer.ops.sparse_adam_step
-        optimizer = LazyGridAdam(groups, step_fn, rows_fn, betas=betas, eps=eps, catch_up_stepped=group.active)
+        step_fn, replay_fn = trainer.ops.sparse_adam_step, trainer.ops.adam_replay_rows
+        optimizer = LazyGridAdam(
+            groups, step_fn, replay_fn, rows_fn, betas=betas, eps=eps, catch_up_stepped=group.active
+        )
         model.touched.reader, model.touched.flusher = optimizer.catch_up, optimizer.flush
         model.touched.union = group.union_ if group.active else None
         return optimizer

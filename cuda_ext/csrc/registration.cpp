@@ -51,6 +51,9 @@ TORCH_LIBRARY(cuda_ext, m) {
   m.def(
       "sparse_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
       "int step, float lr, float beta1, float beta2, float eps) -> ()");
+  m.def(
+      "adam_replay_rows(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor mask, Tensor last, "
+      "Tensor replay, int done, float beta1, float beta2) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
@@ -70,6 +73,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cpu);
   m.impl("march_rays", &cuda_ext::march_rays_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
+  m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cpu);
 }
 
 #ifdef WITH_CUDA
@@ -90,5 +94,6 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cuda);
   m.impl("march_rays", &cuda_ext::march_rays_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
+  m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cuda);
 }
 #endif
