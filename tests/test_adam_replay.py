@@ -135,8 +135,8 @@ def test_cuda_matches_cpu_for_every_layout(channels, offset):
         gpu.append(view)
     cuda_ext.adam_replay_rows(*args[:3], *args[3:], done, *BETAS)
     cuda_ext.adam_replay_rows(*gpu, *(x.cuda() for x in args[3:]), done, *BETAS)
-    for g, c in zip(gpu, args[:3]):
-        torch.testing.assert_close(g.cpu(), c, rtol=2e-6, atol=1e-9)
+    for g, c in zip(gpu, args[:3]):  # float32 rounding (nvcc fuses p - shift * ratio), relative to each array's scale
+        torch.testing.assert_close(g.cpu(), c, rtol=2e-6, atol=1e-6 * float(c.abs().max()))
 
 
 @requires_cuda
