@@ -208,13 +208,9 @@ BAD = [
 @pytest.mark.parametrize("fn", FNS, ids=["op", "reference"])
 @pytest.mark.parametrize("change,error,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input_names_the_argument(fn, change, error, match):
-    args = _args(**change)
-    before = [x.clone() for x in (args["param"], args["exp_avg"], args["exp_avg_sq"]) if torch.is_tensor(x)]
-    with pytest.raises(error, match=match) as info:
-        fn(**args)
-    assert type(info.value) is error and str(info.value).startswith("adam_replay_rows: ")
-    after = [x for x in (args["param"], args["exp_avg"], args["exp_avg_sq"]) if torch.is_tensor(x)]
-    assert all(torch.equal(a, b) for a, b in zip(after, before))  # rejected before any write
+    from test_sparse_adam import assert_refused_before_writing
+
+    assert_refused_before_writing(fn, _args(**change), error, match, "adam_replay_rows")
 
 
 RAW_BAD = [b for b in BAD if b[0] not in ("param-list", "done-float", "beta2-str")]

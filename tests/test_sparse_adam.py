@@ -275,11 +275,16 @@ BAD = [
 @pytest.mark.parametrize("fn", [cuda_ext.sparse_adam_step, reference.sparse_adam_step], ids=["op", "reference"])
 @pytest.mark.parametrize("change,error,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input_names_the_argument(fn, change, error, match):
-    args = _args(**change)
+    assert_refused_before_writing(fn, _args(**change), error, match, "sparse_adam_step")
+
+
+def assert_refused_before_writing(fn, args: dict, error: type, match: str, op: str) -> None:
+    """fn(**args) of a row-sparse Adam op raises exactly ``error`` (its message starting with the op's name)
+    and leaves param and both moments as they were (also tests/test_adam_replay.py)."""
     before = [x.clone() for x in (args["param"], args["exp_avg"], args["exp_avg_sq"]) if torch.is_tensor(x)]
     with pytest.raises(error, match=match) as info:
         fn(**args)
-    assert type(info.value) is error and str(info.value).startswith("sparse_adam_step: ")
+    assert type(info.value) is error and str(info.value).startswith(f"{op}: ")
     after = [x for x in (args["param"], args["exp_avg"], args["exp_avg_sq"]) if torch.is_tensor(x)]
     assert all(torch.equal(a, b) for a, b in zip(after, before))  # rejected before any write
 
