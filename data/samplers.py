@@ -6,6 +6,11 @@ cameras (nothing per-pixel is precomputed, so memory stays at the images' size).
 exception: undistorting is iterative, so the ray sampler looks each pixel centre's camera-space direction up in a
 table computed once per distinct camera (float64, then stored in float32: 12 bytes a pixel per camera, one table
 for a capture with shared intrinsics), and the patch sampler undistorts its positions per batch.
+
+With ``pixel_jitter`` the ray sampler places each ray at a uniformly random point of its pixel instead of the centre
+(Instant-NGP's training rays): a pixel's colour is the average over its area, so rays spread over the area see the
+function a centred test ray is scored against, and neighbouring views no longer disagree about what lies between
+their pixel centres. Distorted cameras then undistort per batch (the table holds centres only).
 """
 
 from __future__ import annotations
@@ -123,12 +128,22 @@ class _SceneSampler:
 
 
 class RaySampler(_SceneSampler):
-    """Uniformly random pixels over all views: ``sample()`` -> :class:`RayBatch` of ``batch_size`` rays."""
+    """Uniformly random pixels over all views: ``sample()`` -> :class:`RayBatch` of ``batch_size`` rays, through
+    the pixels' centres or, with ``pixel_jitter``, through a uniformly random point of each pixel."""
 
-    def __init__(self, scene: Scene, batch_size: int, generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        scene: Scene,
+        batch_size: int,
+        generator: torch.Generator | None = None,
+        pixel_jitter: bool = False,
+    ):
         super().__init__(scene, generator)
         self.batch_size = _positive_int("RaySampler batch_size", batch_size)
-        self.table = None if scene.lens is None else _direction_table(scene, self.device)
+        if not isinstance(pixel_jitter, bool):
+            raise ValueError(f"RaySampler pixel_jitter must be a bool, got {pixel_jitter!r}")
+        self.pixel_jitter = pixel_jitter
+        self.table = None if scene.lens is None or pixel_jitter else _direction_table(scene, self.device)
 
     def sample(self) -> RayBatch:
         height, width = self.scene.height, self.scene.width
@@ -137,10 +152,15 @@ class RaySampler(_SceneSampler):
         within = flat - views * (height * width)
         rows = torch.div(within, width, rounding_mode="floor")
         cols = within - rows * width
-        if self.table is None:
-            origins, directions = pixel_rays(self.c2w[views], cols + 0.5, rows + 0.5, self.intrinsics[views])
-        else:
+        jitter = torch.rand(self.batch_size, device=self.device, generator=self.generator)
+        if self.table is not None:
             origins, directions = _table_rays(self.c2w[views], self.table, views, rows, cols)
+        else:
+            u, v = cols + 0.5, rows + 0.5
+            if self.pixel_jitter:  # drawn after the samples' jitter: without it the stream is what it always was
+                within_pixel = torch.rand(2, self.batch_size, device=self.device, generator=self.generator)
+                u, v = cols + within_pixel[0], rows + within_pixel[1]
+            origins, directions = pixel_rays(self.c2w[views], u, v, self.intrinsics[views], lens=self._lens(views))
         return RayBatch(
             origins,
             directions,
@@ -148,7 +168,7 @@ class RaySampler(_SceneSampler):
             views,
             torch.stack([rows, cols], -1),
             self._alpha(views, rows, cols),
-            torch.rand(self.batch_size, device=self.device, generator=self.generator),
+            jitter,
         )
 
 

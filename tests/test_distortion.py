@@ -153,6 +153,20 @@ def test_samplers_rays_land_on_their_pixels_through_the_lens(tmp_path):
     assert torch.allclose(low[..., 0], x0 + 2.0 * (torch.arange(3).double()[None, None, :] + 0.5), atol=2e-3)
 
 
+def test_jittered_rays_land_in_their_pixels_through_the_lens(tmp_path):
+    from test_pixel_jitter import assert_spread_over_the_pixel, where_in_pixel
+
+    write_distorted_capture(tmp_path, count=6, size=(20, 28), coefficients=STRONG)
+    train, _, _ = load_nerfstudio(tmp_path)
+    sampler = RaySampler(train, 2048, torch.Generator().manual_seed(0), pixel_jitter=True)
+    assert sampler.table is None  # the centres' table cannot serve jittered positions: undistorted per batch
+    batch = sampler.sample()
+    offsets = where_in_pixel(train, batch, lens=train.lens.take(batch.views))
+    assert_spread_over_the_pixel(offsets, 2e-3)
+    pinhole = where_in_pixel(train, batch)
+    assert float((pinhole - offsets).abs().max()) > 0.2  # the lens matters here, so the check can fail
+
+
 def test_bad_coefficients_are_refused_in_one_line():
     with pytest.raises(ValueError, match="cannot be inverted over the image"):
         check_invertible([-0.6, 0, 0, 0, 0, 0], False, CAMERA, SIZE)  # barrel so strong the corners have no ray

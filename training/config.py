@@ -120,6 +120,7 @@ class TrainConfig:
     dist_grad_sync: str = "touched"  # touched | dense (training.distributed)
     shard_optimizer: Any = "auto"  # auto | true | false: the grids' Adam sharded over the ranks (training.optim)
     random_background: bool = False
+    pixel_jitter: bool = False  # training rays through a random point of their pixel, not its centre
     overwrite: bool = False
     viewer: bool = False  # live viewer in the browser (training/viewer.py; needs viser)
     viewer_host: str = "127.0.0.1"

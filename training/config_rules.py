@@ -178,7 +178,7 @@ def _check_train(cfg: DictConfig) -> None:
     for key in ("train.lr_pose", "train.pose_penalty"):
         _check_nonnegative_number(cfg, key)  # model.pose_refinement (models/pose_refinement.py)
     _check_choice(cfg, "train.loss", PHOTOMETRIC_LOSSES, "photometric loss")
-    _check_dssim(cfg)
+    _check_batch_form(cfg)
     _check_nonnegative_number(cfg, "train.dist_timeout")
     _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
     shard = _get(cfg, "train.shard_optimizer")
@@ -218,6 +218,7 @@ def _check_train(cfg: DictConfig) -> None:
         "train.profile",
         "train.overwrite",
         "train.random_background",
+        "train.pixel_jitter",
         "train.tf32",
     ):
         _check_bool(cfg, key)
@@ -227,7 +228,8 @@ def _check_train(cfg: DictConfig) -> None:
         raise ConfigError(f"train.adam_eps: must be a number in (0, 1) (got {eps!r})")
 
 
-def _check_dssim(cfg: DictConfig) -> None:
+def _check_batch_form(cfg: DictConfig) -> None:
+    """D-SSIM needs patches wide enough for its window; pixel jitter needs single rays."""
     _check_nonnegative_number(cfg, "train.dssim")
     weight = _get(cfg, "train.dssim")
     if weight is not _ABSENT and weight > 0:
@@ -237,6 +239,13 @@ def _check_dssim(cfg: DictConfig) -> None:
                 f"train.dssim: needs patch batches of at least {SSIM_WINDOW} pixels a side "
                 f"(train.patch_size * model.upsample >= {SSIM_WINDOW}), got upsample={upsample}, patch_size={side}"
             )
+    if _get(cfg, "train.pixel_jitter") is True and (
+        _get(cfg, "model.upsample") not in (_ABSENT, 1) or weight not in (_ABSENT, 0)
+    ):
+        raise ConfigError(
+            "train.pixel_jitter: jitters single rays, so it needs per-pixel ray batches (model.upsample 1 and "
+            "train.dssim 0), not patches"
+        )
 
 
 def _check_viewer(cfg: DictConfig) -> None:

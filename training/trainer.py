@@ -128,7 +128,8 @@ class Trainer:
     def _build_sampler(self) -> RaySampler | PatchSampler:
         # patches for the image-space decoder (upsample > 1) or for D-SSIM, whose window needs neighbouring pixels
         if self.model.upsample == 1 and not float(self.train_cfg.get("dssim", 0.0)) > 0:
-            return RaySampler(self.train_scene, self.train_cfg.batch_rays, self.generator)
+            jitter = bool(self.train_cfg.get("pixel_jitter", False))
+            return RaySampler(self.train_scene, self.train_cfg.batch_rays, self.generator, pixel_jitter=jitter)
         try:
             return PatchSampler(
                 self.train_scene,

@@ -47,6 +47,23 @@ inline void check_gelu_rows_inputs(const at::Tensor* grad_out, const at::Tensor&
               index.sizes());
 }
 
+// A rows op's arguments after the checks, each contiguous on the backend's device (grad_out undefined for the
+// forward): what both backends' kernels read.
+struct GeluRowsArgs {
+  GeluApproximate mode;
+  at::Tensor grad_out, x, rows, index;
+};
+
+inline GeluRowsArgs prepare_gelu_rows(const at::Tensor* grad_out, const at::Tensor& x, const at::Tensor& rows,
+                                      const at::Tensor& index, c10::string_view approximate, at::DeviceType device,
+                                      const char* op) {
+  const GeluApproximate mode = parse_gelu_approximate(approximate);
+  check_gelu_rows_inputs(grad_out, x, rows, index, op);
+  return {mode, grad_out != nullptr ? contiguous_on(*grad_out, "grad_out", device, op) : at::Tensor(),
+          contiguous_on(x, "x", device, op), contiguous_on(rows, "rows", device, op),
+          contiguous_on(index, "index", device, op)};
+}
+
 // Calls fn(std::true_type) for "tanh" and fn(std::false_type) for "none", so kernels get the mode as a
 // compile-time constant instead of a branch per element.
 template <typename Fn>

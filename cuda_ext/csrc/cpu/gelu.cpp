@@ -75,12 +75,9 @@ void gelu_rows_span(const scalar_t* grad_out, const scalar_t* x, const scalar_t*
 template <bool kBackward>
 at::Tensor gelu_rows_cpu_impl(const at::Tensor* grad_out_in, const at::Tensor& x_in, const at::Tensor& rows_in,
                               const at::Tensor& index_in, c10::string_view approximate, const char* op) {
-  const GeluApproximate mode = parse_gelu_approximate(approximate);
-  check_gelu_rows_inputs(grad_out_in, x_in, rows_in, index_in, op);
-  const at::Tensor x = contiguous_on(x_in, "x", at::kCPU, op);
-  const at::Tensor rows = contiguous_on(rows_in, "rows", at::kCPU, op);
-  const at::Tensor index = contiguous_on(index_in, "index", at::kCPU, op);
-  const at::Tensor grad_out = kBackward ? contiguous_on(*grad_out_in, "grad_out", at::kCPU, op) : at::Tensor();
+  const GeluRowsArgs args =
+      prepare_gelu_rows(kBackward ? grad_out_in : nullptr, x_in, rows_in, index_in, approximate, at::kCPU, op);
+  const at::Tensor &x = args.x, &rows = args.rows, &index = args.index, &grad_out = args.grad_out;
   const int64_t n = x.size(0), width = x.size(1), count = rows.size(0);
   const int64_t* idx = index.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
@@ -95,7 +92,7 @@ at::Tensor gelu_rows_cpu_impl(const at::Tensor* grad_out_in, const at::Tensor& x
     const scalar_t* xs = x.const_data_ptr<scalar_t>();
     const scalar_t* rs = rows.const_data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
-    dispatch_gelu_approximate(mode, [&](auto tanh_tag) {
+    dispatch_gelu_approximate(args.mode, [&](auto tanh_tag) {
       at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
         gelu_rows_span<scalar_t, decltype(tanh_tag)::value, kBackward>(g, xs, rs, idx, dst, begin, end, width);
       });

@@ -153,12 +153,9 @@ __global__ void __launch_bounds__(kThreads)
 template <bool kBackward>
 at::Tensor gelu_rows_cuda_impl(const at::Tensor* grad_out_in, const at::Tensor& x_in, const at::Tensor& rows_in,
                                const at::Tensor& index_in, c10::string_view approximate, const char* op) {
-  const GeluApproximate mode = parse_gelu_approximate(approximate);
-  check_gelu_rows_inputs(grad_out_in, x_in, rows_in, index_in, op);
-  const at::Tensor x = contiguous_on(x_in, "x", at::kCUDA, op);
-  const at::Tensor rows = contiguous_on(rows_in, "rows", at::kCUDA, op);
-  const at::Tensor index = contiguous_on(index_in, "index", at::kCUDA, op);
-  const at::Tensor grad_out = kBackward ? contiguous_on(*grad_out_in, "grad_out", at::kCUDA, op) : at::Tensor();
+  const GeluRowsArgs args =
+      prepare_gelu_rows(kBackward ? grad_out_in : nullptr, x_in, rows_in, index_in, approximate, at::kCUDA, op);
+  const at::Tensor &x = args.x, &rows = args.rows, &index = args.index, &grad_out = args.grad_out;
   const c10::cuda::CUDAGuard device_guard(x.device());
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t n = x.size(0), width = x.size(1), count = rows.size(0);
@@ -170,7 +167,7 @@ at::Tensor gelu_rows_cuda_impl(const at::Tensor* grad_out_in, const at::Tensor& 
                 aligned_to(rows.const_data_ptr<scalar_t>(), kPackBytes) &&
                 aligned_to(out.data_ptr<scalar_t>(), kPackBytes);
     if (kBackward) wide = wide && aligned_to(g, kPackBytes);
-    dispatch_gelu_approximate(mode, [&](auto tanh_tag) {
+    dispatch_gelu_approximate(args.mode, [&](auto tanh_tag) {
       auto launch = [&](auto kernel, int64_t vec) {
         const int64_t packs = n * width / vec;
         const int64_t blocks = std::min<int64_t>((packs + kThreads - 1) / kThreads, int64_t(1) << 20);
