@@ -34,8 +34,8 @@ def where_in_pixel(scene, batch, lens=None) -> torch.Tensor:
 def assert_spread_over_the_pixel(offsets: torch.Tensor, tolerance: float) -> None:
     assert float(offsets.min()) > -tolerance and float(offsets.max()) < 1 + tolerance  # inside its own pixel
     # uniform on [0, 1): mean 1/2, standard deviation 1/sqrt(12) = 0.289; centred rays would give 0
-    assert torch.allclose(offsets.mean(0), torch.full((2,), 0.5, dtype=offsets.dtype), atol=0.05)
-    assert torch.allclose(offsets.std(0), torch.full((2,), 12**-0.5, dtype=offsets.dtype), atol=0.03)
+    assert torch.allclose(offsets.mean(0), torch.full_like(offsets[0], 0.5), atol=0.05)
+    assert torch.allclose(offsets.std(0), torch.full_like(offsets[0], 12**-0.5), atol=0.03)
     assert abs(float(torch.corrcoef(offsets.T)[0, 1])) < 0.1  # u and v drawn independently: the whole square
 
 
