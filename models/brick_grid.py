@@ -76,6 +76,23 @@ class BrickGrids(nn.Module):
         self.pixel_size: float | None = None  # the training views' pixel footprint at the box (set by the trainer)
         self.declined = False  # the coarse voxels were already as fine as the pixels (``fine.min_pixels``)
 
+    def decline_if_resolved(self, voxel: float, min_pixels: float) -> bool:
+        """Decline the fine grid, once and for all, when a coarse voxel of size ``voxel`` spans fewer than
+        ``min_pixels`` pixels of :attr:`pixel_size` (finer detail would not show); True when declined."""
+        if self.declined:
+            return True
+        if self.pixels_spanned(voxel) < min_pixels:
+            self.declined, self.collecting, self.seen = True, False, None
+            print(
+                f"fine grid: not needed, a coarse voxel spans {self.pixels_spanned(voxel):.2f} pixels "
+                f"(model.fine.min_pixels {min_pixels:g})"
+            )
+        return self.declined
+
+    def pixels_spanned(self, voxel: float) -> float:
+        """How many pixels of :attr:`pixel_size` a coarse voxel of size ``voxel`` spans (inf when not set)."""
+        return voxel / self.pixel_size if self.pixel_size else float("inf")
+
     def schedule(self, step: int, total_steps: int, cfg: FineConfig, occupied: torch.Tensor, voxel: float) -> bool:
         """Call after optimiser step ``step``: sets :attr:`collecting`, and at ``cfg.at`` allocates the bricks of the
         cells training saw (none seen: the (R0-1, R1-1, R2-1) ``occupied`` cells), grown by one cell; returns True
@@ -83,15 +100,7 @@ class BrickGrids(nn.Module):
         ``voxel`` spans fewer than ``cfg.min_pixels`` pixels of :attr:`pixel_size` (finer detail would not show)."""
         at = None if cfg.factor == 0 or self.declined else step_of(cfg.at, total_steps)
         self.collecting = at is not None and at - cfg.collect <= step < at
-        if at is None or step < at or self.active:
-            return False
-        pixels = voxel / self.pixel_size if self.pixel_size else float("inf")
-        if pixels < cfg.min_pixels:
-            self.declined, self.collecting, self.seen = True, False, None
-            print(
-                f"fine grid: not needed, a coarse voxel spans {pixels:.2f} pixels (model.fine.min_pixels "
-                f"{cfg.min_pixels:g})"
-            )
+        if at is None or step < at or self.active or self.decline_if_resolved(voxel, cfg.min_pixels):
             return False
         seen = self.seen
         cells = seen if seen is not None and seen.shape == occupied.shape else occupied
@@ -99,7 +108,7 @@ class BrickGrids(nn.Module):
         source = "seen" if cells is seen else "occupied"
         print(
             f"fine grid: {count} bricks of {self.brick}^3 around the {source} cells, {self.shape} vertices "
-            f"(a coarse voxel spans {pixels:.2f} pixels)"
+            f"(a coarse voxel spans {self.pixels_spanned(voxel):.2f} pixels)"
         )
         return True
 

@@ -49,6 +49,7 @@ class FineConfig:
     tv: float = 1.0  # the fine grid's TV weight, as a multiple of tv_density / tv_features
     lr: float = 1.0  # its learning rate, as a multiple of the grids' (train.lr)
     min_pixels: float = 0.0  # allocate only if a coarse voxel spans at least this many pixels of the training views
+    grow_at: Any = None  # the coarse grids' growth when the fine grid will be used (null: model.grow_at)
 
 
 @dataclass
@@ -197,8 +198,15 @@ def _check_fine(c: ModelConfig) -> None:
     _number_in("fine.min_weight", f.min_weight, 0.0, 1.0)
     if not _is_step_or_fraction(f.at):
         raise ValueError(f"model.fine.at: must be a step >= 1 (int) or a fraction in (0, 1), got {f.at!r}")
+    if f.grow_at is not None:
+        if not isinstance(f.grow_at, list) or not all(_is_step_or_fraction(g) for g in f.grow_at):
+            raise ValueError(
+                "model.fine.grow_at: must be null or a list of steps >= 1 (ints) or fractions in (0, 1), "
+                f"got {f.grow_at!r}"
+            )
     if f.factor > 0:  # the fine grid lives on the coarse grids' final box and shape (checked again at run time)
-        for key, when in [("grow_at", g) for g in c.grow_at] + [("shrink_at", c.shrink_at)]:
+        growth = [("grow_at", g) for g in c.grow_at] if f.grow_at is None else [("fine.grow_at", g) for g in f.grow_at]
+        for key, when in growth + [("shrink_at", c.shrink_at)]:
             if when is not None and type(when) is type(f.at) and when >= f.at:
                 raise ValueError(f"model.fine.at: must come after every model.{key} entry ({when!r}), got {f.at!r}")
 

@@ -137,6 +137,42 @@ def test_the_fine_grid_is_declined_where_the_voxels_are_finer_than_the_pixels():
     assert kept.on_step(6, 10) is True and kept.fine.active
 
 
+@pytest.mark.parametrize("spans, comes", [(1.6, True), (1.4, False)], ids=["fine-comes", "declined"])
+def test_plan_fine_decides_before_training_and_picks_the_growth_schedule(spans, comes, capsys):
+    # fine.at (step 3) comes before grow_at's last entry (4): allowed because fine.grow_at (1, 2) replaces it
+    settings = FINE | {"fine.min_pixels": 1.5, "fine.at": 3, "fine.grow_at": [1, 2]}
+    model = make_model(0, **settings)
+    final = model.space.voxel(model.extent, model.shape_at(20))
+    model.plan_fine(final / spans)  # a final coarse voxel spans `spans` pixels
+    assert model.fine.declined is not comes
+    assert model.grow_at == ([1, 2] if comes else [2, 4])
+    assert ("not needed" in capsys.readouterr().out) is not comes  # declined: said at the start, not at fine.at
+    start = model.config.resolution_start
+    mid = round(start * (20 / start) ** 0.5)  # geometric: halfway after the first of two growths
+    expected = [start, mid, 20, 20, 20, 20] if comes else [start, start, mid, mid, 20, 20]
+    assert [model.resolution_at(step, 10) for step in range(6)] == expected and start < mid < 20
+    for step in range(1, 6):
+        model.on_step(step, 10)
+    assert model.fine.active is comes and model.grid_shape == model.shape_at(20)
+
+
+def test_fine_grow_at_is_checked_like_grow_at():
+    with pytest.raises(ValueError, match="model.fine.grow_at"):
+        parse_model_config({"fine": {"grow_at": [0.1, 1.5]}})
+    with pytest.raises(ValueError, match="model.fine.grow_at"):
+        parse_model_config({"fine": {"grow_at": 0.2}})
+    with pytest.raises(ValueError, match=r"model.fine.at: must come after every model.fine.grow_at entry \(3\)"):
+        parse_model_config({"fine": {"factor": 2, "brick": 4, "at": 3, "grow_at": [1, 3]}})
+    from omegaconf import OmegaConf
+
+    from training.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="model.fine.grow_at: must be increasing"):
+        validate_config(OmegaConf.from_dotlist(["train.iters=100", "model.fine.grow_at=[0.2,0.1]"]))
+    with pytest.raises(ConfigError, match="model.fine.grow_at: step 100 is not before train.iters=100"):
+        validate_config(OmegaConf.from_dotlist(["train.iters=100", "model.fine.grow_at=[10,100]"]))
+
+
 def test_pixel_footprint_is_distance_over_focal():
     scene = make_scene_stub()
     assert abs(scene.pixel_footprint(torch.zeros(3)) - 4.0 / 50.0) < 1e-9

@@ -260,22 +260,25 @@ def _check_viewer(cfg: DictConfig) -> None:
 
 
 def _check_schedule(cfg: DictConfig) -> None:
-    """model.grow_at: increasing, and every step inside train.iters (a growth after the end never happens)."""
-    grow_at, iters = _get(cfg, "model.grow_at"), _get(cfg, "train.iters")
-    if grow_at is _ABSENT or grow_at is None or iters is _ABSENT or not _is_int(iters):
+    """model.grow_at and model.fine.grow_at: increasing, and every step inside train.iters (a growth after the end
+    never happens)."""
+    iters = _get(cfg, "train.iters")
+    if iters is _ABSENT or not _is_int(iters):
         return
-    try:
-        entries = list(grow_at)
-    except TypeError:
-        return  # the model config's own check names the type
-    steps = [round(g * iters) if isinstance(g, float) else g for g in entries if isinstance(g, (int, float))]
-    if any(b <= a for a, b in zip(steps, steps[1:])):
-        raise ConfigError(f"model.grow_at: must be increasing (steps or fractions of train.iters), got {list(entries)}")
-    late = [g for g, step in zip(entries, steps) if _is_int(g) and step >= iters]
-    if late:
-        raise ConfigError(
-            f"model.grow_at: step {late[0]} is not before train.iters={iters} (the growth would never happen)"
-        )
+    for key in ("model.grow_at", "model.fine.grow_at"):
+        grow_at = _get(cfg, key)
+        if grow_at is _ABSENT or grow_at is None:
+            continue
+        try:
+            entries = list(grow_at)
+        except TypeError:
+            continue  # the model config's own check names the type
+        steps = [round(g * iters) if isinstance(g, float) else g for g in entries if isinstance(g, (int, float))]
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            raise ConfigError(f"{key}: must be increasing (steps or fractions of train.iters), got {list(entries)}")
+        late = [g for g, step in zip(entries, steps) if _is_int(g) and step >= iters]
+        if late:
+            raise ConfigError(f"{key}: step {late[0]} is not before train.iters={iters} (that growth would never come)")
 
 
 def _check_background(cfg: DictConfig) -> None:
