@@ -4,6 +4,7 @@ the same global batch, only rank 0 writes, and a killed rank stops the job with 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import signal
@@ -113,8 +114,13 @@ def test_sparse_adam_on_two_gloo_ranks_steps_the_union_one_process_steps(tmp_pat
     cache, sparse = tmp_path / "cache", ["train.sparse_adam=true"]
     result = single(tiny(cache, tmp_path / "one", 12) + sparse)
     assert result.returncode == 0, result.stderr[-2000:]
-    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + sparse)
+    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + sparse + ["train.profile=true"])  # the same math, timed
     assert pair.returncode == 0, ranks_output(pair)
+    # each rank writes its own step profile, with the time the gradients' average took
+    for name in ("profile.json", "profile_rank1.json"):
+        report = json.loads((tmp_path / "two" / name).read_text())
+        assert report["steps"] == 12 and report["per_step_ms"]["grad_sync"] > 0, name
+    assert pair.stdout.count("profile over 12 steps") == 1  # printed by rank 0 alone
     one, two = (
         load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("one", "two")
     )

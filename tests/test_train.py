@@ -294,7 +294,9 @@ def test_profile_writes_a_breakdown(tmp_path, scene_cache):
     report = json.loads((tmp_path / "profile.json").read_text())
     assert report["steps"] == 6 and report["step_ms"] > 0 and report["rays_per_second"] > 0
     parts = report["per_step_ms"]
-    assert {"grid_interpolate", "march_rays", "rendering", "decoder", "loss_backward", "optimizer"} <= set(parts)
+    assert {"grid_interpolate", "march_rays", "rendering", "decoder", "loss_backward", "grad_sync", "optimizer"} <= set(
+        parts
+    )
     assert parts["grid_interpolate"] > 0 and parts["decoder"] > 0 and parts["loss_backward"] > 0
     assert parts["march_rays"] > 0
     assert sum(report["share"].values()) == pytest.approx(1.0)

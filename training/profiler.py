@@ -33,6 +33,7 @@ REPORT_PARTS = (
     ("decoder", "decoder MLP forward (its GELUs included)"),
     ("regularization", "total-variation forward"),
     ("loss_backward", "loss and the whole backward pass (every op's backward)"),
+    ("grad_sync", "under torchrun: averaging the ranks' gradients (the sharded Adam's reduce-scatter is in its step)"),
     ("optimizer", "Adam step"),
     ("schedule", "grid growth and occupancy refresh (model.on_step)"),
 )
@@ -159,6 +160,7 @@ class StepProfiler:
             "decoder": t["decoder"],
             "regularization": t["regularization"],
             "loss_backward": t["loss_backward"],
+            "grad_sync": t["grad_sync"],
             "optimizer": t["optimizer"],
             "schedule": t["schedule"],
         }

@@ -186,6 +186,7 @@ class Trainer:
                     loss = loss + float(self.train_cfg.get("pose_penalty", 0.01)) * self.model.poses.penalty()
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+            with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients averaged
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
                 sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
@@ -336,10 +337,12 @@ class Trainer:
             return self._diverged(self.step, loss.item())
         self._gather_optimizer_state()
         self.checkpoints.finish()  # model.pt; last.pt only with train.keep_resumable
-        if self.profiler.enabled:
+        if self.profiler.enabled:  # every rank's own: profile.json on rank 0, profile_rank<r>.json on the others
             report = self.profiler.report()
-            write_json(self.paths.profile, report)
-            print(StepProfiler.format(report))
+            rank = self.group.rank if self.group.active else 0
+            write_json(self.paths.profile.with_name(f"profile_rank{rank}.json") if rank else self.paths.profile, report)
+            if rank == 0:
+                print(StepProfiler.format(report))
         return EXIT_OK
 
     def _record(self, step: int, loss: float, batch_psnr: float) -> None:
