@@ -286,12 +286,15 @@ class VoxelNeRF(nn.Module):
         # model.tv_background: the contracted shell's pairs weigh that much more (None / 1: unweighted)
         weighted = c.tv_background != 1.0
         shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)
+        sparse = c.tv_sparse_grad  # the estimate's gradient as the rows it read, not a whole-grid tensor
         if c.tv_density > 0:
-            total = total + c.tv_density * self.density.total_variation(c.tv_samples, touched, *shell, reader)
+            tv = self.density.total_variation(c.tv_samples, touched, *shell, reader, sparse_grad=sparse)
+            total = total + c.tv_density * tv
         if c.tv_features > 0:
-            total = total + c.tv_features * self.features.total_variation(c.tv_samples, touched, *shell, reader)
+            tv = self.features.total_variation(c.tv_samples, touched, *shell, reader, sparse_grad=sparse)
+            total = total + c.tv_features * tv
         weights = (c.tv_density * c.fine.tv, c.tv_features * c.fine.tv)  # the fine grid's own, at its spacing
-        return total + self.fine.regularization(*weights, c.tv_samples) if self.fine.active else total
+        return total + self.fine.regularization(*weights, c.tv_samples, sparse) if self.fine.active else total
 
     # ------------------------------------------------------------------ rendering
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:

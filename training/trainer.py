@@ -16,6 +16,7 @@ from data import PatchSampler, RaySampler, Scene
 from data.samplers import PatchBatch
 from models.model import VoxelNeRF
 from models.ops import OpSet
+from models.sparse_rows import densify_grads
 from training import evaluation
 from training.checkpoint import InterruptGuard, StepCheckpoints
 from training.config import ConfigError
@@ -186,6 +187,7 @@ class Trainer:
                     loss = loss + float(self.train_cfg.get("pose_penalty", 0.01)) * self.model.poses.penalty()
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                densify_grads(self.model.parameters())  # a grid that only the sparse TV reached (tv_sparse_grad)
             with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients averaged
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself

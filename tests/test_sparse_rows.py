@@ -1,0 +1,106 @@
+"""models/sparse_rows.py and ``model.tv_sparse_grad``: the row gather whose gradient is sparse gives the gradients
+plain indexing gives (float64, repeated rows, on its own and added onto a dense gradient), the TV estimates of the
+coarse and fine grids give the same losses and gradients either way, and a training run is the same run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import make_model, randomize_density
+
+from models.sparse_rows import densify_grads, gather_rows
+
+F64 = torch.float64
+
+
+def _table(shape, seed=0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, dtype=F64, generator=generator).requires_grad_(True)
+
+
+@pytest.mark.parametrize("shape", [(5, 4, 3, 6), (40, 2)], ids=["grid", "rows"])
+def test_gather_rows_matches_indexing_and_its_gradient(shape):
+    rows = int(torch.tensor(shape[:-1]).prod())
+    generator = torch.Generator().manual_seed(1)
+    index = torch.randint(rows, (64,), generator=generator)  # 64 draws from <= 60 rows: repeats
+    assert index.unique().numel() < index.numel()
+    weights = torch.randn(64, shape[-1], dtype=F64, generator=generator)
+    table, reference = _table(shape), _table(shape)
+    picked = gather_rows(table, index)
+    assert torch.equal(picked, reference.reshape(-1, shape[-1])[index])
+    (picked**2 * weights).sum().backward()
+    (reference.reshape(-1, shape[-1])[index] ** 2 * weights).sum().backward()
+    assert table.grad.is_sparse and table.grad.shape == table.shape  # the rows only
+    densify_grads([table])
+    assert not table.grad.is_sparse
+    torch.testing.assert_close(table.grad, reference.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_gather_rows_adds_onto_a_dense_gradient_in_place_of_a_grid_sized_one():
+    table, reference = _table((6, 5, 4, 3)), _table((6, 5, 4, 3))
+    index = torch.randint(120, (50,), generator=torch.Generator().manual_seed(2))
+    for t, sparse in ((table, True), (reference, False)):
+        dense_term = (t * t.detach().cos()).sum()  # a lookup-like term: a dense gradient
+        # the gather first in the graph, so autograd reaches it last, as the trainer orders TV and lookups
+        gathered = gather_rows(t, index, sparse_grad=sparse)
+        (dense_term + (gathered**3).sum()).backward()
+    assert not table.grad.is_sparse  # added onto the dense one
+    torch.testing.assert_close(table.grad, reference.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_without_grad_or_sparse_grad_it_is_plain_indexing():
+    table = _table((10, 3))
+    index = torch.tensor([3, 3, 7])
+    with torch.no_grad():
+        assert gather_rows(table, index).grad_fn is None
+    plain = gather_rows(table, index, sparse_grad=False)
+    assert "Index" in type(plain.grad_fn).__name__
+    plain.sum().backward()
+    assert not table.grad.is_sparse
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"contraction": "inf", "tv_background": 10.0}, {"fine.factor": 2, "fine.brick": 4}],
+    ids=["grids", "shell-weighted", "fine-grid"],
+)
+def test_the_tv_estimate_is_the_same_with_a_sparse_gradient(overrides):
+    grads = []
+    for sparse in (False, True):
+        model = make_model(0, **overrides, tv_sparse_grad=sparse, tv_samples=300).double()
+        with torch.no_grad():
+            randomize_density(model)
+            model.features.grid.normal_(generator=torch.Generator().manual_seed(3))
+        if "fine.factor" in overrides:  # allocate the bricks on every occupied cell, with random values
+            model.fine.allocate(torch.ones(model.occupancy.mask.shape, dtype=torch.bool), 2, 10**6)
+            with torch.no_grad():
+                model.fine.density.normal_(generator=torch.Generator().manual_seed(4))
+                model.fine.features.normal_(generator=torch.Generator().manual_seed(5))
+        torch.manual_seed(6)  # the same TV sample
+        loss = model.regularization()
+        loss.backward()
+        densify_grads(model.parameters())
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (dense_loss, dense), (sparse_loss, sparse) = grads
+    torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-12, atol=0)
+    assert dense.keys() == sparse.keys() and {"density.grid", "features.grid"} <= dense.keys()
+    if "fine.factor" in overrides:
+        assert {"fine.density", "fine.features"} <= dense.keys()
+    for name in dense:
+        assert dense[name].abs().sum() > 0 or name.startswith("decoder"), name  # the estimate reached it
+        torch.testing.assert_close(sparse[name], dense[name], rtol=1e-10, atol=1e-14, msg=name)
+
+
+def test_a_training_run_is_the_same_run_with_the_sparse_tv_gradient(tmp_path):
+    from test_distributed import assert_same_model, single, tiny
+
+    from training.checkpoint import load_checkpoint
+
+    cache = tmp_path / "cache"
+    for name, sparse in (("dense", "false"), ("sparse", "true")):
+        result = single(tiny(cache, tmp_path / name, 12) + [f"model.tv_sparse_grad={sparse}"])
+        assert result.returncode == 0, result.stderr[-2000:]
+    runs = [
+        load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("dense", "sparse")
+    ]
+    assert_same_model(*runs)
