@@ -11,21 +11,23 @@ from test_model import make_model, randomize_density
 from models.sparse_rows import densify_grads, gather_rows
 
 F64 = torch.float64
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)]
 
 
-def _table(shape, seed=0) -> torch.Tensor:
+def _table(shape, seed=0, device="cpu") -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, dtype=F64, generator=generator).requires_grad_(True)
+    return torch.randn(shape, dtype=F64, generator=generator).to(device).requires_grad_(True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(5, 4, 3, 6), (40, 2)], ids=["grid", "rows"])
-def test_gather_rows_matches_indexing_and_its_gradient(shape):
+def test_gather_rows_matches_indexing_and_its_gradient(shape, device):
     rows = int(torch.tensor(shape[:-1]).prod())
     generator = torch.Generator().manual_seed(1)
-    index = torch.randint(rows, (64,), generator=generator)  # 64 draws from <= 60 rows: repeats
+    index = torch.randint(rows, (64,), generator=generator).to(device)  # 64 draws from <= 60 rows: repeats
     assert index.unique().numel() < index.numel()
-    weights = torch.randn(64, shape[-1], dtype=F64, generator=generator)
-    table, reference = _table(shape), _table(shape)
+    weights = torch.randn(64, shape[-1], dtype=F64, generator=generator).to(device)
+    table, reference = _table(shape, device=device), _table(shape, device=device)
     picked = gather_rows(table, index)
     assert torch.equal(picked, reference.reshape(-1, shape[-1])[index])
     (picked**2 * weights).sum().backward()
@@ -36,9 +38,10 @@ def test_gather_rows_matches_indexing_and_its_gradient(shape):
     torch.testing.assert_close(table.grad, reference.grad, rtol=1e-12, atol=1e-12)
 
 
-def test_gather_rows_adds_onto_a_dense_gradient_in_place_of_a_grid_sized_one():
-    table, reference = _table((6, 5, 4, 3)), _table((6, 5, 4, 3))
-    index = torch.randint(120, (50,), generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_rows_adds_onto_a_dense_gradient_in_place_of_a_grid_sized_one(device):
+    table, reference = _table((6, 5, 4, 3), device=device), _table((6, 5, 4, 3), device=device)
+    index = torch.randint(120, (50,), generator=torch.Generator().manual_seed(2)).to(device)
     for t, sparse in ((table, True), (reference, False)):
         dense_term = (t * t.detach().cos()).sum()  # a lookup-like term: a dense gradient
         # the gather first in the graph, so autograd reaches it last, as the trainer orders TV and lookups
@@ -64,18 +67,22 @@ def test_without_grad_or_sparse_grad_it_is_plain_indexing():
     [{}, {"contraction": "inf", "tv_background": 10.0}, {"fine.factor": 2, "fine.brick": 4}],
     ids=["grids", "shell-weighted", "fine-grid"],
 )
-def test_the_tv_estimate_is_the_same_with_a_sparse_gradient(overrides):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tv_estimate_is_the_same_with_a_sparse_gradient(overrides, device):
+    def randomize(values: torch.Tensor, seed: int) -> None:
+        values.copy_(torch.randn(values.shape, dtype=values.dtype, generator=torch.Generator().manual_seed(seed)))
+
     grads = []
     for sparse in (False, True):
-        model = make_model(0, **overrides, tv_sparse_grad=sparse, tv_samples=300).double()
+        model = make_model(0, **overrides, tv_sparse_grad=sparse, tv_samples=300).double().to(device)
         with torch.no_grad():
             randomize_density(model)
-            model.features.grid.normal_(generator=torch.Generator().manual_seed(3))
+            randomize(model.features.grid, 3)
         if "fine.factor" in overrides:  # allocate the bricks on every occupied cell, with random values
-            model.fine.allocate(torch.ones(model.occupancy.mask.shape, dtype=torch.bool), 2, 10**6)
+            model.fine.allocate(torch.ones(model.occupancy.mask.shape, dtype=torch.bool, device=device), 2, 10**6)
             with torch.no_grad():
-                model.fine.density.normal_(generator=torch.Generator().manual_seed(4))
-                model.fine.features.normal_(generator=torch.Generator().manual_seed(5))
+                randomize(model.fine.density, 4)
+                randomize(model.fine.features, 5)
         torch.manual_seed(6)  # the same TV sample
         loss = model.regularization()
         loss.backward()
