@@ -43,6 +43,7 @@ from models.render import (
     check_rays,
     checked_box,
 )
+from models.sparse_rows import gather_rows
 
 
 class VoxelNeRF(nn.Module):
@@ -276,7 +277,9 @@ class VoxelNeRF(nn.Module):
     def regularization(self) -> torch.Tensor:
         """Weighted total variation of the density and feature grids (scalar; zero after ``tv_until``)."""
         c = self.config
-        zero = self.density.grid.reshape(-1)[:1].sum() * 0.0  # stays in the graph, so backward() always works
+        # stays in the graph, so backward() always works (with tv_sparse_grad its gradient is one row, not the grid)
+        first = torch.zeros(1, dtype=torch.long, device=self.density.grid.device)
+        zero = gather_rows(self.density.grid, first, c.tv_sparse_grad).sum() * 0.0
         if self.progress > c.tv_until:
             return zero
         total = zero
