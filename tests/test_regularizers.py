@@ -287,3 +287,24 @@ def _flat(state, prefix: str = ""):
             yield from _flat(value, f"{prefix}{key}.")
     elif isinstance(state, torch.Tensor):
         yield prefix[:-1], state
+
+
+@pytest.mark.parametrize("kind", ["mse", "l1"])
+@pytest.mark.parametrize("with_alpha", [True, False], ids=["alpha", "opaque"])
+def test_step_loss_sums_the_weighted_terms(gen, kind, with_alpha):
+    from types import SimpleNamespace
+
+    from training.losses import opacity_loss, step_loss
+
+    rgb, target = torch.rand(64, 3, generator=gen), torch.rand(64, 3, generator=gen)
+    opacity, alpha = torch.rand(64, generator=gen), torch.rand(64, generator=gen)
+    batch = SimpleNamespace(alpha=alpha if with_alpha else None, origins=torch.zeros(64, 3))
+    model = SimpleNamespace(initial_extent=(2.0, 2.0, 2.0), poses=SimpleNamespace(enabled=False))
+    cfg = OmegaConf.create({"loss": kind, "opacity_loss": 0.3, "distortion_loss": 0.0, "near_density_loss": 0.0})
+    regularization = torch.tensor(0.125)
+    loss, mse = step_loss({"rgb": rgb, "opacity": opacity}, batch, target, regularization, cfg, model, torch.zeros(3))
+    torch.testing.assert_close(mse, (rgb - target).square().mean())  # the PSNR's MSE whatever the loss
+    want = photometric_loss(rgb, target, kind) + regularization
+    if with_alpha:  # the opacity term needs the images' alpha
+        want = want + 0.3 * opacity_loss(opacity, alpha)
+    torch.testing.assert_close(loss, want)

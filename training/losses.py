@@ -1,7 +1,9 @@
 """Loss terms of the training step: the photometric one (``train.loss``), the opacity loss, the per-ray floater
-regularisers (``train.distortion_loss``, ``train.near_density_loss``)."""
+regularisers (``train.distortion_loss``, ``train.near_density_loss``), and :func:`step_loss`, their weighted sum."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -83,3 +85,24 @@ def floater_losses(out: dict, origins: torch.Tensor, train_cfg, centre: torch.Te
         limit = float(train_cfg.get("near_density_fraction", 0.2)) * (origins - centre).norm(dim=-1)
         total = total + near * packed.near_density(limit).mean()
     return total
+
+
+def step_loss(out: dict, batch, target: torch.Tensor, regularization: torch.Tensor, train_cfg, model, centre):
+    """(loss, mse) of one training step: the photometric loss of ``out["rgb"]`` against ``target`` (same shape),
+    D-SSIM, the model's ``regularization`` (its TV, already computed), the opacity loss on ``batch.alpha``, the
+    floater losses and the pose corrections' penalty, each with its ``train.*`` weight. ``centre``: (3,) the scene
+    box's centre (``train.near_density_loss``). The MSE (for PSNR) is returned beside the loss."""
+    mse = F.mse_loss(out["rgb"], target)
+    kind = train_cfg.get("loss", "mse")
+    loss = mse if kind == "mse" else photometric_loss(out["rgb"], target, kind)
+    if train_cfg.get("dssim", 0.0) > 0:  # patch batches only (training.config_rules)
+        loss = loss + train_cfg.dssim * dssim(out["rgb"], target)
+    loss = loss + regularization
+    weight = float(train_cfg.get("opacity_loss", 0.0))
+    if weight != 0.0 and batch.alpha is not None:
+        loss = loss + weight * opacity_loss(out["opacity"], batch.alpha)
+    unit = math.hypot(*model.initial_extent)  # the scene box's diagonal
+    loss = loss + floater_losses(out, batch.origins, train_cfg, centre, unit)
+    if model.poses.enabled:  # the L2 pull of the pose corrections towards the poses as given
+        loss = loss + float(train_cfg.get("pose_penalty", 0.01)) * model.poses.penalty()
+    return loss, mse

@@ -8,7 +8,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -24,7 +23,7 @@ from training.distributed import Group
 from training.evaluation import sync
 from training.floors import adam_bytes
 from training.lazy_adam import LazyGridAdam
-from training.losses import dssim, floater_losses, opacity_loss, photometric_loss
+from training.losses import step_loss
 from training.optim import ShardedGridAdam, SparseGridAdam, new_optimizer, prepare_for_whole_reads, rebuilt_optimizer
 from training.profiler import StepProfiler
 from training.resume import restore_trainer
@@ -175,16 +174,7 @@ class Trainer:
                 else:
                     out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
             with profiler.section("loss_backward"):
-                mse = F.mse_loss(out["rgb"], target)
-                kind = self.train_cfg.get("loss", "mse")
-                loss = mse if kind == "mse" else photometric_loss(out["rgb"], target, kind)
-                if self.train_cfg.get("dssim", 0.0) > 0:  # patch batches only (training.config_rules)
-                    loss = loss + self.train_cfg.dssim * dssim(out["rgb"], target)
-                loss = loss + regularization + self._opacity_loss(out["opacity"], batch.alpha)
-                unit = math.hypot(*self.model.initial_extent)  # the scene box's diagonal
-                loss = loss + floater_losses(out, batch.origins, self.train_cfg, self.scene_centre, unit)
-                if self.model.poses.enabled:  # the L2 pull of the pose corrections towards the poses as given
-                    loss = loss + float(self.train_cfg.get("pose_penalty", 0.01)) * self.model.poses.penalty()
+                loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 densify_grads(self.model.parameters())  # a grid that only the sparse TV reached (tv_sparse_grad)
@@ -209,12 +199,6 @@ class Trainer:
         self.pixels_done += batch.rgb.numel() // 3 * self.group.world
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
-
-    def _opacity_loss(self, opacity: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor | float:
-        weight = float(self.train_cfg.get("opacity_loss", 0.0))
-        if weight == 0.0 or alpha is None:
-            return 0.0
-        return weight * opacity_loss(opacity, alpha)
 
     def _training_background(self, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(background, target) for a batch: with ``train.random_background`` and a scene with alpha, a random
