@@ -111,3 +111,31 @@ def test_a_training_run_is_the_same_run_with_the_sparse_tv_gradient(tmp_path):
         load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("dense", "sparse")
     ]
     assert_same_model(*runs)
+
+
+def test_bench_tv_grad_smoke_cpu(tmp_path, load_bench):
+    out = tmp_path / "tv.json"
+    report = load_bench("bench_tv_grad").main(
+        [
+            "--device",
+            "cpu",
+            "--size",
+            "12",
+            "--samples",
+            "200",
+            "--repeats",
+            "2",
+            "--budget-s",
+            "0.1",
+            "--json",
+            str(out),
+        ]
+    )
+    assert out.exists() and report["grid"] == {"size": 12, "rows": 1728, "channels": 12, "dtype": "float32"}
+    dense, sparse = report["results"]
+    assert dense["variant"].startswith("dense") and sparse["variant"].startswith("sparse")
+    assert dense["bytes"] == 4 * 1728 * 12 * 4 and sparse["bytes"] == 3 * 4 * 200 * 12 * 4
+    assert all(r["ms"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0 for r in (dense, sparse))
+    assert sparse["speedup_vs_dense"] == pytest.approx(dense["ms"] / sparse["ms"])
+    with pytest.raises(SystemExit):  # more samples than cells: the whole-grid TV, not this benchmark
+        load_bench("bench_tv_grad").main(["--device", "cpu", "--size", "4", "--samples", "27"])

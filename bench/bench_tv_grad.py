@@ -1,0 +1,115 @@
+"""Benchmark of the sampled TV estimate's forward + backward with a dense gradient vs ``model.tv_sparse_grad``.
+
+    python3 bench/bench_tv_grad.py [--device cuda|cpu] [--size 320] [--channels 12] [--samples 65536]
+                                   [--json OUT.json]
+
+A (size^3, C) float32 grid (default 320^3 x 12 on CUDA, the blender preset's feature grid; 32^3 x 12 on the CPU)
+whose ``.grad`` already holds a dense gradient, as the lookups leave it before the TV estimate's backward runs
+(models/model.py computes the TV before the forward). Each timed run is ``VoxelGrid.total_variation(samples)``
+and its backward onto that gradient: plain indexing (a zero-filled grid-sized gradient, the rows scattered into
+it, a whole-grid add: 4 M C 4 bytes at least) against ``models.sparse_rows.gather_rows`` (the 4 K rows read, and
+added onto the gradient: 3 x 4 K C 4 bytes). Reported: median ms, GB/s and % of the copy bandwidth on each
+variant's bytes, and the speed-up of the sparse gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_timing import Timer, device_name, measure_copy, write_report  # noqa: E402
+
+from models.field import VoxelGrid  # noqa: E402
+
+
+def dense_bytes(rows: int, channels: int) -> int:
+    """Zero-fill (write), then the whole-grid add (read both, write): 4 passes over M x C float32."""
+    return 4 * rows * channels * 4
+
+
+def sparse_bytes(samples: int, channels: int) -> int:
+    """The 4 K rows read in the forward, then read and written again when their gradient is added."""
+    return 3 * 4 * samples * channels * 4
+
+
+def bench(device: torch.device, side: int, channels: int, samples: int, timer: Timer) -> dict:
+    copy = measure_copy(timer, (1 << 30) if device.type == "cuda" else (1 << 26))
+    torch.manual_seed(0)
+    grid = VoxelGrid((side, side, side), channels, init_std=0.1).to(device)
+    grid.grid.grad = torch.randn_like(grid.grid)  # the lookups' dense gradient, already there
+    rows = side**3
+    results = []
+    for variant, sparse, nbytes in (
+        ("dense (indexing)", False, dense_bytes(rows, channels)),
+        ("sparse (gather_rows)", True, sparse_bytes(samples, channels)),
+    ):
+
+        def run(i: int, sparse: bool = sparse) -> None:
+            grid.total_variation(samples, sparse_grad=sparse).backward()
+
+        timing = timer(run, lambda i: None, 1)
+        gbps = nbytes / timing["ms"] / 1e6
+        results.append(
+            {"variant": variant, "bytes": nbytes, **timing, "GBps": gbps, "pct_copy": 100 * gbps / copy["GBps"]}
+        )
+        assert not grid.grid.grad.is_sparse  # added onto the dense gradient, as in training
+    results[1]["speedup_vs_dense"] = results[0]["ms"] / results[1]["ms"]
+    return {"copy": copy, "results": results}
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size", type=int, default=None, help="grid side (default 320 cuda, 32 cpu)")
+    p.add_argument("--channels", type=int, default=12)
+    p.add_argument("--samples", type=int, default=65536, help="voxels per TV estimate (model.tv_samples)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 30 cuda, 3 cpu)")
+    p.add_argument("--budget-s", type=float, default=2.0, help="stop repeating a measurement after this long")
+    p.add_argument("--json", type=Path, default=None, help="also write the report here")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    args.size = args.size or (320 if args.device == "cuda" else 32)
+    args.repeats = args.repeats or (30 if args.device == "cuda" else 3)
+    if args.size < 2 or args.channels < 1 or args.samples < 1 or args.repeats < 1:
+        p.error("--size must be >= 2; --channels, --samples and --repeats >= 1")
+    if args.samples >= (args.size - 1) ** 3:
+        p.error(f"--samples must be below the grid's {(args.size - 1) ** 3} cells (more: the whole-grid TV)")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Runs the benchmark, prints a table; returns the report (also written to --json)."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    timer = Timer(device, warmup=3 if device.type == "cuda" else 1, repeats=args.repeats, budget_s=args.budget_s)
+    measured = bench(device, args.size, args.channels, args.samples, timer)
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "grid": {"size": args.size, "rows": args.size**3, "channels": args.channels, "dtype": "float32"},
+        "samples": args.samples,
+        "bytes_rule": "dense: 4*M*C*4 (zero-fill, whole-grid add); sparse: 3*4*K*C*4 (rows read, then added)",
+        **measured,
+    }
+    print(f"{report['date']}  {report['device']}  torch {report['torch']}  copy {report['copy']['GBps']:.0f} GB/s")
+    print(f"grid {args.size}^3 x {args.channels} float32, TV on {args.samples} voxels")
+    for r in report["results"]:
+        speedup = f"  {r['speedup_vs_dense']:6.1f}x dense" if "speedup_vs_dense" in r else ""
+        print(f"{r['variant']:22s} {r['ms']:9.3f} ms  {r['GBps']:8.1f} GB/s  {r['pct_copy']:5.1f}% copy{speedup}")
+    write_report(report, args.json)
+    return report
+
+
+if __name__ == "__main__":
+    main()
