@@ -76,6 +76,7 @@ class BrickGrids(nn.Module):
         self.collecting = False  # training marks them now (:meth:`schedule`: the last ``fine.collect`` steps)
         self.pixel_size: float | None = None  # the training views' pixel footprint at the box (set by the trainer)
         self.declined = False  # the coarse voxels were already as fine as the pixels (``fine.min_pixels``)
+        self.wanted: int | None = None  # bricks the seen cells asked for at allocation (above max_bricks: capped)
 
     def decline_if_resolved(self, voxel: float, min_pixels: float) -> bool:
         """Decline the fine grid, once and for all, when a coarse voxel of size ``voxel`` spans fewer than
@@ -107,8 +108,9 @@ class BrickGrids(nn.Module):
         cells = seen if seen is not None and seen.shape == occupied.shape else occupied
         count = self.allocate(F.max_pool3d(cells.float()[None, None], 3, 1, 1)[0, 0] > 0, cfg.factor, cfg.max_bricks)
         source = "seen" if cells is seen else "occupied"
+        capped = f" (capped by model.fine.max_bricks: {self.wanted} wanted)" if count < self.wanted else ""
         print(
-            f"fine grid: {count} bricks of {self.brick}^3 around the {source} cells, {self.shape} vertices "
+            f"fine grid: {count} bricks of {self.brick}^3 around the {source} cells{capped}, {self.shape} vertices "
             f"(a coarse voxel spans {self.pixels_spanned(voxel):.2f} pixels)"
         )
         return True
@@ -138,7 +140,7 @@ class BrickGrids(nn.Module):
         self.shape = fine_shape(coarse_shape, factor)
         self.seen = None
         score = wanted_bricks(cells, factor, self.brick, self.shape).reshape(-1)
-        wanted = int((score > 0).sum())
+        wanted = self.wanted = int((score > 0).sum())
         chosen = torch.topk(score, min(wanted, max_bricks)).indices.sort().values  # row-major slots: coherent memory
         table = torch.full((score.numel(),), -1, dtype=torch.int32, device=score.device)
         table[chosen] = torch.arange(chosen.numel(), dtype=torch.int32, device=score.device)
@@ -150,12 +152,13 @@ class BrickGrids(nn.Module):
         return chosen.numel()
 
     def summary(self) -> dict:
-        """For metrics.json: ``{"bricks", "brick", "shape", "rows", "declined", "pixel_size"}``."""
+        """For metrics.json: ``{"bricks", "wanted", "brick", "shape", "rows", "declined", "pixel_size"}`` (wanted:
+        the bricks the seen cells asked for, more than ``bricks`` when ``fine.max_bricks`` cut them; None when the
+        grid came from a checkpoint)."""
         rows = self.density.shape[0]
         shape = list(self.shape) if rows else None
-        return {"bricks": self.bricks, "brick": self.brick, "shape": shape, "rows": rows, "declined": self.declined} | {
-            "pixel_size": self.pixel_size
-        }
+        counts = {"bricks": self.bricks, "wanted": self.wanted, "brick": self.brick, "shape": shape, "rows": rows}
+        return counts | {"declined": self.declined, "pixel_size": self.pixel_size}
 
     def lookup(self, values: torch.Tensor, unit_points: torch.Tensor, ops: OpSet) -> torch.Tensor:
         """(N, 3) points in [-1, 1] -> (N, C) fine values (zero outside the allocated bricks)."""

@@ -88,8 +88,10 @@ def test_allocate_gives_unique_slots_zero_values_and_respects_the_cap():
     assert sorted(slots.tolist()) == list(range(count))
     assert grids.density.shape == (count * 64, 1) and grids.features.shape == (count * 64, 5)
     assert not grids.density.abs().any() and not grids.features.abs().any()
+    assert grids.wanted == wanted and grids.summary()["wanted"] == wanted
     capped = BrickGrids(feature_dim=5, brick=4)
     assert capped.allocate(cells, factor=2, max_bricks=3) == 3 == int((capped.table >= 0).sum())
+    assert capped.summary()["bricks"] == 3 and capped.summary()["wanted"] == wanted  # the cut shows
 
 
 def test_the_fine_grid_appears_at_its_step_and_changes_nothing_then():
