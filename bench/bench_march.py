@@ -21,7 +21,6 @@ shell at contracted radius 0.85-0.95 (distance ~3-10 box sizes) that every ray r
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_timing import Timer, device_name, measure_copy, write_report  # noqa: E402
+from bench_timing import Timer, bench_timer, measure_copy, print_header, report_header, write_report  # noqa: E402
 
 import cuda_ext  # noqa: E402
 from cuda_ext import reference  # noqa: E402
@@ -135,11 +134,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Runs the benchmark, prints a table; returns the report (also written to --json)."""
     args = parse_args(argv)
     device = torch.device(args.device)
-    timer = Timer(device, warmup=3 if device.type == "cuda" else 1, repeats=args.repeats, budget_s=args.budget_s)
+    timer = bench_timer(device, args.repeats, args.budget_s)
     report = {
-        "date": datetime.date.today().isoformat(),
-        "device": device_name(device),
-        "torch": torch.__version__,
+        **report_header(device),
         "rays": args.rays,
         "cells": args.cells,
         "bytes_rule": "rays*9*4 (in) + samples*(8 + 4*4) (ray, t, points out) + (rays+1)*8 (offsets)",
@@ -148,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "results": [],
     }
     copy = report["copy"]
-    print(f"{report['date']}  {report['device']}  torch {report['torch']}  copy {copy['GBps']:.0f} GB/s")
+    print_header(report, copy["GBps"])
     for space in ("bounded", "contracted") if args.space == "both" else (args.space,):
         part = bench(device, args.rays, args.cells, timer, copy, space)
         report["spaces"][space] = {"max_samples": part["max_samples"], "occupied_fraction": part["occupied_fraction"]}

@@ -16,7 +16,6 @@ the touched rows of one call are not still in the cache at the next (as bench_op
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_timing import Timer, cache_bytes, device_name, measure_copy, rotation_sets, write_report  # noqa: E402
+from bench_timing import (  # noqa: E402
+    Timer,
+    bench_timer,
+    cache_bytes,
+    measure_copy,
+    print_header,
+    report_header,
+    rotation_sets,
+    write_report,
+)
 
 import cuda_ext  # noqa: E402
 
@@ -168,19 +176,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Runs the benchmark, prints a table; returns the report (also written to --json)."""
     args = parse_args(argv)
     device = torch.device(args.device)
-    timer = Timer(device, warmup=3 if device.type == "cuda" else 1, repeats=args.repeats, budget_s=args.budget_s)
+    timer = bench_timer(device, args.repeats, args.budget_s)
     measured = bench(device, args.size, args.channels, args.fractions, timer)
     report = {
-        "date": datetime.date.today().isoformat(),
-        "device": device_name(device),
-        "torch": torch.__version__,
+        **report_header(device),
         "grid": {"size": args.size, "rows": args.size**3, "channels": args.channels, "dtype": "float32"},
         "hyper": HYPER,
         "bytes_rule": "sparse: 7*K*C*4 + 8*K (read param, grad, m, v; write param, m, v; rows); dense: 7*M*C*4",
         **measured,
     }
-    copy = report["copy"]
-    print(f"{report['date']}  {report['device']}  torch {report['torch']}  copy {copy['GBps']:.0f} GB/s")
+    print_header(report, report["copy"]["GBps"])
     print(f"grid {args.size}^3 x {args.channels} float32 ({args.size**3} rows)")
     for r in report["results"]:
         speedup = f"  {r['speedup_vs_dense']:6.1f}x dense" if "speedup_vs_dense" in r else ""

@@ -3,6 +3,7 @@ against, and how many input sets defeat the cache."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import platform
@@ -103,6 +104,21 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def bench_timer(device: torch.device, repeats: int, budget_s: float) -> Timer:
+    """The single-op benchmarks' timer: 3 warm-up runs on CUDA, 1 on the CPU."""
+    return Timer(device, warmup=3 if device.type == "cuda" else 1, repeats=repeats, budget_s=budget_s)
+
+
+def report_header(device: torch.device) -> dict:
+    """The first fields of every benchmark report: ``{"date", "device", "torch"}``."""
+    return {"date": datetime.date.today().isoformat(), "device": device_name(device), "torch": torch.__version__}
+
+
+def print_header(report: dict, copy_gbps: float) -> None:
+    """One line: the report's date, device and torch, and the copy bandwidth its figures are measured against."""
+    print(f"{report['date']}  {report['device']}  torch {report['torch']}  copy {copy_gbps:.0f} GB/s")
 
 
 def write_report(report: dict, path: Path | None) -> None:

@@ -15,7 +15,6 @@ variant's bytes, and the speed-up of the sparse gradient.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_timing import Timer, device_name, measure_copy, write_report  # noqa: E402
+from bench_timing import Timer, bench_timer, measure_copy, print_header, report_header, write_report  # noqa: E402
 
 from models.field import VoxelGrid  # noqa: E402
 
@@ -91,18 +90,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Runs the benchmark, prints a table; returns the report (also written to --json)."""
     args = parse_args(argv)
     device = torch.device(args.device)
-    timer = Timer(device, warmup=3 if device.type == "cuda" else 1, repeats=args.repeats, budget_s=args.budget_s)
+    timer = bench_timer(device, args.repeats, args.budget_s)
     measured = bench(device, args.size, args.channels, args.samples, timer)
     report = {
-        "date": datetime.date.today().isoformat(),
-        "device": device_name(device),
-        "torch": torch.__version__,
+        **report_header(device),
         "grid": {"size": args.size, "rows": args.size**3, "channels": args.channels, "dtype": "float32"},
         "samples": args.samples,
         "bytes_rule": "dense: 4*M*C*4 (zero-fill, whole-grid add); sparse: 3*4*K*C*4 (rows read, then added)",
         **measured,
     }
-    print(f"{report['date']}  {report['device']}  torch {report['torch']}  copy {report['copy']['GBps']:.0f} GB/s")
+    print_header(report, report["copy"]["GBps"])
     print(f"grid {args.size}^3 x {args.channels} float32, TV on {args.samples} voxels")
     for r in report["results"]:
         speedup = f"  {r['speedup_vs_dense']:6.1f}x dense" if "speedup_vs_dense" in r else ""
