@@ -43,7 +43,6 @@ from models.render import (
     check_rays,
     checked_box,
 )
-from models.sparse_rows import gather_rows
 
 
 class VoxelNeRF(nn.Module):
@@ -277,27 +276,25 @@ class VoxelNeRF(nn.Module):
     def regularization(self) -> torch.Tensor:
         """Weighted total variation of the density and feature grids (scalar; zero after ``tv_until``)."""
         c = self.config
-        # stays in the graph, so backward() always works (with tv_sparse_grad its gradient is one row, not the grid)
-        first = torch.zeros(1, dtype=torch.long, device=self.density.grid.device)
-        zero = gather_rows(self.density.grid, first, c.tv_sparse_grad).sum() * 0.0
-        if self.progress > c.tv_until:
-            return zero
-        total = zero
-        touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
-        # a replaying Adam catches up the rows the estimate reads
-        reader = partial(self.touched.before_read_rows, shape=self.grid_shape) if self.touched.reader else None
-        # model.tv_background: the contracted shell's pairs weigh that much more (None / 1: unweighted)
-        weighted = c.tv_background != 1.0
-        shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)
-        sparse = c.tv_sparse_grad  # the estimate's gradient as the rows it read, not a whole-grid tensor
-        if c.tv_density > 0:
-            tv = self.density.total_variation(c.tv_samples, touched, *shell, reader, sparse_grad=sparse)
-            total = total + c.tv_density * tv
-        if c.tv_features > 0:
-            tv = self.features.total_variation(c.tv_samples, touched, *shell, reader, sparse_grad=sparse)
-            total = total + c.tv_features * tv
-        weights = (c.tv_density * c.fine.tv, c.tv_features * c.fine.tv)  # the fine grid's own, at its spacing
-        return total + self.fine.regularization(*weights, c.tv_samples, sparse) if self.fine.active else total
+        terms = []
+        if self.progress <= c.tv_until:
+            touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
+            # a replaying Adam catches up the rows the estimate reads
+            reader = partial(self.touched.before_read_rows, shape=self.grid_shape) if self.touched.reader else None
+            # model.tv_background: the contracted shell's pairs weigh that much more (None / 1: unweighted)
+            weighted = c.tv_background != 1.0
+            shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)
+            sparse = c.tv_sparse_grad  # the estimate's gradient as the rows it read, not a whole-grid tensor
+            for weight, grid in ((c.tv_density, self.density), (c.tv_features, self.features)):
+                if weight > 0:
+                    terms.append(
+                        weight * grid.total_variation(c.tv_samples, touched, *shell, reader, sparse_grad=sparse)
+                    )
+            if self.fine.active:  # the fine grid's own, at its spacing
+                weights = (c.tv_density * c.fine.tv, c.tv_features * c.fine.tv)
+                terms.append(self.fine.regularization(*weights, c.tv_samples, sparse))
+        # no term: a zero that stays in the graph, so backward() always works
+        return sum(terms) if terms else self.density.grid.reshape(-1)[:1].sum() * 0.0
 
     # ------------------------------------------------------------------ rendering
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:

@@ -177,7 +177,8 @@ class Trainer:
                 loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                densify_grads(self.model.parameters())  # a grid that only the sparse TV reached (tv_sparse_grad)
+                if self.model.config.tv_sparse_grad:  # a grid that only the sparse TV reached
+                    densify_grads(self.model.parameters())
             with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients averaged
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
