@@ -18,6 +18,7 @@ with ``V = (R - 1) * factor + 1``, so every coarse vertex is also a fine vertex.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -95,19 +96,32 @@ class BrickGrids(nn.Module):
         """How many pixels of :attr:`pixel_size` a coarse voxel of size ``voxel`` spans (inf when not set)."""
         return voxel / self.pixel_size if self.pixel_size else float("inf")
 
-    def schedule(self, step: int, total_steps: int, cfg: FineConfig, occupied: torch.Tensor, voxel: float) -> bool:
+    def schedule(
+        self,
+        step: int,
+        total_steps: int,
+        cfg: FineConfig,
+        occupied: torch.Tensor,
+        voxel: float,
+        region: Callable[[], torch.Tensor | None] | None = None,
+    ) -> bool:
         """Call after optimiser step ``step``: sets :attr:`collecting`, and at ``cfg.at`` allocates the bricks of the
-        cells training saw (none seen: the (R0-1, R1-1, R2-1) ``occupied`` cells), grown by one cell; returns True
-        then (new parameters: rebuild the optimiser). Declines, once and for all, when a coarse voxel of size
-        ``voxel`` spans fewer than ``cfg.min_pixels`` pixels of :attr:`pixel_size` (finer detail would not show)."""
+        cells training saw (none seen: the (R0-1, R1-1, R2-1) ``occupied`` cells), grown by one cell and kept to the
+        cells ``region()`` marks (same shape, bool; called then only; None: anywhere); returns True then (new
+        parameters: rebuild the optimiser). Declines, once and for all, when a coarse voxel of size ``voxel`` spans
+        fewer than ``cfg.min_pixels`` pixels of :attr:`pixel_size` (finer detail would not show)."""
         at = None if cfg.factor == 0 or self.declined else step_of(cfg.at, total_steps)
         self.collecting = at is not None and at - cfg.collect <= step < at
         if at is None or step < at or self.active or self.decline_if_resolved(voxel, cfg.min_pixels):
             return False
         seen = self.seen
         cells = seen if seen is not None and seen.shape == occupied.shape else occupied
-        count = self.allocate(F.max_pool3d(cells.float()[None, None], 3, 1, 1)[0, 0] > 0, cfg.factor, cfg.max_bricks)
         source = "seen" if cells is seen else "occupied"
+        cells = F.max_pool3d(cells.float()[None, None], 3, 1, 1)[0, 0] > 0
+        allowed = region() if region is not None else None
+        if allowed is not None:
+            cells, source = cells & allowed, source + " foreground"
+        count = self.allocate(cells, cfg.factor, cfg.max_bricks)
         capped = f" (capped by model.fine.max_bricks: {self.wanted} wanted)" if count < self.wanted else ""
         print(
             f"fine grid: {count} bricks of {self.brick}^3 around the {source} cells{capped}, {self.shape} vertices "

@@ -115,6 +115,15 @@ class SceneSpace:
             for r in shape
         )
 
+    def foreground_cells(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor | None:
+        """(R0-1, R1-1, R2-1) bool: the cells of a grid of ``shape`` vertices that lie in the box (all 8 corners in
+        :meth:`foreground`); None when bounded (every cell is in the box)."""
+        axes = self.foreground(shape, device)
+        if axes is None:
+            return None
+        cells = [inside[:-1] & inside[1:] for inside in axes]
+        return cells[0][:, None, None] & cells[1][None, :, None] & cells[2][None, None, :]
+
     def vertex_steps(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor | float:
         """Per-vertex factor on the step for the occupancy grid's alpha: 1 (bounded), else (R0, R1, R2) the largest
         (distance / P)^2 over the cells around each vertex (the world step of a disparity sample there, so a cell

@@ -238,7 +238,9 @@ class VoxelNeRF(nn.Module):
             self.set_resolution(target)
             grown = True
         voxel = self.space.voxel(self.extent, self.grid_shape)
-        grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask, voxel) or grown  # at fine.at
+        # at fine.at; contracted: bricks in the box only (the shell's voxels already grow with distance, as its pixels)
+        foreground = lambda: self.space.foreground_cells(self.grid_shape, self.bbox.device)  # noqa: E731
+        grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask, voxel, foreground) or grown
         if step >= c.occupancy.warmup and (grown or due):
             self.touched.before_whole_read()
             self.refresh_occupancy()

@@ -13,6 +13,7 @@ from test_model import TORCH_OPS, look_at_c2w, make_model, randomize_density
 from models import build_ops
 from models.brick_grid import BrickGrids, fine_shape, table_shape, wanted_bricks
 from models.config import parse_model_config
+from models.contraction import SceneSpace
 
 FINE = {"fine.factor": 2, "fine.brick": 4, "fine.at": 6, "grow_at": [2, 4]}
 
@@ -126,6 +127,31 @@ def test_training_marks_the_cells_it_sees_and_the_bricks_go_there():
     summary = model.fine.summary()
     assert summary["bricks"] == int((table >= 0).sum()) and summary["rows"] == summary["bricks"] * 64
     assert json.loads(json.dumps(summary)) == summary
+
+
+@pytest.mark.parametrize("contraction", ["none", "inf"])
+def test_contracted_bricks_stay_in_the_foreground_box(contraction):
+    model = fine_model(contraction=contraction, **{"fine.factor": 2, "fine.brick": 2, "fine.collect": 1})
+    with torch.no_grad():
+        model.density.grid.fill_(20.0)  # every cell occupied: the bricks would fill the whole cube
+    model.refresh_occupancy()
+    assert bool(model.occupancy.mask.all())
+    assert model.on_step(6, 10) and model.fine.active
+    used = model.fine.table >= 0
+    if contraction == "none":
+        assert bool(used.all())
+        return
+    assert 0 < int(used.sum()) < used.numel()
+    b, factor = model.fine.brick, 2
+    inside = SceneSpace("inf").foreground(model.grid_shape, torch.device("cpu"))  # coarse vertices in the box
+    for axis in range(3):
+        lo, hi = (int(i) * factor for i in inside[axis].nonzero()[[0, -1], 0])  # the box's fine vertices
+        first = torch.arange(used.shape[axis]) * b  # each brick's first vertex along the axis
+        reaches = (first + b - 1 >= lo) & (first <= hi)
+        along = used.any(dim=tuple(a for a in range(3) if a != axis))
+        assert torch.equal(along, reaches)  # a brick on every slab that holds box vertices, none beyond
+    cells = SceneSpace("inf").foreground_cells(model.grid_shape, torch.device("cpu"))
+    assert cells.shape == model.occupancy.mask.shape and 0 < int(cells.sum()) < cells.numel()
 
 
 def test_the_fine_grid_is_declined_where_the_voxels_are_finer_than_the_pixels():
