@@ -50,6 +50,7 @@ class FineConfig:
     lr: float = 1.0  # its learning rate, as a multiple of the grids' (train.lr)
     min_pixels: float = 0.0  # allocate only if a coarse voxel spans at least this many pixels of the training views
     grow_at: Any = None  # the coarse grids' growth when the fine grid will be used (null: model.grow_at)
+    resolution_end: Any = None  # the coarse grids' final resolution then (null: model.resolution_end)
 
 
 @dataclass
@@ -205,6 +206,13 @@ def _check_fine(c: ModelConfig) -> None:
                 "model.fine.grow_at: must be null or a list of steps >= 1 (ints) or fractions in (0, 1), "
                 f"got {f.grow_at!r}"
             )
+    if f.resolution_end is not None and not (
+        isinstance(f.resolution_end, int) and c.resolution_start <= f.resolution_end <= c.resolution_end
+    ):
+        raise ValueError(
+            f"model.fine.resolution_end: must be null or an integer in [model.resolution_start, model.resolution_end] "
+            f"([{c.resolution_start}, {c.resolution_end}]), got {f.resolution_end!r}"
+        )
     if f.factor > 0:  # the fine grid lives on the coarse grids' final box and shape (checked again at run time)
         growth = [("grow_at", g) for g in c.grow_at] if f.grow_at is None else [("fine.grow_at", g) for g in f.grow_at]
         for key, when in growth + [("shrink_at", c.shrink_at)]:

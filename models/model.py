@@ -66,6 +66,7 @@ class VoxelNeRF(nn.Module):
             raise ValueError(f"near, far: need 0 <= near < far, got near={near}, far={far}")
         self.config: ModelConfig = parse_model_config(cfg)
         self.grow_at = list(self.config.grow_at)  # the coarse growth schedule (plan_fine may choose fine.grow_at)
+        self.resolution_end = self.config.resolution_end  # and its end (plan_fine may choose fine.resolution_end)
         self.space = SceneSpace(self.config.contraction)  # the box, or the contracted cube around it (unbounded)
         self.ops = ops
         self.near, self.far = float(near), float(far)
@@ -144,22 +145,23 @@ class VoxelNeRF(nn.Module):
 
     def plan_fine(self, pixel_size: float | None) -> None:
         """Given the training views' pixel footprint at the box centre, decide before training whether the fine grid
-        will come (``fine.min_pixels`` against the final coarse voxel); if it will and ``fine.grow_at`` is set, the
-        coarse grids grow on that schedule instead of ``grow_at`` (a shorter coarse stage, a longer fine one)."""
+        will come (``fine.min_pixels`` against ``resolution_end``'s coarse voxel); if it will, the coarse grids grow
+        on ``fine.grow_at`` (a shorter coarse stage, a longer fine one) up to ``fine.resolution_end`` where set."""
         self.fine.pixel_size = pixel_size
         fine = self.config.fine
         if fine.factor > 0:
             final_voxel = self.space.voxel(self.extent, self.shape_at(self.config.resolution_end))
-            if not self.fine.decline_if_resolved(final_voxel, fine.min_pixels) and fine.grow_at is not None:
-                self.grow_at = list(fine.grow_at)
+            if not self.fine.decline_if_resolved(final_voxel, fine.min_pixels):
+                self.grow_at = list(fine.grow_at) if fine.grow_at is not None else self.grow_at
+                self.resolution_end = fine.resolution_end or self.resolution_end
 
     def resolution_at(self, step: int, total_steps: int) -> int:
         """Grid resolution scheduled after ``step`` optimiser steps: geometric from start to end over grow_at."""
-        c, grow_at = self.config, self.grow_at
+        c, grow_at, end = self.config, self.grow_at, self.resolution_end
         if not grow_at:
-            return c.resolution_end  # no schedule: the final grid from the start
+            return end  # no schedule: the final grid from the start
         level = sum(step >= step_of(g, total_steps) for g in grow_at)
-        ratio = c.resolution_end / c.resolution_start
+        ratio = end / c.resolution_start
         return round(c.resolution_start * ratio ** (level / len(grow_at)))
 
     def set_resolution(self, resolution: int) -> None:

@@ -184,6 +184,22 @@ def test_plan_fine_decides_before_training_and_picks_the_growth_schedule(spans, 
     assert model.fine.active is comes and model.grid_shape == model.shape_at(20)
 
 
+@pytest.mark.parametrize("spans, comes", [(1.6, True), (1.4, False)], ids=["fine-comes", "declined"])
+def test_plan_fine_picks_the_coarse_grids_final_resolution(spans, comes):
+    # declined or not is decided on model.resolution_end's voxel (20), the coarser end (16) only follows from it
+    model = make_model(0, **(FINE | {"fine.min_pixels": 1.5, "fine.resolution_end": 16}))
+    model.plan_fine(model.space.voxel(model.extent, model.shape_at(20)) / spans)
+    end = 16 if comes else 20
+    assert model.resolution_end == end and model.resolution_at(4, 10) == end
+    start = model.config.resolution_start
+    assert model.resolution_at(2, 10) == round(start * (end / start) ** 0.5)  # geometric towards the new end
+    for step in range(1, 7):
+        model.on_step(step, 10)
+    assert model.grid_shape == model.shape_at(end) and model.fine.active is comes
+    if comes:  # the fine grid lies over the coarser grid: factor x its cells
+        assert model.fine.shape == fine_shape(model.shape_at(16), 2)
+
+
 def test_fine_grow_at_is_checked_like_grow_at():
     with pytest.raises(ValueError, match="model.fine.grow_at"):
         parse_model_config({"fine": {"grow_at": [0.1, 1.5]}})
@@ -284,6 +300,9 @@ def test_growing_after_the_fine_grid_is_refused():
         ({"at": 1.5}, "model.fine.at"),
         ({"tv": -1.0}, "model.fine.tv"),
         ({"max_bricks": 0}, "model.fine.max_bricks"),
+        ({"resolution_end": 1000}, r"model.fine.resolution_end: .*\(\[32, 80\]\), got 1000"),
+        ({"resolution_end": 8}, "model.fine.resolution_end"),
+        ({"resolution_end": 40.5}, "model.fine.resolution_end"),
     ],
 )
 def test_bad_fine_settings_name_the_key(fine, match):
