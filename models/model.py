@@ -241,7 +241,7 @@ class VoxelNeRF(nn.Module):
             grown = True
         voxel = self.space.voxel(self.extent, self.grid_shape)
         # at fine.at; contracted: bricks in the box only (the shell's voxels already grow with distance, as its pixels)
-        foreground = lambda: self.space.foreground_cells(self.grid_shape, self.bbox.device)  # noqa: E731
+        foreground = partial(self.space.foreground_cells, self.grid_shape, self.bbox.device)
         grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask, voxel, foreground) or grown
         if step >= c.occupancy.warmup and (grown or due):
             self.touched.before_whole_read()

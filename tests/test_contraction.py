@@ -238,12 +238,12 @@ def unbounded_scene(tmp_path_factory):
     return load_blender(root, "train"), load_blender(root, "val")
 
 
-def train_and_evaluate(train, val, contraction: str, iters: int = 100) -> float:
-    """Held-out PSNR of a small model trained ``iters`` steps of 512 rays on ``train`` (custom ops, CPU)."""
+def train_and_evaluate(train, val, contraction: str, iters: int = 100, model_out: list | None = None, **overrides):
+    """Held-out PSNR of a small model trained ``iters`` steps of 512 rays on ``train`` (custom ops, CPU); the model
+    is appended to ``model_out`` when given."""
     torch.manual_seed(0)
-    cfg = make_cfg(
-        resolution_start=24, resolution_end=24, grow_at=[], upsample=1, tv_samples=1024, contraction=contraction
-    )
+    settings = {"resolution_start": 24, "resolution_end": 24, "grow_at": [], "upsample": 1, "tv_samples": 1024}
+    cfg = make_cfg(**(settings | overrides), contraction=contraction)
     custom = {name: "custom" for name in TORCH_OPS}
     model = VoxelNeRF(train.bbox, train.near, train.far, cfg, build_ops(custom))
     sampler = RaySampler(train, 512, torch.Generator().manual_seed(0))
@@ -257,6 +257,8 @@ def train_and_evaluate(train, val, contraction: str, iters: int = 100) -> float:
         if model.on_step(step, iters):
             optimizer = torch.optim.Adam(model.param_groups(0.1, 3e-3))
     model.eval()
+    if model_out is not None:
+        model_out.append(model)
     errors = [
         ((model.render_image(val.c2w[v], val.height, val.width, val.intrinsics[v])["rgb"] - val.images[v] / 255) ** 2)
         .mean()
@@ -274,3 +276,23 @@ def test_contraction_beats_the_box_on_an_unbounded_scene(unbounded_scene):
     assert bool((train.images.float().mean((1, 2, 3)) > 0).all()) and train.alpha.float().min() == 255  # all opaque
     contracted, bounded = train_and_evaluate(train, val, "inf"), train_and_evaluate(train, val, "none")
     assert contracted > bounded + 2.0, (contracted, bounded)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_fine_grid_trains_in_the_contracted_box(unbounded_scene):
+    """The capture preset's combination: the fine grid (bricks in the foreground box only) over a contracted model
+    trains, keeps its bricks off the shell, and does not cost held-out PSNR on the unbounded scene."""
+    train, val = unbounded_scene
+    fine = {"fine.factor": 4, "fine.brick": 8, "fine.at": 50, "fine.collect": 20}
+    models: list = []
+    with_fine = train_and_evaluate(train, val, "inf", model_out=models, **fine)
+    model = models[0]
+    assert model.fine.active and model.fine.bricks > 0
+    inside = model.space.foreground(model.grid_shape, torch.device("cpu"))
+    used = model.fine.table >= 0
+    for axis in range(3):  # no brick beyond the slabs that hold the box's fine vertices
+        lo, hi = (int(i) * 4 for i in inside[axis].nonzero()[[0, -1], 0])
+        first = torch.arange(used.shape[axis]) * 8
+        outside = (first + 7 < lo) | (first > hi)
+        assert not bool(used.any(dim=tuple(a for a in range(3) if a != axis))[outside].any())
+    assert with_fine > train_and_evaluate(train, val, "inf") - 0.3
