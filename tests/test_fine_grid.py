@@ -14,6 +14,7 @@ from models import build_ops
 from models.brick_grid import BrickGrids, fine_shape, table_shape, wanted_bricks
 from models.config import parse_model_config
 from models.contraction import SceneSpace
+from models.field import cell_corners
 
 FINE = {"fine.factor": 2, "fine.brick": 4, "fine.at": 6, "grow_at": [2, 4]}
 
@@ -77,6 +78,31 @@ def test_wanted_bricks_hold_exactly_the_fine_vertices_of_the_wanted_cells():
     assert score.shape == (5, 4, 3)
     torch.testing.assert_close(score, expected)
     assert score[0, 1, 1] > 0 and score[1, 1, 2] > 0  # cell (1, 2, 3)'s far faces reach into the next bricks
+
+
+def dense_wanted_bricks(cells: torch.Tensor, factor: int, brick: int, shape: tuple[int, int, int]) -> torch.Tensor:
+    """wanted_bricks on the whole fine grid at once (memory ~ the fine grid): the reference for the layered one."""
+    fine_cells = cells
+    for axis in range(3):
+        fine_cells = fine_cells.repeat_interleave(factor, axis)
+    vertices = cell_corners(fine_cells).float()[None, None]
+    bricks = table_shape(shape, brick)
+    pad = [0, 0, 0, 0, 0, 0]
+    for axis in range(3):
+        pad[2 * (2 - axis) + 1] = bricks[axis] * brick - vertices.shape[2 + axis]
+    return (torch.nn.functional.avg_pool3d(torch.nn.functional.pad(vertices, pad), brick, brick) * brick**3)[0, 0]
+
+
+@pytest.mark.parametrize(
+    "factor, brick, coarse", [(2, 4, (10, 8, 6)), (4, 8, (13, 9, 17)), (3, 3, (7, 12, 5)), (1, 2, (6, 6, 6))]
+)
+def test_wanted_bricks_layer_by_layer_equal_the_whole_grid_count(factor, brick, coarse):
+    cells = torch.rand(tuple(r - 1 for r in coarse), generator=torch.Generator().manual_seed(factor)) < 0.1
+    cells[0, -1, 0] = cells[-1, 0, -1] = True  # the grid's first and last layers
+    shape = fine_shape(coarse, factor)
+    torch.testing.assert_close(
+        wanted_bricks(cells, factor, brick, shape), dense_wanted_bricks(cells, factor, brick, shape)
+    )
 
 
 def test_allocate_gives_unique_slots_zero_values_and_respects_the_cap():
