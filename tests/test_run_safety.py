@@ -20,7 +20,16 @@ from data.blender import write_blender_split
 from training import run_checkpoints
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import ConfigError, validate_config
-from training.preflight import PreflightError, check_disk, check_memory, check_writable
+from training.preflight import (
+    PreflightError,
+    check_disk,
+    check_memory,
+    check_writable,
+    device_memory_bytes,
+    fine_pool_rows,
+    grid_voxels,
+    training_bytes,
+)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +161,18 @@ def test_preflight_checks_name_the_setting_or_path(tmp_path):
         check_disk(tmp_path, 1 << 62)
     with pytest.raises(ConfigError, match="model.resolution_end: 2000"):
         check_memory(torch.device("cpu"), 2000**3, 12, 2000)
+    have = device_memory_bytes(torch.device("cpu"))
+    grid = int(0.5 * have / training_bytes(1, 12))  # half the memory: fits alone
+    check_memory(torch.device("cpu"), grid, 12, 320)
+    with pytest.raises(ConfigError, match=r"fine-grid rows \(model.fine.max_bricks\).*lower model.resolution_end, mod"):
+        check_memory(torch.device("cpu"), grid, 12, 320, fine_rows=grid)  # with a pool as large: not
+
+
+def test_preflight_counts_the_contracted_cube_and_the_fine_pool():
+    assert grid_voxels((1.0, 2.0, 4.0), 5) == 2 * 3 * 5 and grid_voxels((1.0, 2.0, 4.0), 5, contracted=True) == 125
+    assert fine_pool_rows(OmegaConf.create({"fine": {"factor": 0, "max_bricks": 10, "brick": 8}})) == 0
+    assert fine_pool_rows(OmegaConf.create({"fine": {"factor": 4, "max_bricks": 10, "brick": 8}})) == 5120
+    assert fine_pool_rows(OmegaConf.create({})) == 0
 
 
 def test_a_grid_too_big_for_memory_stops_before_any_work(tmp_path, cache):

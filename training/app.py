@@ -29,7 +29,7 @@ from training.checkpoint import CheckpointError, remove_stale_temporaries
 from training.config import ConfigError, typed, validate_config
 from training.distributed import DistributedError, Group
 from training.evaluation import write_outputs
-from training.preflight import PreflightError, run_preflight
+from training.preflight import PreflightError, fine_pool_rows, run_preflight
 from training.run_dir import (
     RunError,
     RunPaths,
@@ -100,6 +100,8 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
             eval_scene.height,
             eval_scene.width,
             training=not cfg.render_only,
+            contracted=cfg.model.get("contraction", "none") == "inf",
+            fine_rows=fine_pool_rows(cfg.model),
         )
     except PreflightError as error:
         raise RunError(str(error)) from None

@@ -23,10 +23,22 @@ class PreflightError(RuntimeError):
     """The run cannot start here; the one-line message names the path."""
 
 
-def grid_voxels(extent: tuple[float, float, float], resolution: int) -> int:
-    """Vertices of a grid with ``resolution`` vertices along the longest side of a box of ``extent``."""
+def grid_voxels(extent: tuple[float, float, float], resolution: int, contracted: bool = False) -> int:
+    """Vertices of a grid with ``resolution`` vertices along the longest side of a box of ``extent`` (contracted:
+    the cube R^3 around the box, models/contraction.py)."""
+    if contracted:
+        return resolution**3
     voxel = max(extent) / (resolution - 1)
     return math.prod(max(2, round(e / voxel) + 1) for e in extent)
+
+
+def fine_pool_rows(model_cfg) -> int:
+    """The most rows the fine grid's brick pool can take (``model.fine``: max_bricks x brick^3; 0 when off): an upper
+    bound, as the grid may be declined (``fine.min_pixels``) or want fewer bricks."""
+    fine = model_cfg.get("fine") or {}
+    if int(fine.get("factor", 0) or 0) <= 0:
+        return 0
+    return int(fine.get("max_bricks", 0)) * int(fine.get("brick", 1)) ** 3
 
 
 def training_bytes(voxels: int, feature_dim: int) -> int:
@@ -52,15 +64,19 @@ def device_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def check_memory(device: torch.device, voxels: int, feature_dim: int, resolution: int) -> None:
-    need = training_bytes(voxels, feature_dim)
+def check_memory(device: torch.device, voxels: int, feature_dim: int, resolution: int, fine_rows: int = 0) -> None:
+    """ConfigError naming the keys when the grids (``voxels`` rows, plus up to ``fine_rows`` of the fine grid's
+    brick pool) would not fit ``device`` while training."""
+    need = training_bytes(voxels + fine_rows, feature_dim)
     have = device_memory_bytes(device)
     if need > 0.9 * have:
+        fine = f" and up to {fine_rows / 1e6:.0f}M fine-grid rows (model.fine.max_bricks)" if fine_rows else ""
+        lower = "model.resolution_end, model.fine.max_bricks" if fine_rows else "model.resolution_end"
         raise ConfigError(
-            f"model.resolution_end: {resolution} means grids of {voxels / 1e6:.0f}M voxels "
+            f"model.resolution_end: {resolution} means grids of {voxels / 1e6:.0f}M voxels{fine} "
             f"x {1 + feature_dim} channels, "
             f"about {need / GIB:.1f} GiB while training (values, gradients, Adam state), but {device} has "
-            f"{have / GIB:.1f} GiB available; lower model.resolution_end or model.feature_dim"
+            f"{have / GIB:.1f} GiB available; lower {lower} or model.feature_dim"
         )
 
 
@@ -100,14 +116,17 @@ def run_preflight(
     height: int,
     width: int,
     training: bool,
+    contracted: bool = False,
+    fine_rows: int = 0,
 ) -> None:
-    """Every check, cheapest first. ``training``: False for render_only (no checkpoint is written)."""
+    """Every check, cheapest first. ``training``: False for render_only (no checkpoint is written); ``contracted``:
+    the grids span the contracted cube; ``fine_rows``: the fine grid's largest brick pool (0: none)."""
     check_writable(folder)
-    voxels = grid_voxels(extent, resolution)
+    voxels = grid_voxels(extent, resolution, contracted)
     need = render_bytes(eval_views, height, width)
     if training:
-        check_memory(device, voxels, feature_dim, resolution)
-        need += 2 * checkpoint_bytes(voxels, feature_dim)
+        check_memory(device, voxels, feature_dim, resolution, fine_rows)
+        need += 2 * checkpoint_bytes(voxels + fine_rows, feature_dim)
     check_disk(folder, need)
 
 
@@ -115,6 +134,7 @@ __all__ = [
     "PreflightError",
     "run_preflight",
     "grid_voxels",
+    "fine_pool_rows",
     "training_bytes",
     "checkpoint_bytes",
     "check_memory",
