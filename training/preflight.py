@@ -7,7 +7,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,7 +34,7 @@ def grid_voxels(extent: tuple[float, float, float], resolution: int, contracted:
     return math.prod(max(2, round(e / voxel) + 1) for e in extent)
 
 
-def fine_pool_rows(model_cfg) -> int:
+def fine_pool_rows(model_cfg: Mapping[str, Any]) -> int:
     """The most rows the fine grid's brick pool can take (``model.fine``: max_bricks x brick^3; 0 when off): an upper
     bound, as the grid may be declined (``fine.min_pixels``) or want fewer bricks."""
     fine = model_cfg.get("fine") or {}
