@@ -81,6 +81,7 @@ class BrickGrids(nn.Module):
         self.pixel_size: float | None = None  # the training views' pixel footprint at the box (set by the trainer)
         self.declined = False  # the coarse voxels were already as fine as the pixels (``fine.min_pixels``)
         self.wanted: int | None = None  # bricks the seen cells asked for at allocation (above max_bricks: capped)
+        self.memory_cap: int | None = None  # bricks the device's memory holds beside the grids (the run's preflight)
 
     def decline_if_resolved(self, voxel: float, min_pixels: float) -> bool:
         """Decline the fine grid, once and for all, when a coarse voxel of size ``voxel`` spans fewer than
@@ -117,6 +118,11 @@ class BrickGrids(nn.Module):
         self.collecting = at is not None and at - cfg.collect <= step < at
         if at is None or step < at or self.active or self.decline_if_resolved(voxel, cfg.min_pixels):
             return False
+        limit = cfg.max_bricks if self.memory_cap is None else min(cfg.max_bricks, self.memory_cap)
+        if limit < 1:
+            self.declined, self.collecting, self.seen = True, False, None
+            print("fine grid: not allocated, no memory left beside the coarse grids")
+            return False
         seen = self.seen
         cells = seen if seen is not None and seen.shape == occupied.shape else occupied
         source = "seen" if cells is seen else "occupied"
@@ -124,8 +130,9 @@ class BrickGrids(nn.Module):
         allowed = region() if region is not None else None
         if allowed is not None:
             cells, source = cells & allowed, source + " foreground"
-        count = self.allocate(cells, cfg.factor, cfg.max_bricks)
-        capped = f" (capped by model.fine.max_bricks: {self.wanted} wanted)" if count < self.wanted else ""
+        count = self.allocate(cells, cfg.factor, limit)
+        cap = "model.fine.max_bricks" if limit == cfg.max_bricks else "the device's memory"
+        capped = f" (capped by {cap}: {self.wanted} wanted)" if count < self.wanted else ""
         print(
             f"fine grid: {count} bricks of {self.brick}^3 around the {source} cells{capped}, {self.shape} vertices "
             f"(a coarse voxel spans {self.pixels_spanned(voxel):.2f} pixels)"

@@ -4,6 +4,7 @@ cross-device resume, train.log and render_only's own config copy. CPU, tiny scen
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -162,10 +163,25 @@ def test_preflight_checks_name_the_setting_or_path(tmp_path):
     with pytest.raises(ConfigError, match="model.resolution_end: 2000"):
         check_memory(torch.device("cpu"), 2000**3, 12, 2000)
     have = device_memory_bytes(torch.device("cpu"))
-    grid = int(0.5 * have / training_bytes(1, 12))  # half the memory: fits alone
-    check_memory(torch.device("cpu"), grid, 12, 320)
-    with pytest.raises(ConfigError, match=r"fine-grid rows \(model.fine.max_bricks\).*lower model.resolution_end, mod"):
-        check_memory(torch.device("cpu"), grid, 12, 320, fine_rows=grid)  # with a pool as large: not
+    grid = int(0.5 * have / training_bytes(1, 12))  # half the memory: the grids fit
+    assert check_memory(torch.device("cpu"), grid, 12, 320, fine_rows=1000) == 1000  # and a small pool beside them
+    room = check_memory(torch.device("cpu"), grid, 12, 320, fine_rows=grid)  # a pool as large: capped to what fits
+    assert 0.3 * grid < room < 0.9 * grid
+
+
+def test_a_fine_pool_beyond_memory_is_capped_not_refused(tmp_path, cache, monkeypatch, capsys):
+    import training.preflight as preflight
+
+    grids = training_bytes(12**3, 6)  # the tiny run's grids; memory for them and 5 bricks of 4^3 rows beside them
+    monkeypatch.setattr(
+        preflight, "device_memory_bytes", lambda device: int((grids + 5.5 * 64 * training_bytes(1, 6)) / 0.9)
+    )
+    fine = ["model.fine.factor=2", "model.fine.brick=4", "model.fine.at=4", "model.fine.max_bricks=1000"]
+    code = run_in_process(tiny_overrides(cache, 6) + fine + ["train.turntable_frames=0"], tmp_path / "run")
+    out = capsys.readouterr().out
+    assert code == trainer_module.EXIT_OK and "fine grid: memory for 5 bricks" in out
+    assert "capped by the device's memory" in out
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["fine_grid"]["bricks"] == 5
 
 
 def test_preflight_counts_the_contracted_cube_and_the_fine_pool():

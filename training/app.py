@@ -90,7 +90,7 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
 
     extent = tuple(float(e) for e in (train_scene.bbox[1] - train_scene.bbox[0]).tolist())
     try:
-        run_preflight(
+        fine_rows = run_preflight(
             paths.root,
             device,
             extent,
@@ -107,6 +107,9 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
         raise RunError(str(error)) from None
     box = grid_box(cfg.data, train_scene)
     trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, box, group)
+    if fine_rows < fine_pool_rows(cfg.model):  # the fine grid gets the bricks that fit beside the grids
+        trainer.model.fine.memory_cap = fine_rows // int(cfg.model.fine.brick) ** 3
+        print(f"fine grid: memory for {trainer.model.fine.memory_cap} bricks on {device} (model.fine.max_bricks lower)")
     if state is not None:
         trainer.restore(state, with_training_state=not cfg.render_only)
         # render_only reads the newer of model.pt and last.pt (run_dir.load_run_checkpoint); resume reads last.pt

@@ -66,20 +66,20 @@ def device_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def check_memory(device: torch.device, voxels: int, feature_dim: int, resolution: int, fine_rows: int = 0) -> None:
-    """ConfigError naming the keys when the grids (``voxels`` rows, plus up to ``fine_rows`` of the fine grid's
-    brick pool) would not fit ``device`` while training."""
-    need = training_bytes(voxels + fine_rows, feature_dim)
+def check_memory(device: torch.device, voxels: int, feature_dim: int, resolution: int, fine_rows: int = 0) -> int:
+    """ConfigError naming the keys when the grids (``voxels`` rows) would not fit ``device`` while training; returns
+    how many of the fine grid's ``fine_rows`` pool rows fit beside them (all, or fewer: the pool is capped there, as
+    the fine grid is optional detail)."""
+    need = training_bytes(voxels, feature_dim)
     have = device_memory_bytes(device)
     if need > 0.9 * have:
-        fine = f" and up to {fine_rows / 1e6:.0f}M fine-grid rows (model.fine.max_bricks)" if fine_rows else ""
-        lower = "model.resolution_end, model.fine.max_bricks" if fine_rows else "model.resolution_end"
         raise ConfigError(
-            f"model.resolution_end: {resolution} means grids of {voxels / 1e6:.0f}M voxels{fine} "
+            f"model.resolution_end: {resolution} means grids of {voxels / 1e6:.0f}M voxels "
             f"x {1 + feature_dim} channels, "
             f"about {need / GIB:.1f} GiB while training (values, gradients, Adam state), but {device} has "
-            f"{have / GIB:.1f} GiB available; lower {lower} or model.feature_dim"
+            f"{have / GIB:.1f} GiB available; lower model.resolution_end or model.feature_dim"
         )
+    return min(fine_rows, int((0.9 * have - need) // training_bytes(1, feature_dim)))
 
 
 def check_writable(folder: Path) -> None:
@@ -120,16 +120,18 @@ def run_preflight(
     training: bool,
     contracted: bool = False,
     fine_rows: int = 0,
-) -> None:
+) -> int:
     """Every check, cheapest first. ``training``: False for render_only (no checkpoint is written); ``contracted``:
-    the grids span the contracted cube; ``fine_rows``: the fine grid's largest brick pool (0: none)."""
+    the grids span the contracted cube; ``fine_rows``: the fine grid's largest brick pool (0: none). Returns the
+    pool rows that fit the device's memory beside the grids (:func:`check_memory`)."""
     check_writable(folder)
     voxels = grid_voxels(extent, resolution, contracted)
     need = render_bytes(eval_views, height, width)
     if training:
-        check_memory(device, voxels, feature_dim, resolution, fine_rows)
+        fine_rows = check_memory(device, voxels, feature_dim, resolution, fine_rows)
         need += 2 * checkpoint_bytes(voxels + fine_rows, feature_dim)
     check_disk(folder, need)
+    return fine_rows
 
 
 __all__ = [
