@@ -217,8 +217,10 @@ def _average_both_ways(rank: int, world: int, init_file: str, results: str) -> N
         mine = marks.nonzero().squeeze(1)
         union = Group(rank, world, rank).average_gradients([], row_sparse=[*grids, lonely], marks=marks)
         marked = [p.grad for p in grids]
+        smallest = Group(rank, world, rank).minimum(10 + rank)
         torch.save(
-            {"dense": dense, "touched": touched, "marked": marked, "union": union, "mine": mine, "left": marks.any()},
+            {"dense": dense, "touched": touched, "marked": marked, "union": union, "mine": mine, "left": marks.any()}
+            | {"smallest": smallest},
             f"{results}.{rank}",
         )
     finally:
@@ -239,6 +241,7 @@ def test_touched_rows_average_equals_the_dense_average(tmp_path):
         for index, (dense, marked) in enumerate(zip(result["dense"], result["marked"])):
             torch.testing.assert_close(marked, dense, rtol=1e-6, atol=1e-7, msg=f"marked parameter {index}")
         assert torch.equal(result["union"], union) and not result["left"]  # the marks start the next step empty
+        assert result["smallest"] == 10  # Group.minimum: rank 0's 10 against rank 1's 11
 
 
 def _gradients(step: int, rank: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:

@@ -107,6 +107,7 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
         raise RunError(str(error)) from None
     box = grid_box(cfg.data, train_scene)
     trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, box, group)
+    fine_rows = group.minimum(fine_rows)  # every rank allocates the same bricks
     if fine_rows < fine_pool_rows(cfg.model):  # the fine grid gets the bricks that fit beside the grids
         trainer.model.fine.memory_cap = fine_rows // int(cfg.model.fine.brick) ** 3
         print(f"fine grid: memory for {trainer.model.fine.memory_cap} bricks on {device} (model.fine.max_bricks lower)")

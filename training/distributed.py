@@ -177,6 +177,14 @@ class Group:
         _collective("all_reduce", dist.all_reduce, tensor)
         return tuple(float(v) / self.world for v in tensor.tolist())
 
+    def minimum(self, value: int) -> int:
+        """The smallest of an integer over the ranks (e.g. the fine-grid bricks every rank's memory holds)."""
+        if not self.active:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+        _collective("all_reduce", dist.all_reduce, tensor, dist.ReduceOp.MIN)
+        return int(tensor.item())
+
     def same_everywhere(self, name: str, value: str) -> None:
         """Raise DistributedError unless every rank passes the same ``value`` (e.g. the run directory)."""
         if not self.active:
