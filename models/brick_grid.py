@@ -81,7 +81,7 @@ class BrickGrids(nn.Module):
         self.pixel_size: float | None = None  # the training views' pixel footprint at the box (set by the trainer)
         self.declined = False  # the coarse voxels were already as fine as the pixels (``fine.min_pixels``)
         self.wanted: int | None = None  # bricks the seen cells asked for at allocation (above max_bricks: capped)
-        self.memory_cap: int | None = None  # bricks the device's memory holds beside the grids (the run's preflight)
+        self.memory_cap: int | None = None  # bricks the device's memory holds beside the grids (:meth:`cap_memory`)
 
     def decline_if_resolved(self, voxel: float, min_pixels: float) -> bool:
         """Decline the fine grid, once and for all, when a coarse voxel of size ``voxel`` spans fewer than
@@ -89,12 +89,21 @@ class BrickGrids(nn.Module):
         if self.declined:
             return True
         if self.pixels_spanned(voxel) < min_pixels:
-            self.declined, self.collecting, self.seen = True, False, None
-            print(
-                f"fine grid: not needed, a coarse voxel spans {self.pixels_spanned(voxel):.2f} pixels "
-                f"(model.fine.min_pixels {min_pixels:g})"
-            )
+            spans = self.pixels_spanned(voxel)
+            self.decline(f"not needed, a coarse voxel spans {spans:.2f} pixels (model.fine.min_pixels {min_pixels:g})")
         return self.declined
+
+    def decline(self, reason: str) -> None:
+        """Give up the fine grid once and for all (no marks, no allocation), saying why."""
+        self.declined, self.collecting, self.seen = True, False, None
+        print(f"fine grid: {reason}")
+
+    def cap_memory(self, bricks: int) -> None:
+        """Hold the pool to ``bricks``, what the device's memory holds beside the grids (the run's preflight);
+        none: the fine grid is declined before training."""
+        self.memory_cap = bricks
+        if bricks < 1 and not self.declined:
+            self.decline("not allocated, no memory left beside the coarse grids")
 
     def pixels_spanned(self, voxel: float) -> float:
         """How many pixels of :attr:`pixel_size` a coarse voxel of size ``voxel`` spans (inf when not set)."""
@@ -119,10 +128,6 @@ class BrickGrids(nn.Module):
         if at is None or step < at or self.active or self.decline_if_resolved(voxel, cfg.min_pixels):
             return False
         limit = cfg.max_bricks if self.memory_cap is None else min(cfg.max_bricks, self.memory_cap)
-        if limit < 1:
-            self.declined, self.collecting, self.seen = True, False, None
-            print("fine grid: not allocated, no memory left beside the coarse grids")
-            return False
         seen = self.seen
         cells = seen if seen is not None and seen.shape == occupied.shape else occupied
         source = "seen" if cells is seen else "occupied"

@@ -182,11 +182,11 @@ def test_contracted_bricks_stay_in_the_foreground_box(contraction):
 
 def test_the_memory_cap_bounds_the_pool_and_a_zero_cap_declines_it(capsys):
     capped = fine_model()
-    capped.fine.memory_cap = 3  # what the run's preflight found room for
+    capped.fine.cap_memory(3)  # what the run's preflight found room for
     assert capped.on_step(6, 10) and capped.fine.bricks == 3 and capped.fine.wanted > 3
     assert "capped by the device's memory" in capsys.readouterr().out
     none = fine_model()
-    none.fine.memory_cap = 0
+    none.fine.cap_memory(0)
     assert not none.on_step(6, 10) and not none.fine.active and none.fine.declined
     assert not none.on_step(7, 10) and "no memory left" in capsys.readouterr().out
 

@@ -89,6 +89,7 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
     )
 
     extent = tuple(float(e) for e in (train_scene.bbox[1] - train_scene.bbox[0]).tolist())
+    pool = fine_pool_rows(cfg.model)  # the fine grid's largest brick pool (rows)
     try:
         fine_rows = run_preflight(
             paths.root,
@@ -101,16 +102,17 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
             eval_scene.width,
             training=not cfg.render_only,
             contracted=cfg.model.get("contraction", "none") == "inf",
-            fine_rows=fine_pool_rows(cfg.model),
+            fine_rows=pool,
         )
     except PreflightError as error:
         raise RunError(str(error)) from None
     box = grid_box(cfg.data, train_scene)
     trainer = Trainer(cfg, paths, device, ops, train_scene, eval_scene, seed, box, group)
     fine_rows = group.minimum(fine_rows)  # every rank allocates the same bricks
-    if fine_rows < fine_pool_rows(cfg.model):  # the fine grid gets the bricks that fit beside the grids
-        trainer.model.fine.memory_cap = fine_rows // int(cfg.model.fine.brick) ** 3
-        print(f"fine grid: memory for {trainer.model.fine.memory_cap} bricks on {device} (model.fine.max_bricks lower)")
+    if fine_rows < pool:  # the fine grid gets the bricks that fit beside the grids
+        bricks = fine_rows // int(cfg.model.fine.brick) ** 3
+        print(f"fine grid: memory for {bricks} bricks on {device} (model.fine.max_bricks lower)")
+        trainer.model.fine.cap_memory(bricks)
     if state is not None:
         trainer.restore(state, with_training_state=not cfg.render_only)
         # render_only reads the newer of model.pt and last.pt (run_dir.load_run_checkpoint); resume reads last.pt
