@@ -27,6 +27,7 @@ def sparse_adam_step(
     beta1: float,
     beta2: float,
     eps: float,
+    check_rows: bool = True,
 ) -> None:
     """One Adam step (no weight decay, no amsgrad) on ``rows`` of ``param``, in place ("masked Adam").
 
@@ -46,7 +47,8 @@ def sparse_adam_step(
         param, exp_avg, exp_avg_sq: (M, C) contiguous, float32 or float64, on one device; updated in place.
         grad: (M, C) contiguous, param's dtype and device; only its listed rows are read.
         rows: (K,) int64 on param's device: distinct row indices in [0, M) (K = 0 is a no-op). A repeated row
-            is undefined (stepped twice on the CPU; a race on CUDA); the range is checked (one device sync).
+            is undefined (stepped twice on the CPU; a race on CUDA); the range is checked (one device sync)
+            unless ``check_rows`` is False (rows the caller built in range, e.g. from ``nonzero()`` of a mask).
         step: the step number after this update, an int >= 1 (bias correction); lr: a number >= 0;
             beta1, beta2: numbers in [0, 1); eps: a number > 0.
     Raises:
@@ -54,7 +56,7 @@ def sparse_adam_step(
         ValueError: a shape, device or contiguity mismatch, a value out of its range, rows outside [0, M).
     """
     _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
-    if rows.numel():  # a data check: one small reduction and one sync
+    if check_rows and rows.numel():  # a data check: one small reduction and one sync
         low, high = torch.stack(torch.aminmax(rows)).tolist()
         if low < 0 or high >= param.shape[0]:
             raise ValueError(f"sparse_adam_step: rows must lie in [0, {param.shape[0]}), got values in [{low}, {high}]")

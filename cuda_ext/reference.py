@@ -204,6 +204,7 @@ def sparse_adam_step(
     beta1: float,
     beta2: float,
     eps: float,
+    check_rows: bool = True,
 ) -> None:
     """torch.optim.Adam's update on ``rows`` of (M, C) ``param`` (and its moments), in place; the rest untouched.
 
@@ -212,7 +213,7 @@ def sparse_adam_step(
     listed, bit for bit torch.optim.Adam. Rows not listed are neither read nor written (masked Adam).
     """
     _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
-    if rows.numel():
+    if check_rows and rows.numel():
         low, high = torch.stack(torch.aminmax(rows)).tolist()
         if low < 0 or high >= param.shape[0]:
             raise ValueError(f"sparse_adam_step: rows must lie in [0, {param.shape[0]}), got values in [{low}, {high}]")

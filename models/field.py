@@ -226,6 +226,14 @@ class OccupancyGrid(nn.Module):
             cells = F.max_pool3d(cells, kernel_size=2 * dilate + 1, stride=1, padding=dilate)
         self.mask = cells[0, 0] >= threshold
 
+    @torch.no_grad()
+    def vertex_rows(self) -> torch.Tensor:
+        """(K,) int64 increasing rows of the (R0*R1*R2,) grid vertices that are a corner of some occupied cell: every
+        row a sample's trilinear lookup can read while this mask holds (one host sync, for K)."""
+        cells = self.mask[None, None].to(torch.float32)
+        corners = F.max_pool3d(cells, kernel_size=2, stride=1, padding=1)[0, 0]  # vertex i: cells i-1 and i
+        return corners.reshape(-1).nonzero().squeeze(1)
+
     def occupied_fraction(self) -> float:
         """Share of occupied cells (a host sync: for logs, not the hot path)."""
         return float(self.mask.float().mean())

@@ -185,15 +185,15 @@ def _check_train(cfg: DictConfig) -> None:
     if shard is not _ABSENT and str(shard).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"train.shard_optimizer: expected auto, true or false, got {shard!r}")
     sparse = _get(cfg, "train.sparse_adam")
-    if sparse is not _ABSENT and str(sparse).lower() not in ("false", "true", "exact"):
-        raise ConfigError(f"train.sparse_adam: expected false, true (masked) or exact, got {sparse!r}")
+    if sparse is not _ABSENT and str(sparse).lower() not in ("false", "true", "exact", "occupied"):
+        raise ConfigError(f"train.sparse_adam: expected false, true (masked), exact or occupied, got {sparse!r}")
     eps = _get(cfg, "train.adam_eps")
     if str(sparse).lower() == "exact" and isinstance(eps, (int, float)) and eps > 1e-12:
         raise ConfigError(
             f"train.sparse_adam: exact replays skipped steps without Adam's eps, so it needs train.adam_eps <= 1e-12 "
             f"(got {eps}; the blender and capture presets use 1e-15)"
         )
-    if str(shard).lower() == "true" and str(sparse).lower() in ("true", "exact"):
+    if str(shard).lower() == "true" and str(sparse).lower() in ("true", "exact", "occupied"):
         raise ConfigError(f"train.shard_optimizer: true shards dense Adam; not with train.sparse_adam={sparse}")
     for key in (
         "train.batch_rays",

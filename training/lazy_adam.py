@@ -49,9 +49,10 @@ def adam_step_rows(state: dict, param: torch.Tensor, group: dict, step_fn: Calla
     grad = param.grad.reshape(-1, columns)
     rows = torch.arange(grad.shape[0], device=param.device) if rows is None else rows
     beta1, beta2 = group["betas"]
+    # the rows are built in range here or by the optimisers (nonzero() of a mask): no range check, no device sync
     step_fn(param.view(-1, columns), grad.contiguous(), state["exp_avg"].view(-1, columns),
             state["exp_avg_sq"].view(-1, columns), rows, int(state["step"].item()), float(group["lr"]),
-            float(beta1), float(beta2), float(group["eps"]))  # fmt: skip
+            float(beta1), float(beta2), float(group["eps"]), check_rows=False)  # fmt: skip
 
 
 class LazyGridAdam(torch.optim.Optimizer):

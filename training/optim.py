@@ -76,6 +76,26 @@ class SparseGridAdam(torch.optim.Optimizer):
         return None
 
 
+class OccupiedRows:
+    """``rows_fn`` of ``train.sparse_adam=occupied``: the grid rows at the corners of the occupancy grid's occupied
+    cells (OccupancyGrid.vertex_rows), the only rows a marched sample can read until the next refresh; computed
+    again (one host sync) only when the occupancy mask changed, i.e. every ``model.occupancy.refresh_every`` steps.
+    The total-variation estimate also reads empty space: its gradient there is dropped, as a ray never reads it."""
+
+    def __init__(self, occupancy):
+        self.occupancy = occupancy
+        self._mask: torch.Tensor | None = None  # the mask the rows were computed from, and its version
+        self._version = -1
+        self._rows: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        mask = self.occupancy.mask
+        if mask is not self._mask or mask._version != self._version:  # replaced on refresh, written in place on load
+            self._rows = self.occupancy.vertex_rows()
+            self._mask, self._version = mask, mask._version
+        return self._rows
+
+
 def shard_optimizer(setting, group: Group) -> bool:
     """``train.shard_optimizer`` (auto | true | false) for this job: auto shards when it runs on several ranks."""
     return group.active if str(setting).lower() == "auto" else bool(setting) and str(setting).lower() != "false"
@@ -239,16 +259,18 @@ def _rows_of(entry: dict | None, grid: torch.Tensor, start: int, stop: int | Non
 def sparse_adam_mode(setting) -> str:
     """``train.sparse_adam`` -> "off" | "masked" (true: untouched voxels keep value and moments) | "exact" (only
     the touched voxels are stepped, the others replay dense Adam's zero-gradient steps when next read:
-    training.lazy_adam)."""
-    modes = {"false": "off", "true": "masked", "exact": "exact"}  # the values training.config_rules accepts
+    training.lazy_adam) | "occupied" (dense Adam on the voxels of occupied cells, empty space keeps value and
+    moments: :class:`OccupiedRows`)."""
+    modes = {"false": "off", "true": "masked", "exact": "exact", "occupied": "occupied"}  # as training.config_rules
     if str(setting).lower() not in modes:
-        raise ValueError(f"train.sparse_adam: expected false, true (masked) or exact, got {setting!r}")
+        raise ValueError(f"train.sparse_adam: expected false, true (masked), exact or occupied, got {setting!r}")
     return modes[str(setting).lower()]
 
 
 def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """The trainer's Adam over its model's param_groups: dense (``torch.optim.Adam``, fused on CUDA), sharded over
-    torchrun's ranks (:class:`ShardedGridAdam`), masked (:class:`SparseGridAdam`) or exact on the touched voxels
+    torchrun's ranks (:class:`ShardedGridAdam`), masked or on the occupied voxels (:class:`SparseGridAdam`), exact
+    on the touched voxels
     (training.lazy_adam.LazyGridAdam, whose catch-ups the model calls through ``model.touched``)."""
     cfg, model, group = trainer.train_cfg, trainer.model, trainer.group
     rates = (cfg.lr, cfg.lr_decoder, cfg.get("lr_pose", 6e-4))
@@ -261,7 +283,7 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
     touched_sync = group.active and not sharded and cfg.get("dist_grad_sync", "touched") != "dense"
     # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
     # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
-    model.touched.enabled = (mode != "off" and not group.active) or touched_sync
+    model.touched.enabled = (mode in ("masked", "exact") and not group.active) or touched_sync
     model.touched.reader = model.touched.flusher = model.touched.union = None
     if mode == "exact" and group.active and not touched_sync:
         raise ConfigError("train.sparse_adam: exact under torchrun steps the touched rows: dist_grad_sync=touched")
@@ -274,6 +296,9 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
         model.touched.reader, model.touched.flusher = optimizer.catch_up, optimizer.flush
         model.touched.union = group.union_ if group.active else None
         return optimizer
+    if mode == "occupied":  # the same rows on every rank: every rank holds the same occupancy grid
+        rows_fn = OccupiedRows(model.occupancy)
+        return SparseGridAdam(groups, trainer.ops.sparse_adam_step, betas=betas, eps=eps, rows_fn=rows_fn)
     if mode == "masked":  # under torchrun: the union the sync moved, or (dense sync) a scan of the gradients
         if not group.active:
             rows_fn = lambda: model.touched.take(model.grid_shape)  # noqa: E731

@@ -1,0 +1,148 @@
+"""``train.sparse_adam=occupied``: dense Adam on the grid rows at the corners of occupied cells only.
+
+The rows (OccupancyGrid.vertex_rows) must hold every row a marched sample reads, the optimiser must step exactly
+those as torch.optim.Adam does and leave every other row (value and moments) alone, and the rows are recomputed
+only when the occupancy mask changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cuda_ext import reference
+from models.field import OccupancyGrid
+from training.optim import OccupiedRows, SparseGridAdam
+
+BETAS = (0.9, 0.99)
+
+
+@torch.no_grad()
+def ball_density(model, radius: float = 0.4) -> None:
+    """Random densities (not zeros) inside a ball at the box centre, far below the occupancy threshold outside it:
+    occupied cells around the ball, empty space elsewhere."""
+    grid = model.density.grid
+    axes = [torch.linspace(-1, 1, n) for n in grid.shape[:3]]
+    inside = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).norm(dim=-1) < radius
+    noise = torch.randn(grid.shape[:3], generator=torch.Generator().manual_seed(1))
+    grid[..., 0] = torch.where(inside, 2.0 + noise, -30.0 + noise)
+
+
+def random_occupancy(cells: tuple[int, int, int], fraction: float, seed: int = 0) -> OccupancyGrid:
+    occupancy = OccupancyGrid(tuple(c + 1 for c in cells))
+    generator = torch.Generator().manual_seed(seed)
+    occupancy.mask = torch.rand(cells, generator=generator) < fraction
+    return occupancy
+
+
+def corners_by_loops(mask: torch.Tensor) -> set[int]:
+    """Every vertex row (R0 * R1 * R2 with R = cells + 1) that is a corner of an occupied cell, one cell at a time."""
+    r1, r2 = mask.shape[1] + 1, mask.shape[2] + 1
+    rows = set()
+    for i, j, k in mask.nonzero().tolist():
+        for a, b, c in itertools.product((0, 1), repeat=3):
+            rows.add(((i + a) * r1 + (j + b)) * r2 + (k + c))
+    return rows
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.05, 0.3, 1.0])
+def test_vertex_rows_are_the_corners_of_the_occupied_cells(fraction):
+    occupancy = random_occupancy((5, 6, 7), fraction)
+    rows = occupancy.vertex_rows()
+    assert rows.dtype == torch.int64 and bool((rows[1:] > rows[:-1]).all())
+    assert set(rows.tolist()) == corners_by_loops(occupancy.mask)
+    if fraction == 1.0:
+        assert rows.numel() == 6 * 7 * 8
+
+
+def test_marched_samples_read_only_the_rows_of_occupied_cells():
+    from test_model import make_model, rays_towards_centre
+
+    model = make_model(grow_at=[], shading="per_sample", upsample=1)
+    ball_density(model)
+    model.refresh_occupancy()
+    occupied = model.occupancy.mask.float().mean().item()
+    assert 0.05 < occupied < 0.95  # some empty space to skip, some surfaces to read
+    model.touched.enabled = True
+    model.train()
+    origins, directions = rays_towards_centre(256)
+    out = model.render_rays(origins, directions)
+    out["rgb"].square().mean().backward()  # the lookups only: the TV estimate samples the whole grid
+    read = model.touched.take(model.grid_shape)
+    allowed = torch.zeros(model.density.grid.shape[:3]).reshape(-1).bool()
+    allowed[model.occupancy.vertex_rows()] = True
+    assert read.numel() > 0 and bool(allowed[read].all())
+    assert not bool(allowed.all())
+
+
+def test_occupied_rows_are_computed_again_only_when_the_mask_changes(monkeypatch):
+    occupancy = random_occupancy((4, 4, 4), 0.3)
+    calls = []
+    original = OccupancyGrid.vertex_rows
+    monkeypatch.setattr(OccupancyGrid, "vertex_rows", lambda self: calls.append(1) or original(self))
+    rows_fn = OccupiedRows(occupancy)
+    first = rows_fn()
+    assert rows_fn() is first and len(calls) == 1
+    occupancy.mask = torch.ones(4, 4, 4, dtype=torch.bool)  # a refresh replaces the mask
+    assert rows_fn().numel() == 125 and len(calls) == 2
+    occupancy.mask[0] = False  # a checkpoint loads into the buffer in place
+    assert rows_fn().numel() < 125 and len(calls) == 3
+
+
+def test_a_step_is_dense_adam_on_the_occupied_rows_and_leaves_the_rest():
+    from test_model import make_model, rays_towards_centre
+
+    model = make_model(grow_at=[], shading="per_sample", upsample=1)
+    ball_density(model)
+    model.refresh_occupancy()
+    grids = [model.density.grid, model.features.grid]
+    copies = [torch.nn.Parameter(g.detach().clone()) for g in grids]
+    occupied = SparseGridAdam(
+        [{"params": grids, "lr": 0.1, "name": "grids"}],
+        reference.sparse_adam_step,
+        betas=BETAS,
+        eps=1e-15,
+        rows_fn=OccupiedRows(model.occupancy),
+    )
+    dense = torch.optim.Adam(copies, lr=0.1, betas=BETAS, eps=1e-15)
+    inside = torch.zeros(model.density.grid.shape[:3]).reshape(-1).bool()
+    inside[model.occupancy.vertex_rows()] = True
+    model.train()
+    for step in range(3):
+        before = [g.detach().clone() for g in grids]
+        origins, directions = rays_towards_centre(128, seed=step)
+        out = model.render_rays(origins, directions)
+        occupied.zero_grad(set_to_none=True)
+        (out["rgb"].square().mean() + model.regularization()).backward()
+        for grid, copy in zip(grids, copies):
+            copy.grad = grid.grad.clone()
+        assert bool(grids[0].grad.reshape(-1)[~inside].ne(0).any())  # the TV estimate reached empty space
+        occupied.step()
+        dense.step()
+        for grid, copy, old in zip(grids, copies, before):
+            rows, wanted, old = (t.detach().reshape(-1, grid.shape[-1]) for t in (grid, copy, old))
+            torch.testing.assert_close(rows[inside], wanted[inside], rtol=1e-6, atol=1e-7)
+            assert torch.equal(rows[~inside], old[~inside])  # empty space keeps its values
+            with torch.no_grad():
+                copy.reshape(-1, grid.shape[-1])[~inside] = old[~inside]  # and so does the reference, for the next step
+                for key in ("exp_avg", "exp_avg_sq"):
+                    kept = occupied.state[grid][key].reshape(-1, grid.shape[-1])[~inside]
+                    dense.state[copy][key].reshape(-1, grid.shape[-1])[~inside] = kept
+    assert bool(occupied.state[grids[0]]["exp_avg"].reshape(-1)[~inside].eq(0).all())  # never stepped there
+
+
+def test_training_with_occupied_adam_runs_and_learns(tmp_path):
+    from test_train import read_metrics, run_train, tiny_overrides
+
+    cache = tmp_path / "cache"
+    runs = {}
+    for mode in ("false", "occupied"):
+        args = tiny_overrides(cache, 16) + [f"hydra.run.dir={tmp_path / mode}", f"train.sparse_adam={mode}"]
+        result = run_train(args + ["train.eval_every=8"], timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        runs[mode] = read_metrics(tmp_path / mode)
+    assert runs["occupied"]["psnr"] == pytest.approx(runs["false"]["psnr"], abs=0.5)
+    result = run_train(tiny_overrides(cache, 4) + [f"hydra.run.dir={tmp_path / 'bad'}", "train.sparse_adam=maybe"])
+    assert result.returncode != 0 and "expected false, true (masked), exact or occupied" in result.stderr
