@@ -127,6 +127,20 @@ def test_sparse_adam_on_two_gloo_ranks_steps_the_union_one_process_steps(tmp_pat
     assert_same_model(one, two)
 
 
+def test_occupied_adam_on_two_gloo_ranks_trains_what_one_process_trains(tmp_path):
+    # train.sparse_adam=occupied under torchrun: every rank holds the same occupancy grid, so every rank steps the
+    # same rows (no exchange of rows), with the gradients the touched-rows sync averaged
+    cache, occupied = tmp_path / "cache", ["train.sparse_adam=occupied"]
+    result = single(tiny(cache, tmp_path / "one", 12) + occupied)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + occupied)
+    assert pair.returncode == 0, ranks_output(pair)
+    one, two = (
+        load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("one", "two")
+    )
+    assert_same_model(one, two)
+
+
 def test_exact_sparse_adam_on_two_gloo_ranks_trains_what_one_process_trains_with_dense_adam(tmp_path):
     # train.sparse_adam=exact under torchrun: every rank replays the union of the rows read and steps the synced
     # union; with eps 1e-30 (the replay leaves eps out) one process's dense Adam, to float32 rounding

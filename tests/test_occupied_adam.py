@@ -12,11 +12,13 @@ import itertools
 import pytest
 import torch
 
+import cuda_ext
 from cuda_ext import reference
 from models.field import OccupancyGrid
 from training.optim import OccupiedRows, SparseGridAdam
 
 BETAS = (0.9, 0.99)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)]
 
 
 @torch.no_grad()
@@ -55,6 +57,36 @@ def test_vertex_rows_are_the_corners_of_the_occupied_cells(fraction):
     assert set(rows.tolist()) == corners_by_loops(occupancy.mask)
     if fraction == 1.0:
         assert rows.numel() == 6 * 7 * 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("step_fn", [cuda_ext.sparse_adam_step, reference.sparse_adam_step], ids=["op", "reference"])
+def test_occupied_adam_on_random_gradients_steps_the_corner_rows_only(device, step_fn):
+    """Gradients on every row (never zeros): the corner rows of occupied cells follow torch.optim.Adam, the others
+    keep their values and (zero) moments; the rows on the device match the CPU's."""
+    occupancy = random_occupancy((6, 5, 7), 0.1, seed=3).to(device)
+    inside = torch.zeros(7 * 6 * 8, dtype=torch.bool, device=device)
+    rows = occupancy.vertex_rows()
+    assert rows.device.type == device and set(rows.tolist()) == corners_by_loops(occupancy.mask.cpu())
+    inside[rows] = True
+    assert 0 < int(inside.sum()) < inside.numel()
+    generator = torch.Generator().manual_seed(2)
+    start = [torch.randn(inside.numel(), c, generator=generator, dtype=torch.float64).to(device) for c in (1, 12)]
+    grids = [torch.nn.Parameter(t.clone()) for t in start]
+    copies = [torch.nn.Parameter(t.clone()) for t in start]
+    groups = [{"params": grids, "lr": 0.05, "name": "grids"}]
+    occupied = SparseGridAdam(groups, step_fn, betas=BETAS, eps=1e-15, rows_fn=OccupiedRows(occupancy))
+    dense = torch.optim.Adam(copies, lr=0.05, betas=BETAS, eps=1e-15)
+    for _ in range(3):
+        for grid, copy in zip(grids, copies):
+            grid.grad = torch.randn(grid.shape, generator=generator, dtype=torch.float64).to(device)
+            copy.grad = grid.grad.clone()
+        occupied.step()
+        dense.step()
+    for grid, copy, first in zip(grids, copies, start):
+        torch.testing.assert_close(grid.detach()[inside], copy.detach()[inside], rtol=1e-12, atol=1e-12)
+        assert torch.equal(grid.detach()[~inside], first[~inside])
+        assert bool(occupied.state[grid]["exp_avg_sq"][~inside].eq(0).all())
 
 
 def test_marched_samples_read_only_the_rows_of_occupied_cells():
