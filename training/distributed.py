@@ -57,7 +57,6 @@ class Group:
         parameters: Iterable[torch.nn.Parameter],
         row_sparse: Iterable[torch.nn.Parameter] = (),
         marks: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Replace each gradient by its mean over the ranks (a parameter without one contributes zeros).
 
@@ -67,9 +66,6 @@ class Group:
         ``marks``: optional (R,) bool rows this rank's step read, a superset of its non-zero gradient rows (the
         model's ``TouchedRows``): the union of the parameters with R rows is taken from them instead of a scan of
         the gradients, and they are cleared. Returns that union's (K,) int64 sorted rows (None without marks).
-        ``rows``: optional (K,) int64 rows, the same on every rank (the occupied voxels' rows that
-        ``train.sparse_adam=occupied`` steps): the ``row_sparse`` gradients are averaged on those rows alone, with
-        no union and no host sync; the other rows keep this rank's gradient (the optimiser never reads them).
         """
         if not self.active:
             return None
@@ -90,16 +86,13 @@ class Group:
         by_rows: dict[int, list[torch.Tensor]] = {}
         for parameter in row_sparse:
             grad = _grad(parameter)
-            view = grad.reshape(-1, grad.shape[-1] if grad.dim() else 1)
-            by_rows.setdefault(view.shape[0], []).append(view)
+            rows = grad.reshape(-1, grad.shape[-1] if grad.dim() else 1)
+            by_rows.setdefault(rows.shape[0], []).append(rows)
         union = None
         for count, grads in by_rows.items():
-            if rows is not None:
-                self._average_rows(grads, rows)
-                continue
             own = marks if marks is not None and marks.numel() == count else None  # the marks of grids this size
-            touched = self._average_touched_rows(grads, own)
-            union = touched if own is not None else union
+            rows = self._average_touched_rows(grads, own)
+            union = rows if own is not None else union
         return union
 
     def average_model_gradients(
@@ -108,13 +101,11 @@ class Group:
         row_sparse: list[torch.nn.Parameter],
         mode: str,
         marks: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Average all of ``module``'s gradients: ``row_sparse`` (its voxel grids) on their touched rows with
-        ``mode="touched"`` (``marks``: see :meth:`average_gradients`; returns the union's rows), on the given
-        ``rows`` with ``mode="rows"``, everything whole with ``mode="dense"`` (``train.dist_grad_sync``); with
-        ``mode="sharded"`` everything but ``row_sparse``, whose gradients training.optim.ShardedGridAdam
-        reduce-scatters itself."""
+        ``mode="touched"`` (``marks``: see :meth:`average_gradients`; returns the union's rows), everything whole
+        with ``mode="dense"`` (``train.dist_grad_sync``); with ``mode="sharded"`` everything but ``row_sparse``,
+        whose gradients training.optim.ShardedGridAdam reduce-scatters itself."""
         if not self.active:
             return None
         if mode == "dense":
@@ -124,8 +115,6 @@ class Group:
         others = [parameter for parameter in module.parameters() if id(parameter) not in sparse_ids]
         if mode == "sharded":
             return self.average_gradients(others)
-        if mode == "rows":
-            return self.average_gradients(others, row_sparse=row_sparse, rows=rows)
         return self.average_gradients(others, row_sparse=row_sparse, marks=marks)
 
     def _average_touched_rows(self, grads: list[torch.Tensor], marks: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,19 +130,14 @@ class Group:
             touched = touched.to(torch.uint8)
         _collective("all_reduce", dist.all_reduce, touched, dist.ReduceOp.MAX)  # the union over the ranks
         rows = touched.nonzero().squeeze(1)  # one host sync: the count
-        self._average_rows(grads, rows)  # rows outside the union are zero on every rank already
-        return rows
-
-    def _average_rows(self, grads: list[torch.Tensor], rows: torch.Tensor) -> None:
-        """Average the (K,) ``rows`` of (R, C_i) row views of gradients over the ranks, in place: one all-reduce of
-        the rows packed side by side."""
         packed = torch.cat([grad.index_select(0, rows) for grad in grads], dim=1)
         _collective("all_reduce", dist.all_reduce, packed)
         packed.div_(self.world)
         start = 0
-        for grad in grads:
+        for grad in grads:  # rows outside the union are zero on every rank already
             grad.index_copy_(0, rows, packed[:, start : start + grad.shape[1]])
             start += grad.shape[1]
+        return rows
 
     def union_(self, mask: torch.Tensor) -> None:
         """OR-reduce a (R,) uint8 mask over the ranks, in place (the rows some rank is about to read)."""

@@ -280,9 +280,7 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
     eps = float(cfg.get("adam_eps", 1e-8))
     mode = sparse_adam_mode(cfg.get("sparse_adam", False))
     sharded = mode == "off" and shard_optimizer(cfg.get("shard_optimizer", "auto"), group)
-    # occupied: the ranks average the gradients on the rows it steps (the trainer's grad sync), no marks needed
-    dense_sync = cfg.get("dist_grad_sync", "touched") == "dense"
-    touched_sync = group.active and not sharded and mode != "occupied" and not dense_sync
+    touched_sync = group.active and not sharded and cfg.get("dist_grad_sync", "touched") != "dense"
     # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
     # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
     model.touched.enabled = (mode in ("masked", "exact") and not group.active) or touched_sync

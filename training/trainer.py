@@ -24,14 +24,7 @@ from training.evaluation import sync
 from training.floors import adam_bytes
 from training.lazy_adam import LazyGridAdam
 from training.losses import step_loss
-from training.optim import (
-    OccupiedRows,
-    ShardedGridAdam,
-    SparseGridAdam,
-    new_optimizer,
-    prepare_for_whole_reads,
-    rebuilt_optimizer,
-)
+from training.optim import ShardedGridAdam, SparseGridAdam, new_optimizer, prepare_for_whole_reads, rebuilt_optimizer
 from training.profiler import StepProfiler
 from training.resume import restore_trainer
 from training.run_checkpoints import RunCheckpoints
@@ -190,13 +183,9 @@ class Trainer:
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
                 sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
-                occupied = getattr(self.optimizer, "rows_fn", None)  # sparse_adam=occupied: the rows it will step,
-                rows = None  # the same on every rank: averaged alone, no union of the ranks' rows
-                if self.group.active and sync_mode == "touched" and isinstance(occupied, OccupiedRows):
-                    sync_mode, rows = "rows", occupied()
                 touched = self.group.active and self.model.touched.enabled  # the touched-rows sync reads the marks
                 marks = self.model.touched.mask(self.model.grid_shape) if touched else None
-                self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks, rows)
+                self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
             with profiler.section("optimizer"):
                 self.optimizer.step()
             if profiler.enabled and not isinstance(self.optimizer, (SparseGridAdam, LazyGridAdam)):  # dense only
