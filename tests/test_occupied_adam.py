@@ -178,3 +178,26 @@ def test_training_with_occupied_adam_runs_and_learns(tmp_path):
     assert runs["occupied"]["psnr"] == pytest.approx(runs["false"]["psnr"], abs=0.5)
     result = run_train(tiny_overrides(cache, 4) + [f"hydra.run.dir={tmp_path / 'bad'}", "train.sparse_adam=maybe"])
     assert result.returncode != 0 and "expected false, true (masked), exact or occupied" in result.stderr
+
+
+def test_a_dense_adam_checkpoint_resumes_with_occupied_adam(tmp_path):
+    """The optimiser's state has torch.optim.Adam's keys: a run checkpointed with dense Adam continues with the
+    occupied Adam (and the other way round), its moments' step counts going on as dense Adam's do."""
+    from test_train import run_train, tiny_overrides
+
+    from training.checkpoint import load_checkpoint
+
+    cache, counts = tmp_path / "cache", {}
+    for first, then in (("false", "false"), ("false", "occupied"), ("occupied", "false")):
+        run_dir = tmp_path / f"{first}_{then}"
+        keep = [f"hydra.run.dir={run_dir}", "train.keep_resumable=true"]
+        result = run_train(tiny_overrides(cache, 10) + keep + [f"train.sparse_adam={first}"], timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        resumed = tiny_overrides(cache, 16) + keep + [f"train.sparse_adam={then}", "train.resume=true"]
+        result = run_train(resumed, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        state = load_checkpoint(run_dir / "checkpoints" / "last.pt")
+        assert state["step"] == 16
+        counts[first, then] = [float(entry["step"]) for entry in state["optimizer"]["state"].values()]
+    assert counts["false", "occupied"] == counts["false", "false"] == counts["occupied", "false"]
+    assert max(counts["false", "false"]) == 16

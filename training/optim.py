@@ -326,6 +326,20 @@ def rebuilt_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.opt
     return optimizer
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer | ShardedGridAdam, state: dict, device_type: str) -> None:
+    """Load a checkpoint's optimiser state into any of the optimisers above: the moments and step counts carry
+    over between them (they share torch.optim.Adam's keys), and each group keeps the options its own optimiser
+    needs that the checkpoint's (from another optimiser, another torch) lacks, e.g. torch.optim.Adam's
+    ``weight_decay`` after a masked or occupied Adam wrote it."""
+    own_options = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, options in zip(optimizer.param_groups, own_options):
+        for key, value in options.items():
+            group.setdefault(key, value)
+        if isinstance(optimizer, torch.optim.Adam):  # the checkpoint may come from another device type
+            group["fused"] = device_type == "cuda"
+
+
 def prepare_for_whole_reads(optimizer: torch.optim.Optimizer | ShardedGridAdam) -> None:
     """Before a checkpoint or an evaluation, on every rank: a sharded optimiser gathers its moments for rank 0's
     checkpoint, a replaying one brings every voxel up to date."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from omegaconf import OmegaConf
 
 from training.checkpoint import CheckpointError, capture_rng_state, restore_rng_state
+from training.optim import load_optimizer_state
 
 if TYPE_CHECKING:
     from training.trainer import Trainer
@@ -70,11 +70,8 @@ def restore_trainer(trainer: Trainer, state: dict, with_training_state: bool) ->
     # re-apply the schedule at this step (idempotent: sets the TV switch; grows only if train.iters changed)
     grown = trainer.step > 0 and trainer.model.on_step(trainer.step, trainer.iters)
     trainer.optimizer = trainer._new_optimizer()
-    if not grown:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        if isinstance(trainer.optimizer, torch.optim.Adam):  # the checkpoint may come from another device type
-            for group in trainer.optimizer.param_groups:
-                group["fused"] = trainer.device.type == "cuda"
+    if not grown:  # from any of the optimisers: their states share torch.optim.Adam's keys
+        load_optimizer_state(trainer.optimizer, state["optimizer"], trainer.device.type)
     restore_rng_state(state["rng"])
     generator_state = state["sampler_generator"].cpu()
     if generator_state.numel() == trainer.generator.get_state().numel():
