@@ -8,6 +8,7 @@ handed to the grids already mapped from the box to [-1, 1] (:func:`to_unit`), wh
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -233,6 +234,12 @@ class OccupancyGrid(nn.Module):
         cells = self.mask[None, None].to(torch.float32)
         corners = F.max_pool3d(cells, kernel_size=2, stride=1, padding=1)[0, 0]  # vertex i: cells i-1 and i
         return corners.reshape(-1).nonzero().squeeze(1)
+
+    def summary(self) -> dict:
+        """Shares of the occupied cells and of the grid rows at their corners (the rows ``train.sparse_adam=occupied``
+        steps), for metrics.json (host syncs)."""
+        vertices = math.prod(size + 1 for size in self.mask.shape)
+        return {"cells": self.occupied_fraction(), "corner_rows": self.vertex_rows().numel() / vertices}
 
     def occupied_fraction(self) -> float:
         """Share of occupied cells (a host sync: for logs, not the hot path)."""

@@ -306,6 +306,7 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         "train_views": trainer.train_scene.num_views,
         "grid_shape": list(trainer.model.grid_shape),
         "grid_box": trainer.model.bbox.tolist(),
+        "occupancy": trainer.model.occupancy.summary(),  # shares of occupied cells and of the rows at their corners
         "fine_grid": trainer.model.fine.summary(),  # model.fine: its bricks and shape, or why there is none
         "pose_refinement": trainer.model.poses.summary(),  # how far the training cameras moved (None: off)
         "eval_history": trainer.eval_history,
