@@ -270,8 +270,8 @@ def sparse_adam_mode(setting) -> str:
 def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """The trainer's Adam over its model's param_groups: dense (``torch.optim.Adam``, fused on CUDA), sharded over
     torchrun's ranks (:class:`ShardedGridAdam`), masked or on the occupied voxels (:class:`SparseGridAdam`), exact
-    on the touched voxels
-    (training.lazy_adam.LazyGridAdam, whose catch-ups the model calls through ``model.touched``)."""
+    on the touched voxels (training.lazy_adam.LazyGridAdam, whose catch-ups the model calls through
+    ``model.touched``)."""
     cfg, model, group = trainer.train_cfg, trainer.model, trainer.group
     rates = (cfg.lr, cfg.lr_decoder, cfg.get("lr_pose", 6e-4))
     groups = model.param_groups(*(float(rate) for rate in rates))
