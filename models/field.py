@@ -231,9 +231,7 @@ class OccupancyGrid(nn.Module):
     def vertex_rows(self) -> torch.Tensor:
         """(K,) int64 increasing rows of the (R0*R1*R2,) grid vertices that are a corner of some occupied cell: every
         row a sample's trilinear lookup can read while this mask holds (one host sync, for K)."""
-        cells = self.mask[None, None].to(torch.float32)
-        corners = F.max_pool3d(cells, kernel_size=2, stride=1, padding=1)[0, 0]  # vertex i: cells i-1 and i
-        return corners.reshape(-1).nonzero().squeeze(1)
+        return cell_corners(self.mask).reshape(-1).nonzero().squeeze(1)
 
     def summary(self) -> dict:
         """Shares of the occupied cells and of the grid rows at their corners (the rows ``train.sparse_adam=occupied``
