@@ -7,9 +7,9 @@ A (size^3, C) float32 grid (default 320^3 x 12 on CUDA, the blender preset's fea
 whose ``.grad`` already holds a dense gradient, as the lookups leave it before the TV estimate's backward runs
 (models/model.py computes the TV before the forward). Each timed run is ``VoxelGrid.total_variation(samples)``
 and its backward onto that gradient: plain indexing (a zero-filled grid-sized gradient, the rows scattered into
-it, a whole-grid add: 4 M C 4 bytes at least) against ``models.sparse_rows.gather_rows`` (the 4 K rows read, and
-added onto the gradient: 3 x 4 K C 4 bytes). Reported: median ms, GB/s and % of the copy bandwidth on each
-variant's bytes, and the speed-up of the sparse gradient.
+it, a whole-grid add: 4 M C 4 bytes at least) against ``models.sparse_rows.RowGradients`` (the 4 K rows read,
+and their gradient added onto the grid's with one ``index_add_`` after the backward: 3 x 4 K C 4 bytes).
+Reported: median ms, GB/s and % of the copy bandwidth on each variant's bytes, and the speed-up of the rows.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_timing import Timer, bench_timer, measure_copy, print_header, report_header, write_report  # noqa: E402
 
 from models.field import VoxelGrid  # noqa: E402
+from models.sparse_rows import RowGradients  # noqa: E402
 
 
 def dense_bytes(rows: int, channels: int) -> int:
@@ -47,13 +48,15 @@ def bench(device: torch.device, side: int, channels: int, samples: int, timer: T
     grid.grid.grad = torch.randn_like(grid.grid)  # the lookups' dense gradient, already there
     rows = side**3
     results = []
-    for variant, sparse, nbytes in (
-        ("dense (indexing)", False, dense_bytes(rows, channels)),
-        ("sparse (gather_rows)", True, sparse_bytes(samples, channels)),
+    for variant, row_grads, nbytes in (
+        ("dense (indexing)", None, dense_bytes(rows, channels)),
+        ("rows (RowGradients)", RowGradients(), sparse_bytes(samples, channels)),
     ):
 
-        def run(i: int, sparse: bool = sparse) -> None:
-            grid.total_variation(samples, sparse_grad=sparse).backward()
+        def run(i: int, row_grads: RowGradients | None = row_grads) -> None:
+            grid.total_variation(samples, rows=row_grads).backward()
+            if row_grads is not None:
+                row_grads.scatter()
 
         timing = timer(run, lambda i: None, 1)
         gbps = nbytes / timing["ms"] / 1e6

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from models.config import FineConfig, step_of
 from models.field import cell_coords, cell_corners
 from models.ops import OpSet
-from models.sparse_rows import gather_rows
+from models.sparse_rows import RowGradients, gather_rows
 
 
 def fine_shape(coarse_shape: tuple[int, int, int], factor: int) -> tuple[int, int, int]:
@@ -217,20 +217,20 @@ class BrickGrids(nn.Module):
             )
 
     def regularization(
-        self, tv_density: float, tv_features: float, num_samples: int, sparse_grad: bool = False
+        self, tv_density: float, tv_features: float, num_samples: int, rows: RowGradients | None = None
     ) -> torch.Tensor:
         """``tv_density`` x the density rows' :meth:`total_variation` + ``tv_features`` x the features' (scalar)."""
         terms = [
-            weight * self.total_variation(values, num_samples, sparse_grad)
+            weight * self.total_variation(values, num_samples, rows)
             for weight, values in ((tv_density, self.density), (tv_features, self.features))
             if weight > 0
         ]
         return sum(terms) if terms else self.density[:1].sum() * 0.0  # the zero reads one row, not the pool
 
-    def total_variation(self, values: torch.Tensor, num_samples: int, sparse_grad: bool = False) -> torch.Tensor:
+    def total_variation(self, values: torch.Tensor, num_samples: int, rows: RowGradients | None = None) -> torch.Tensor:
         """Mean squared difference between neighbouring fine vertices inside bricks, summed over the 3 axes,
-        estimated on ``num_samples`` random vertices (scalar; pairs across brick faces are left out). With
-        ``sparse_grad`` its gradient reaches ``values`` as a sparse one of the rows read (models.sparse_rows)."""
+        estimated on ``num_samples`` random vertices (scalar; pairs across brick faces are left out). Through
+        ``rows`` its gradient reaches ``values`` as the rows read, at ``rows.scatter()`` (models.sparse_rows)."""
         b = self.brick
         if b < 2 or not self.active:
             return values[:1].sum() * 0.0
@@ -239,7 +239,7 @@ class BrickGrids(nn.Module):
         slot = torch.randint(self.bricks, (num_samples,), device=device)
         centre = slot * b**3 + (local[0] * b + local[1]) * b + local[2]
         index = torch.stack([centre, centre + b * b, centre + b, centre + 1]).reshape(-1)
-        picked = gather_rows(values, index, sparse_grad).reshape(4, num_samples, -1)
+        picked = gather_rows(values, index, rows).reshape(4, num_samples, -1)
         return ((picked[1:] - picked[:1]) ** 2).mean(dim=(1, 2)).sum()
 
     # the fine grid's shape travels with its rows: "_extra_state" = (V0, V1, V2, brick) int64

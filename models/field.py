@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.ops import OpSet
-from models.sparse_rows import gather_rows
+from models.sparse_rows import RowGradients, gather_rows
 
 
 def grid_shape(extent: tuple[float, float, float], resolution: int) -> tuple[int, int, int]:
@@ -124,7 +124,7 @@ class VoxelGrid(nn.Module):
         foreground: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         outside: float = 1.0,
         reader: Callable[[torch.Tensor], None] | None = None,
-        sparse_grad: bool = False,
+        rows: RowGradients | None = None,
     ) -> torch.Tensor:
         """Mean squared difference between neighbouring voxels, summed over the 3 axes (scalar).
 
@@ -136,8 +136,8 @@ class VoxelGrid(nn.Module):
         by ``outside`` (``model.tv_background``; 1 or no masks: the unweighted sum, the same operations as ever).
         ``reader``: optional, called with the (K,) rows the estimate reads before it reads them
         (TouchedRows.before_read_rows with the grid's shape).
-        ``sparse_grad``: the estimate's gradient reaches the grid as a sparse one of its rows (models.sparse_rows;
-        the whole-grid form's gradient is dense either way).
+        ``rows``: optional, the estimate gathers through it, so its gradient reaches the grid as the rows it read
+        when ``rows.scatter()`` runs after the backward (models.sparse_rows; the whole-grid form's is dense).
         """
         grid = self.grid
         r0, r1, r2 = self.shape
@@ -165,7 +165,7 @@ class VoxelGrid(nn.Module):
             touched[index.reshape(-1)] = True
         if reader is not None:
             reader(index.reshape(-1))
-        values = gather_rows(grid, index.reshape(-1), sparse_grad).reshape(4, num_samples, -1)
+        values = gather_rows(grid, index.reshape(-1), rows).reshape(4, num_samples, -1)
         if weighted:  # the (3, S) weights of each sampled voxel's three pairs
             vertex = [f[c] for f, c in zip(foreground, (i, j, k))]
             pair = [f[c] & f[c + 1] for f, c in zip(foreground, (i, j, k))]

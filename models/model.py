@@ -43,6 +43,7 @@ from models.render import (
     check_rays,
     checked_box,
 )
+from models.sparse_rows import RowGradients
 
 
 class VoxelNeRF(nn.Module):
@@ -95,6 +96,7 @@ class VoxelNeRF(nn.Module):
         self.poses = PoseRefinement(c.pose_refinement)  # per-training-image camera corrections (sized by the trainer)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
+        self.row_grads = RowGradients()  # model.tv_sparse_grad: the TV rows' gradients, added after the backward
 
     # the schedule's state travels with the weights: state_dict "_extra_state" = (resolution, shrunk) int64
     def get_extra_state(self) -> torch.Tensor:
@@ -278,9 +280,12 @@ class VoxelNeRF(nn.Module):
         return groups
 
     def regularization(self) -> torch.Tensor:
-        """Weighted total variation of the density and feature grids (scalar; zero after ``tv_until``)."""
+        """Weighted total variation of the density and feature grids (scalar; zero after ``tv_until``). With
+        ``model.tv_sparse_grad`` its gradient reaches the grids only at ``self.row_grads.scatter()``, which the
+        caller runs after ``backward()``."""
         c = self.config
         terms = []
+        self.row_grads.clear()  # gathers of an estimate that was never backpropagated
         if self.progress <= c.tv_until:
             touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
             # a replaying Adam catches up the rows the estimate reads
@@ -288,15 +293,13 @@ class VoxelNeRF(nn.Module):
             # model.tv_background: the contracted shell's pairs weigh that much more (None / 1: unweighted)
             weighted = c.tv_background != 1.0
             shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)
-            sparse = c.tv_sparse_grad  # the estimate's gradient as the rows it read, not a whole-grid tensor
+            rows = self.row_grads if c.tv_sparse_grad else None  # the rows read, not a whole-grid gradient
             for weight, grid in ((c.tv_density, self.density), (c.tv_features, self.features)):
                 if weight > 0:
-                    terms.append(
-                        weight * grid.total_variation(c.tv_samples, touched, *shell, reader, sparse_grad=sparse)
-                    )
+                    terms.append(weight * grid.total_variation(c.tv_samples, touched, *shell, reader, rows=rows))
             if self.fine.active:  # the fine grid's own, at its spacing
                 weights = (c.tv_density * c.fine.tv, c.tv_features * c.fine.tv)
-                terms.append(self.fine.regularization(*weights, c.tv_samples, sparse))
+                terms.append(self.fine.regularization(*weights, c.tv_samples, rows))
         # no term: a zero that stays in the graph, so backward() always works
         return sum(terms) if terms else self.density.grid.reshape(-1)[:1].sum() * 0.0
 

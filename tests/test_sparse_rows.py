@@ -1,6 +1,7 @@
-"""models/sparse_rows.py and ``model.tv_sparse_grad``: the row gather whose gradient is sparse gives the gradients
-plain indexing gives (float64, repeated rows, on its own and added onto a dense gradient), the TV estimates of the
-coarse and fine grids give the same losses and gradients either way, and a training run is the same run."""
+"""models/sparse_rows.py and ``model.tv_sparse_grad``: rows gathered through ``RowGradients`` and scattered back
+after the backward give the gradients plain indexing gives (float64, repeated rows, on their own and added onto a
+dense gradient), the TV estimates of the coarse and fine grids give the same losses and gradients either way, and a
+training run is the same run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from test_model import make_model, randomize_density
 
-from models.sparse_rows import densify_grads, gather_rows
+from models.sparse_rows import RowGradients, gather_rows
 
 F64 = torch.float64
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)]
@@ -21,45 +22,55 @@ def _table(shape, seed=0, device="cpu") -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(5, 4, 3, 6), (40, 2)], ids=["grid", "rows"])
-def test_gather_rows_matches_indexing_and_its_gradient(shape, device):
+def test_gathered_rows_match_indexing_and_its_gradient(shape, device):
     rows = int(torch.tensor(shape[:-1]).prod())
     generator = torch.Generator().manual_seed(1)
     index = torch.randint(rows, (64,), generator=generator).to(device)  # 64 draws from <= 60 rows: repeats
     assert index.unique().numel() < index.numel()
     weights = torch.randn(64, shape[-1], dtype=F64, generator=generator).to(device)
     table, reference = _table(shape, device=device), _table(shape, device=device)
-    picked = gather_rows(table, index)
-    assert torch.equal(picked, reference.reshape(-1, shape[-1])[index])
+    row_grads = RowGradients()
+    picked = row_grads.gather(table, index)
+    assert torch.equal(picked, reference.reshape(-1, shape[-1])[index]) and len(row_grads) == 1
     (picked**2 * weights).sum().backward()
     (reference.reshape(-1, shape[-1])[index] ** 2 * weights).sum().backward()
-    assert table.grad.is_sparse and table.grad.shape == table.shape  # the rows only
-    densify_grads([table])
-    assert not table.grad.is_sparse
+    assert table.grad is None  # autograd stopped at the gathered rows
+    row_grads.scatter()
+    assert len(row_grads) == 0 and table.grad.shape == table.shape and not table.grad.is_sparse
     torch.testing.assert_close(table.grad, reference.grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gather_rows_adds_onto_a_dense_gradient_in_place_of_a_grid_sized_one(device):
+def test_scattered_rows_add_onto_a_dense_gradient(device):
     table, reference = _table((6, 5, 4, 3), device=device), _table((6, 5, 4, 3), device=device)
     index = torch.randint(120, (50,), generator=torch.Generator().manual_seed(2)).to(device)
-    for t, sparse in ((table, True), (reference, False)):
+    row_grads = RowGradients()
+    for t, rows in ((table, row_grads), (reference, None)):
         dense_term = (t * t.detach().cos()).sum()  # a lookup-like term: a dense gradient
-        # the gather first in the graph, so autograd reaches it last, as the trainer orders TV and lookups
-        gathered = gather_rows(t, index, sparse_grad=sparse)
-        (dense_term + (gathered**3).sum()).backward()
-    assert not table.grad.is_sparse  # added onto the dense one
+        (dense_term + (gather_rows(t, index, rows) ** 3).sum()).backward()
+    before = table.grad.clone()
+    torch.testing.assert_close(before, table.detach().cos())  # the gathered rows' share is not in yet
+    row_grads.scatter()
     torch.testing.assert_close(table.grad, reference.grad, rtol=1e-12, atol=1e-12)
 
 
-def test_without_grad_or_sparse_grad_it_is_plain_indexing():
+def test_without_grad_it_is_plain_indexing_and_unscattered_gathers_are_forgotten():
     table = _table((10, 3))
     index = torch.tensor([3, 3, 7])
+    row_grads = RowGradients()
     with torch.no_grad():
-        assert gather_rows(table, index).grad_fn is None
-    plain = gather_rows(table, index, sparse_grad=False)
+        assert row_grads.gather(table, index).grad_fn is None and len(row_grads) == 0
+    plain = gather_rows(table, index)
     assert "Index" in type(plain.grad_fn).__name__
-    plain.sum().backward()
-    assert not table.grad.is_sparse
+    row_grads.gather(table, index)
+    row_grads.clear()
+    row_grads.scatter()  # nothing left to add
+    assert table.grad is None
+    unused = row_grads.gather(table, index)
+    (plain.sum() + 0 * unused.detach().sum()).backward()  # the gathered rows are not in the loss
+    row_grads.scatter()
+    want = torch.zeros_like(table).index_put((index,), torch.ones(3, 3, dtype=F64), accumulate=True)
+    torch.testing.assert_close(table.grad, want)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +97,7 @@ def test_the_tv_estimate_is_the_same_with_a_sparse_gradient(overrides, device):
         torch.manual_seed(6)  # the same TV sample
         loss = model.regularization()
         loss.backward()
-        densify_grads(model.parameters())
+        model.row_grads.scatter()
         grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (dense_loss, dense), (sparse_loss, sparse) = grads
     torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-12, atol=0)
@@ -133,7 +144,7 @@ def test_bench_tv_grad_smoke_cpu(tmp_path, load_bench):
     )
     assert out.exists() and report["grid"] == {"size": 12, "rows": 1728, "channels": 12, "dtype": "float32"}
     dense, sparse = report["results"]
-    assert dense["variant"].startswith("dense") and sparse["variant"].startswith("sparse")
+    assert dense["variant"].startswith("dense") and sparse["variant"].startswith("rows")
     assert dense["bytes"] == 4 * 1728 * 12 * 4 and sparse["bytes"] == 3 * 4 * 200 * 12 * 4
     assert all(r["ms"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0 for r in (dense, sparse))
     assert sparse["speedup_vs_dense"] == pytest.approx(dense["ms"] / sparse["ms"])

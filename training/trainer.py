@@ -15,7 +15,6 @@ from data import PatchSampler, RaySampler, Scene
 from data.samplers import PatchBatch
 from models.model import VoxelNeRF
 from models.ops import OpSet
-from models.sparse_rows import densify_grads
 from training import evaluation
 from training.checkpoint import InterruptGuard, StepCheckpoints
 from training.config import ConfigError
@@ -177,8 +176,7 @@ class Trainer:
                 loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                if self.model.config.tv_sparse_grad:  # a grid that only the sparse TV reached
-                    densify_grads(self.model.parameters())
+                self.model.row_grads.scatter()  # model.tv_sparse_grad: the TV rows' gradients onto the grids'
             with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients averaged
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
