@@ -253,6 +253,7 @@ def train_and_evaluate(train, val, contraction: str, iters: int = 100, model_out
         mse = ((model.render_rays(batch.origins, batch.directions)["rgb"] - batch.rgb) ** 2).mean()
         optimizer.zero_grad()
         (mse + model.regularization()).backward()
+        model.row_grads.scatter()  # the TV rows' gradients (model.tv_sparse_grad)
         optimizer.step()
         if model.on_step(step, iters):
             optimizer = torch.optim.Adam(model.param_groups(0.1, 3e-3))

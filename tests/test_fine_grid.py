@@ -291,6 +291,7 @@ def test_fine_grid_trains_and_its_tv_has_a_gradient():
         model.fine.features.normal_()
     loss = model.regularization()
     loss.backward()
+    model.row_grads.scatter()  # the TV rows' gradients (model.tv_sparse_grad)
     assert model.fine.features.grad is not None and model.fine.features.grad.abs().sum() > 0
 
 

@@ -241,6 +241,7 @@ def test_gradients_reach_grids_and_decoder():
     out = model.render_rays(origins, directions)
     loss = ((out["rgb"] - 0.3) ** 2).mean() + model.regularization()
     loss.backward()
+    model.row_grads.scatter()  # the TV rows' gradients (model.tv_sparse_grad)
     assert model.density.grid.grad.abs().sum() > 0
     assert model.features.grid.grad.abs().sum() > 0
     assert model.decoder.out.weight.grad.abs().sum() > 0  # zero-initialised, but it gets a gradient
@@ -557,6 +558,7 @@ def test_tiny_overfit(tiny_scene, upsample, one_thread):
         mse = ((out["rgb"] - batch.rgb) ** 2).mean()
         optimizer.zero_grad()
         (mse + model.regularization()).backward()
+        model.row_grads.scatter()  # the TV rows' gradients (model.tv_sparse_grad)
         optimizer.step()
         if model.on_step(step, iters):
             optimizer = torch.optim.Adam(model.param_groups(0.1, 3e-3))

@@ -148,6 +148,7 @@ def test_a_step_is_dense_adam_on_the_occupied_rows_and_leaves_the_rest():
         out = model.render_rays(origins, directions)
         occupied.zero_grad(set_to_none=True)
         (out["rgb"].square().mean() + model.regularization()).backward()
+        model.row_grads.scatter()  # the TV rows' gradients (model.tv_sparse_grad)
         for grid, copy in zip(grids, copies):
             copy.grad = grid.grad.clone()
         assert bool(grids[0].grad.reshape(-1)[~inside].ne(0).any())  # the TV estimate reached empty space

@@ -363,6 +363,7 @@ def test_model_lists_every_row_a_training_step_changes():
     origins, directions = rays_towards_centre(64)
     out = model.render_rays(origins, directions)
     (out["rgb"].square().mean() + model.regularization()).backward()
+    model.row_grads.scatter()  # the TV rows' gradients (model.tv_sparse_grad)
     rows = model.touched.take(model.grid_shape)
     assert rows.numel() > 0 and bool((rows[1:] > rows[:-1]).all())
     listed = torch.zeros(model.density.grid.shape[:3]).reshape(-1).bool()
@@ -390,6 +391,7 @@ def test_sparse_adam_first_step_on_listed_rows_equals_the_scan_of_the_gradients(
         before = [p.detach().clone() for p in model.parameters()]
         optimizer.zero_grad(set_to_none=True)
         (out["rgb"].square().mean() + model.regularization()).backward()
+        model.row_grads.scatter()  # the TV rows' gradients (model.tv_sparse_grad)
         optimizer.step()
         after = [p.detach().clone() for p in model.parameters()]
         assert any(not torch.equal(a, b) for a, b in zip(after, before))
