@@ -38,6 +38,20 @@ def port_open(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+def connect_client(port: int, viewer: str) -> SimulatedClient | None:
+    """A simulated browser on the viewer at ``port`` (orbiting for "moving"), or None when the server closed the
+    connection first (a run that ended, or is still starting up: the caller retries while the run lives)."""
+    from websockets.exceptions import ConnectionClosed  # viser's dependency
+
+    try:
+        client = SimulatedClient(f"http://127.0.0.1:{port}")
+    except (OSError, ConnectionClosed):
+        return None
+    if viewer == "moving":
+        client.orbit(seconds_per_turn=10.0)
+    return client
+
+
 def run(name: str, overrides: list[str], runs: Path, viewer: str | None, timeout: float) -> dict:
     """One training run; ``viewer``: None (off), "still" or "moving" (on, one simulated browser)."""
     run_dir = runs / name
@@ -51,10 +65,8 @@ def run(name: str, overrides: list[str], runs: Path, viewer: str | None, timeout
     try:
         while viewer is not None and client is None and process.poll() is None and time.monotonic() < deadline:
             if port_open(port):
-                client = SimulatedClient(f"http://127.0.0.1:{port}")
-                if viewer == "moving":
-                    client.orbit(seconds_per_turn=10.0)
-            else:
+                client = connect_client(port, viewer)
+            if client is None:
                 time.sleep(0.05)
         output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:

@@ -320,7 +320,7 @@ def test_throughput_bench_runs_off_still_and_moving_with_a_connected_client(tmp_
 
     out = tmp_path / "throughput.json"
     command = [sys.executable, str(REPO / "bench" / "viewer_throughput.py"), "--json", str(out)]
-    command += ["--runs", str(tmp_path / "runs"), "--", *tiny_overrides(tmp_path / "cache", 150)]
+    command += ["--runs", str(tmp_path / "runs"), "--", *tiny_overrides(tmp_path / "cache", 600)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     runs = {r["viewer"]: r for r in json.loads(out.read_text())["results"]}
