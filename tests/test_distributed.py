@@ -36,11 +36,13 @@ def tiny(cache: Path, run_dir: Path, iters: int) -> list[str]:
     ]
 
 
-def torchrun(ranks: int, args: list[str], timeout: float = 240, **popen) -> subprocess.CompletedProcess:
+def torchrun(
+    ranks: int, args: list[str], timeout: float = 240, script: str = "train.py", **popen
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [*command, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env, **popen
+        [*command, script, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env, **popen
     )
 
 
@@ -355,3 +357,43 @@ def test_shard_optimizer_setting():
     two = Group(0, 2, 0)
     assert shard_optimizer("auto", two) and not shard_optimizer("auto", Group())
     assert shard_optimizer(True, two) and not shard_optimizer(False, two) and not shard_optimizer("false", two)
+
+
+def test_gradient_exchange_bench_checks_every_exchange_against_the_ranks_mean(tmp_path):
+    # bench/bench_grad_exchange.py asserts each whole exchange (dense, touched rows, occupied rows) equals the mean
+    # of the ranks' gradients before timing it: on gloo this is that check, at a size where the rows differ
+    out = tmp_path / "exchange.json"
+    args = [
+        "--device",
+        "cpu",
+        "--size",
+        "12",
+        "--repeats",
+        "1",
+        "--touched",
+        "0.2",
+        "--run-length",
+        "4",
+        "--json",
+        str(out),
+    ]
+    result = torchrun(2, args, timeout=120, script="bench/bench_grad_exchange.py")
+    assert result.returncode == 0, ranks_output(result)
+    report = json.loads(out.read_text())
+    assert [r["variant"] for r in report["results"]] == [
+        "dense",
+        "touched",
+        "occupied",
+        "occupied: pack",
+        "occupied: all-reduce",
+        "occupied: copy back",
+    ]
+    assert all(r["ms"] > 0 and r["slowest_rank_ms"] >= r["ms"] for r in report["results"])
+    assert 0 < report["occupied_rows"] < 12**3 and 0 < report["union_rows"] < 12**3
+
+
+def test_gradient_exchange_bench_refuses_a_single_process():
+    result = subprocess.run(
+        [sys.executable, "bench/bench_grad_exchange.py", "--device", "cpu"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode != 0 and "torchrun" in result.stderr

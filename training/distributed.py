@@ -130,14 +130,20 @@ class Group:
             touched = touched.to(torch.uint8)
         _collective("all_reduce", dist.all_reduce, touched, dist.ReduceOp.MAX)  # the union over the ranks
         rows = touched.nonzero().squeeze(1)  # one host sync: the count
+        self.average_rows(grads, rows)  # rows outside the union are zero on every rank already
+        return rows
+
+    def average_rows(self, grads: list[torch.Tensor], rows: torch.Tensor) -> None:
+        """Average the (K,) int64 ``rows`` (the same on every rank) of (R, C_i) row views of gradients over the
+        ranks, in place: the rows packed side by side (K, sum C_i), one all-reduce, copied back. The other rows
+        keep this rank's values."""
         packed = torch.cat([grad.index_select(0, rows) for grad in grads], dim=1)
         _collective("all_reduce", dist.all_reduce, packed)
         packed.div_(self.world)
         start = 0
-        for grad in grads:  # rows outside the union are zero on every rank already
+        for grad in grads:
             grad.index_copy_(0, rows, packed[:, start : start + grad.shape[1]])
             start += grad.shape[1]
-        return rows
 
     def union_(self, mask: torch.Tensor) -> None:
         """OR-reduce a (R,) uint8 mask over the ranks, in place (the rows some rank is about to read)."""
