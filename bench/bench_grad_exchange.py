@@ -15,8 +15,9 @@ The variants, each through training.distributed.Group as training calls it:
             steps: ``--occupied`` of the rows), packed, all-reduced and copied back (Group.average_rows)
 
 and the occupied variant's parts alone: packing (index_select + cat), the all-reduce of the packed rows, and
-the copy back (index_copy_). Every variant is first checked against the mean of all ranks' gradients (each rank
-regenerates every rank's gradient from its seed) on the rows it promises. Reported, from rank 0 with the slowest
+the copy back (index_copy_, and index_put_ beside it: checked to write the same). Every whole exchange is first
+checked against the mean of all ranks' gradients (each rank regenerates every rank's gradient from its seed) on the
+rows it promises. Reported, from rank 0 with the slowest
 rank's median beside it: median ms, the bytes each rank sends, NCCL's bus bandwidth (2 (N-1)/N x bytes / time),
 and each variant's ratio to dense. The lego preset's figures: occupied rows 26%, mic's 5% (metrics.json
 ``occupancy.corner_rows``). On the CPU (gloo) it runs at a small size: a correctness check, not a measurement.
@@ -82,10 +83,14 @@ def bench(group: distributed.Group, device: torch.device, args: argparse.Namespa
     def pack(i: int) -> None:
         torch.cat([g.index_select(0, occupied) for g in grads], dim=1, out=packed)
 
-    def copy_back(i: int) -> None:
+    def copy_back(i: int, index_put: bool = False) -> None:
         start = 0
         for g in grads:
-            g.index_copy_(0, occupied, packed[:, start : start + g.shape[1]])
+            part = packed[:, start : start + g.shape[1]]
+            if index_put:  # the alternative kernel: advanced-index assignment
+                g.index_put_((occupied,), part)
+            else:
+                g.index_copy_(0, occupied, part)
             start += g.shape[1]
 
     row_bytes = 4 * sum(CHANNELS)
@@ -105,7 +110,16 @@ def bench(group: distributed.Group, device: torch.device, args: argparse.Namespa
         ("occupied: pack", pack, 0, 2 * occupied_bytes, None),
         ("occupied: all-reduce", lambda i: dist.all_reduce(packed), occupied_bytes, 0, None),
         ("occupied: copy back", copy_back, 0, 2 * occupied_bytes, None),
+        ("occupied: copy back (index_put_)", lambda i: copy_back(i, index_put=True), 0, 2 * occupied_bytes, None),
     ]
+    reset(0)
+    copy_back(0)
+    by_index_copy = [g.clone() for g in grads]
+    reset(0)
+    copy_back(0, index_put=True)
+    for g, expected in zip(grads, by_index_copy):
+        torch.testing.assert_close(g, expected, rtol=0, atol=0)
+    del by_index_copy
     timer = Timer(device, warmup=3 if device.type == "cuda" else 1, repeats=args.repeats, budget_s=math.inf)
     copy = measure_copy(timer, (1 << 30) if device.type == "cuda" else (1 << 24))
     results = []
@@ -183,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     for r in report["results"]:
         rate = f"{r['bus_GBps']:8.1f} GB/s bus" if "bus_GBps" in r else f"{r.get('pct_copy', 0):8.1f}% copy  "
         print(
-            f"{r['variant']:22s} {r['ms']:9.3f} ms (slowest rank {r['slowest_rank_ms']:9.3f})  {rate}  "
+            f"{r['variant']:34s} {r['ms']:9.3f} ms (slowest rank {r['slowest_rank_ms']:9.3f})  {rate}  "
             f"{r['vs_dense']:5.2f}x dense"
         )
     write_report(report, args.json)

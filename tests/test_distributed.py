@@ -387,6 +387,7 @@ def test_gradient_exchange_bench_checks_every_exchange_against_the_ranks_mean(tm
         "occupied: pack",
         "occupied: all-reduce",
         "occupied: copy back",
+        "occupied: copy back (index_put_)",
     ]
     assert all(r["ms"] > 0 and r["slowest_rank_ms"] >= r["ms"] for r in report["results"])
     assert 0 < report["occupied_rows"] < 12**3 and 0 < report["union_rows"] < 12**3
