@@ -63,6 +63,7 @@ class SceneSpace:
         origins: torch.Tensor,
         directions: torch.Tensor,
         bbox: torch.Tensor,
+        extent: tuple[float, float, float],
         near: float,
         far: float,
         step: float,
@@ -71,8 +72,8 @@ class SceneSpace:
         """march_rays' ray ranges for (B, 3) rays: t_start (B,), t_end (B,), t_split (B,) or None (bounded), and the
         samples per ray. Bounded: the box chord within [near, far]. Contracted: from near to infinity, linear up to
         :func:`split_distances` (at most far - near of it), then P / step samples in disparity; capped at
-        ``max_samples``."""
-        extent = tuple(float(e) for e in (bbox[1] - bbox[0]).tolist())
+        ``max_samples``. ``extent``: the (2, 3) ``bbox``'s edge lengths as the host keeps them (the model's
+        ``extent``): read from a CUDA box they would cost a device sync every step."""
         if not self.contract:
             t_start, t_end = ray_box_intersect(origins, directions, bbox, near, far)
             return t_start, t_end, None, num_samples_per_ray(extent, near, far, step, max_samples)

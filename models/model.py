@@ -198,7 +198,7 @@ class VoxelNeRF(nn.Module):
         self.fine.check_unallocated("shrink")
         old_bbox = self.bbox.clone()
         self.bbox.copy_(new_bbox)
-        self.extent = tuple(float(e) for e in (new_bbox[1] - new_bbox[0]).tolist())
+        self.extent = tuple(float(e) for e in (self.bbox[1] - self.bbox[0]).tolist())  # as stored (float32)
         self._resolution = resolution
         shape = self.shape_at(resolution)
         for grid in (self.density, self.features):

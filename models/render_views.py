@@ -101,7 +101,7 @@ def march(
     space = model.space
     rays = (origins.detach(), directions.detach())  # the samples are data (refined poses: the points move below)
     t_start, t_end, t_split, num_samples = space.march_range(
-        *rays, model.bbox, model.near, model.far, step, c.max_samples
+        *rays, model.bbox, model.extent, model.near, model.far, step, c.max_samples
     )
     if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
         jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
@@ -168,7 +168,7 @@ def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tenso
     c, space = model.config, model.space
     num_rays, step = origins.shape[0], model.step_size
     t_start, t_end, t_split, num_samples = space.march_range(
-        origins, directions, model.bbox, model.near, model.far, step, c.max_samples
+        origins, directions, model.bbox, model.extent, model.near, model.far, step, c.max_samples
     )
     offset = torch.full((num_rays,), 0.5, device=origins.device, dtype=origins.dtype)
     ray, t, points, offsets = model.ops.march_rays(

@@ -146,6 +146,37 @@ def test_split_distances():
     assert float(box_radius(box)) == 1.0
 
 
+@pytest.mark.parametrize("contract", ["none", "inf"])
+def test_march_range_uses_the_host_extent(contract):
+    """The samples per ray come from the extent the host keeps, not from the box (on CUDA: no sync); the ranges
+    are the box's either way."""
+    space = SceneSpace(contract)
+    box = torch.tensor([[-1.0, -2.0, -1.0], [1.0, 2.0, 3.0]])
+    origins = torch.tensor([[-5.0, 0, 1], [0, 0, 1]])
+    directions = torch.tensor([[1.0, 0, 0], [0, 1, 0]])
+    extent = tuple(float(e) for e in (box[1] - box[0]).tolist())
+    first = space.march_range(origins, directions, box, extent, 0.1, 12.0, 0.05, 4096)
+    second = space.march_range(origins, directions, box, (4.0, 8.0, 8.0), 0.1, 12.0, 0.05, 4096)
+    for a, b in zip(first[:3], second[:3]):
+        torch.testing.assert_close(a, b)  # the ranges: from the box
+    assert first[3] != second[3]  # the count: from the extent given
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("contract", ["none", "inf"])
+def test_march_range_makes_no_device_sync(contract):
+    space = SceneSpace(contract)
+    box = torch.tensor([[-1.0, -2.0, -1.0], [1.0, 2.0, 3.0]], device="cuda")
+    origins = torch.randn(64, 3, device="cuda") * 4
+    directions = torch.nn.functional.normalize(torch.randn(64, 3, device="cuda"), dim=-1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        space.march_range(origins, directions, box, (2.0, 4.0, 4.0), 0.1, 12.0, 0.05, 4096)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_vertex_steps_grow_outwards_and_cover_their_cells():
     r = 21
     steps = SceneSpace("inf").vertex_steps((r, r, r), torch.device("cpu")).double()
