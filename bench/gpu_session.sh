@@ -3,7 +3,7 @@
 # then run the requested stages, logging each under $OUT (default: ./gpu_out).
 #
 #   bench/gpu_session.sh [tests] [grid-tests] [op-tests] [bench] [bench-grid] [bench-render] [train] [lego] [lego-in-order]
-#                        [lego-torch] [profile] [grid-channels] [variants] [exchange]
+#                        [lego-torch] [profile] [grid-channels] [variants] [exchange] [syncs]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate.py only
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
@@ -28,6 +28,7 @@
 #                channels -> $OUT/grid_channels.json, .md
 # exchange:   bench/bench_grad_exchange.py on every GPU of the machine (torchrun): the grids' gradient exchange,
 #             dense / touched rows / occupied rows, -> $OUT/grad_exchange.json ($EXCHANGE_ARGS: e.g. --occupied 0.05)
+# syncs:      bench/step_syncs.py: the device syncs of lego preset steps 300-319, by site -> $OUT/step_syncs.json
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
 # Everything is written under a work folder and packed into $OUT/session.tgz at the end (the device tool
 # returns at most 8 files), with session.log and bench.json beside it.
@@ -111,6 +112,8 @@ for s in "${stages[@]}"; do
     viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
       -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ${VIEWER_OVERRIDES:-} ;;
     peers) source bench/peers/gpu_stage.sh ;;
+    syncs) stage step_syncs python3 bench/step_syncs.py --json "$OUT/step_syncs.json" -- +experiment=blender \
+      data.root="$LEGO" train.iters=400 train.eval_final_views=4 train.turntable_frames=0 hydra.run.dir="$OUT/syncs" ;;
     exchange) stage grad_exchange python3 -m torch.distributed.run --standalone \
       --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_grad_exchange.py --json "$OUT/grad_exchange.json" \
       ${EXCHANGE_ARGS:-} ;;
@@ -130,5 +133,5 @@ find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -d
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
-for f in grad_exchange.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures
