@@ -239,6 +239,7 @@ def _average_both_ways(rank: int, world: int, init_file: str, results: str) -> N
             | {"smallest": smallest},
             f"{results}.{rank}",
         )
+        dist.barrier()  # both ranks are done before either tears gloo down (one leaving first aborted the other once)
     finally:
         dist.destroy_process_group()
 
@@ -324,6 +325,7 @@ def _sharded_adam_against_adam(rank: int, world: int, init_file: str, results: s
             {"five": after_five, "adam_five": adam_five, "saved": saved, "resumed": resumed, "reference": reference},
             f"{results}.{rank}",
         )
+        dist.barrier()  # both ranks are done before either tears gloo down (one leaving first aborted the other once)
     finally:
         dist.destroy_process_group()
 
