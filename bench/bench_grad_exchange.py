@@ -73,25 +73,19 @@ def bench(group: distributed.Group, device: torch.device, args: argparse.Namespa
         param.grad = g.clone()
     grads = [param.grad for param in params]  # the (R, C) row views Group averages in place
     marks = torch.zeros_like(own_marks)
-    packed = torch.cat([g.index_select(0, occupied) for g in grads], dim=1)
+    packed = distributed.pack_rows(grads, occupied)
 
     def reset(i: int) -> None:
         for g, o in zip(grads, own):
             g.copy_(o)
         marks.copy_(own_marks)
 
-    def pack(i: int) -> None:
-        torch.cat([g.index_select(0, occupied) for g in grads], dim=1, out=packed)
-
     def copy_back(i: int, index_put: bool = False) -> None:
-        start = 0
-        for g in grads:
-            part = packed[:, start : start + g.shape[1]]
-            if index_put:  # the alternative kernel: advanced-index assignment
+        if index_put:  # the alternative kernel: advanced-index assignment
+            for g, part in zip(grads, packed.split(list(CHANNELS), dim=1)):
                 g.index_put_((occupied,), part)
-            else:
-                g.index_copy_(0, occupied, part)
-            start += g.shape[1]
+        else:
+            distributed.unpack_rows(grads, occupied, packed)  # what Group.average_rows does
 
     row_bytes = 4 * sum(CHANNELS)
     occupied_bytes = occupied.numel() * row_bytes
@@ -107,7 +101,7 @@ def bench(group: distributed.Group, device: torch.device, args: argparse.Namespa
             everything,
         ),
         ("occupied", lambda i: group.average_rows(grads, occupied), occupied_bytes, 0, occupied),
-        ("occupied: pack", pack, 0, 2 * occupied_bytes, None),
+        ("occupied: pack", lambda i: distributed.pack_rows(grads, occupied, out=packed), 0, 2 * occupied_bytes, None),
         ("occupied: all-reduce", lambda i: dist.all_reduce(packed), occupied_bytes, 0, None),
         ("occupied: copy back", copy_back, 0, 2 * occupied_bytes, None),
         ("occupied: copy back (index_put_)", lambda i: copy_back(i, index_put=True), 0, 2 * occupied_bytes, None),

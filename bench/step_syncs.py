@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
@@ -56,8 +58,6 @@ class SyncRecorder:
         if not self.in_window():
             self.calls += 1
             return train_step(trainer)
-        import torch
-
         cuda = torch.cuda.is_available()
         with warnings.catch_warnings():
             warnings.simplefilter("always")

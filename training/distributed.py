@@ -137,13 +137,10 @@ class Group:
         """Average the (K,) int64 ``rows`` (the same on every rank) of (R, C_i) row views of gradients over the
         ranks, in place: the rows packed side by side (K, sum C_i), one all-reduce, copied back. The other rows
         keep this rank's values."""
-        packed = torch.cat([grad.index_select(0, rows) for grad in grads], dim=1)
+        packed = pack_rows(grads, rows)
         _collective("all_reduce", dist.all_reduce, packed)
         packed.div_(self.world)
-        start = 0
-        for grad in grads:
-            grad.index_copy_(0, rows, packed[:, start : start + grad.shape[1]])
-            start += grad.shape[1]
+        unpack_rows(grads, rows, packed)
 
     def union_(self, mask: torch.Tensor) -> None:
         """OR-reduce a (R,) uint8 mask over the ranks, in place (the rows some rank is about to read)."""
@@ -236,6 +233,17 @@ _FLATTEN_BELOW = 1 << 22  # elements: gradients smaller than this share one all-
 # torch >= 2.14 names them *_single; torch 2.4 - 2.13 have the *_tensor names alone (same arguments)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def pack_rows(grads: list[torch.Tensor], rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(K, sum C_i): the (K,) ``rows`` of the (R, C_i) ``grads`` side by side (into ``out`` when given)."""
+    return torch.cat([grad.index_select(0, rows) for grad in grads], dim=1, out=out)
+
+
+def unpack_rows(grads: list[torch.Tensor], rows: torch.Tensor, packed: torch.Tensor) -> None:
+    """Write :func:`pack_rows`' (K, sum C_i) ``packed`` back into the (K,) ``rows`` of the (R, C_i) ``grads``."""
+    for grad, part in zip(grads, packed.split([grad.shape[1] for grad in grads], dim=1)):
+        grad.index_copy_(0, rows, part)
 
 
 def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
