@@ -166,8 +166,9 @@ def test_applied_transform_maps_the_sparse_points_not_the_poses(tmp_path):
 
 def test_the_box_from_the_cameras_holds_the_object(capture):
     _, _, bounds = load_nerfstudio(capture[0], orient="none")
-    # the procedural scene: x, y within the pedestal's +-1.2, z from -0.5 to the sphere's top 0.6
-    assert (bounds.box[0] <= [-1.2, -1.2, -0.5]).all() and (bounds.box[1] >= [1.2, 1.2, 0.6]).all()
+    # the procedural scene's middle: z from -0.5 to the sphere's top 0.6, x and y to +-1 (the pedestal's rim at
+    # +-1.2 is wider than the 12-pixel frames' narrower view at the focus, half 1.04: it lies in the shell)
+    assert (bounds.box[0] <= [-1.0, -1.0, -0.5]).all() and (bounds.box[1] >= [1.0, 1.0, 0.6]).all()
     assert (bounds.box[1] - bounds.box[0] < 4.0).all() and 0.5 < bounds.near < 3.5 and 4.0 < bounds.far < 8.0
     parallel = np.tile(np.eye(4), (3, 1, 1))
     parallel[:, 0, 3] = [0.0, 1.0, 2.0]
@@ -175,8 +176,24 @@ def test_the_box_from_the_cameras_holds_the_object(capture):
         capture_bounds(parallel, np.array([[10.0, 10.0, 8.0, 8.0]] * 3), np.array([[16, 16]] * 3))
 
 
+def test_the_box_from_the_cameras_is_what_every_camera_sees_whole():
+    # six cameras on a ring of radius 2 looking at (0.3, 0, 0): portrait frames, 8 wide and 16 high at f = 8 / 10
+    angles = np.linspace(0.0, 2 * np.pi, 6, endpoint=False)
+    c2w = np.tile(np.eye(4), (6, 1, 1))
+    for view, angle in enumerate(angles):
+        back = np.array([np.cos(angle), np.sin(angle), 0.0])  # the camera's +z points away from what it sees
+        up = np.array([0.0, 0.0, 1.0])
+        c2w[view, :3, :3] = np.stack([np.cross(up, back), up, back], axis=1)
+        c2w[view, :3, 3] = [0.3, 0.0, 0.0] + 2.0 * back
+    intrinsics = np.array([[8.0, 10.0, 4.0, 8.0]] * 6)  # tan of the half views: x 4/8, y 8/10
+    bounds = capture_bounds(c2w, intrinsics, np.array([[16, 8]] * 6))
+    # the narrower half view (x: 0.5) at the distance 2: half size 1, about the focus
+    assert np.allclose(bounds.box, [[-0.7, -1.0, -1.0], [1.3, 1.0, 1.0]], atol=1e-9)
+    assert "focus" in bounds.source
+
+
 def test_mask_hull_uses_the_views_intrinsics(capture):
-    train, _, _ = load_nerfstudio(capture[0], orient="none")
+    train, _, _ = load_nerfstudio(capture[0], orient="none", scene_box=2.0)  # the hull is searched in the box
     box = mask_hull_box(train, resolution=48)
     assert (box[0] <= torch.tensor([-1.2, -1.2, -0.5]) + 0.1).all()
     assert (box[1] >= torch.tensor([1.2, 1.2, 0.6]) - 0.1).all()
