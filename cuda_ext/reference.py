@@ -16,6 +16,7 @@ from cuda_ext import _brick_checks, _checks, _step_checks
 from cuda_ext._gelu_rows_checks import check_gelu_rows_inputs
 
 __all__ = [
+    "OPAQUE_DEPTH",
     "trilinear_interpolate",
     "grid_interpolate",
     "brick_grid_interpolate",
@@ -28,6 +29,12 @@ __all__ = [
     "sparse_adam_step",
     "adam_replay_rows",
 ]
+
+# An optical depth past which light is gone (exp(-100) < 4e-44: what follows has T = 0 to any tolerance). Global
+# prefix sums clamp to it: a contracted march's last sample can have s ~ 1e11 (its step grows with the distance
+# squared), and 1e11 per ray over a million rays is past float64's 2^53, where a global sum's per-ray differences
+# are noise.
+OPAQUE_DEPTH = 100.0
 
 
 def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
@@ -173,7 +180,8 @@ def volume_render(
 
     Ray b owns samples [ray_offsets[b], ray_offsets[b + 1]); T_i = exp(-sum of the ray's s_j before i) comes
     from one global cumulative sum (float64, so per-ray differences stay accurate) minus its value at the ray's
-    first sample; w_i = T_i (1 - exp(-s_i)), zero where T_i < early_stop or the sample is in no ray.
+    first sample (each s_j clamped to :data:`OPAQUE_DEPTH`, where T is 0 already); w_i = T_i (1 - exp(-s_i)), zero
+    where T_i < early_stop or the sample is in no ray.
     """
     early_stop = _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop)
     _step_checks.check_render_offsets(optical_depth, ray_offsets)
@@ -183,7 +191,8 @@ def volume_render(
     inside = (ray >= 0) & (ray < rays)
     ray = ray.clamp(0, max(rays - 1, 0))
     s = torch.where(inside, optical_depth, torch.zeros_like(optical_depth))
-    exclusive = torch.cumsum(s.double(), 0) - s.double()
+    scan = s.double().clamp(max=OPAQUE_DEPTH)  # the same transmittances, a bounded global sum
+    exclusive = torch.cumsum(scan, 0) - scan
     first = ray_offsets[ray].clamp(0, max(n - 1, 0))
     transmittance = torch.exp(-(exclusive - exclusive[first])).to(s.dtype)
     keep = inside & (transmittance >= early_stop) if early_stop > 0 else inside

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cuda_ext.reference import OPAQUE_DEPTH
+
 
 def check_rays(name: str, origins: torch.Tensor, directions: torch.Tensor) -> None:
     """ValueError naming ``name`` unless origins and directions are both (B, 3)."""
@@ -103,7 +105,8 @@ def survivors_and_weights(
     transmittance T_i is still above ``threshold`` (early ray termination; all for 0) and the (N,) weights
     w_i = T_i * alpha_i. Transmittance only decreases along a ray, so the survivors of each ray are a prefix of its
     samples and their transmittances and weights are unchanged by dropping the rest."""
-    above = exclusive_segment_cumsum(optical_depth, ray, num_rays)
+    # clamped where the sample is opaque already: a bounded global sum (cuda_ext.reference.OPAQUE_DEPTH)
+    above = exclusive_segment_cumsum(optical_depth.clamp(max=OPAQUE_DEPTH), ray, num_rays)
     alive = above < -math.log(threshold) if threshold > 0 else torch.ones_like(above, dtype=torch.bool)
     return alive, torch.exp(-above) * -torch.expm1(-optical_depth)
 

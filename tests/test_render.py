@@ -187,3 +187,33 @@ def test_float32_gradients_of_thin_samples_stay_accurate(device):
         grads.append((s.grad.double(), v.grad.double()))
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("fn", [cuda_ext.volume_render, reference.volume_render], ids=["op", "reference"])
+def test_a_sample_at_infinity_makes_its_ray_opaque_not_brighter(device, dtype, fn):
+    """A contracted march's last sample has a huge optical depth (its step grows with the distance squared: s ~ 1e11
+    on a capture). Its T must still be the ray's own (not 1 from a prefix cancelled against it), on every ray of a
+    long batch (a global prefix sum over many such rays runs past float64's exact range)."""
+    rays, count = 3000, 40  # the huge sample is lane 7 of each ray's second warp chunk
+    sd, values, t, offsets = packed([count] * rays, 3, device=device, seed=11)
+    sd = (sd * 0.05).reshape(rays, count)
+    sd[:, -1] = 1e13
+    sd = sd.reshape(-1)
+    per_ray = sd.reshape(rays, count)  # the per-ray answer in float64: T_i from each ray's own prefix sum
+    before = torch.cat([torch.zeros_like(per_ray[:, :1]), per_ray[:, :-1].cumsum(1)], 1)  # not cumsum - s: it cancels
+    transmittance = torch.exp(-before)
+    weights = transmittance * -torch.expm1(-per_ray)
+    want_colour = (weights[..., None] * values.reshape(rays, count, 3)).sum(1)
+    colour, opacity, depth = fn(sd.to(dtype), values.to(dtype), t.to(dtype), offsets)
+    tolerance = (
+        dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
+    )  # the reference's global float64 sum
+    torch.testing.assert_close(opacity.double(), weights.sum(1), **tolerance)  # 1: opaque
+    torch.testing.assert_close(colour.double(), want_colour, **tolerance)
+    torch.testing.assert_close(
+        compositing_weights(sd.to(dtype), torch.arange(rays, device=device).repeat_interleave(count), rays).double(),
+        weights.reshape(-1),
+        **tolerance,
+    )

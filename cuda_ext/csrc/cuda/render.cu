@@ -48,6 +48,14 @@ __device__ __forceinline__ T warp_inclusive_scan(T x, int lane) {
   return x;
 }
 
+// The sum of the lanes before this one, from warp_inclusive_scan's result: not inclusive - x, which cancels to
+// noise when x is huge (a contracted march's last sample, s ~ 1e11) and would give that sample T ~ 1.
+template <typename T>
+__device__ __forceinline__ T warp_exclusive_from(T inclusive, int lane) {
+  const T before = __shfl_up_sync(kAll, inclusive, 1);
+  return lane == 0 ? T(0) : before;
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_sum(T x) {
 #pragma unroll
@@ -142,7 +150,7 @@ __global__ void __launch_bounds__(kForwardThreads)
 #pragma unroll
     for (int c = 0; c < kMaxC; ++c) row[c] = valid && c < channels ? src[c] : scalar_t(0);
     const scalar_t inclusive = warp_inclusive_scan(s, lane);
-    const scalar_t transmittance = exp_of(-(carry + inclusive - s));
+    const scalar_t transmittance = exp_of(-(carry + warp_exclusive_from(inclusive, lane)));
     if (valid && transmittance >= early_stop) {
       const scalar_t w = -transmittance * expm1_of(-s);
 #pragma unroll
@@ -207,7 +215,7 @@ __global__ void __launch_bounds__(TileShape<kMaxC>::kThreads)
     const scalar_t s = valid ? sd[base + lane] : scalar_t(0), ti = valid ? t[base + lane] : scalar_t(0);
     load_tile<kMaxC>(v + base * channels, count, layout, lane, tile);
     const scalar_t inclusive = warp_inclusive_scan(s, lane);
-    const scalar_t transmittance = exp_of(-(carry + inclusive - s));
+    const scalar_t transmittance = exp_of(-(carry + warp_exclusive_from(inclusive, lane)));
     const bool alive = valid && transmittance >= early_stop;
     // w as the forward computes it (expm1: T_i - T_{i+1} would cancel for small s), T_{i+1} = T_i - w_i
     const scalar_t w = alive ? -transmittance * expm1_of(-s) : scalar_t(0);
