@@ -14,7 +14,8 @@ The variants, each through training.distributed.Group as training calls it:
   occupied  a fixed row list, the same on every rank (the occupied voxels' rows that ``train.sparse_adam=occupied``
             steps: ``--occupied`` of the rows), packed, all-reduced and copied back (Group.average_rows)
 
-and the occupied variant's parts alone: packing (index_select + cat), the all-reduce of the packed rows, and
+and the occupied variant's parts alone: packing (index_select + cat; index_select alone; advanced indexing
++ cat, checked to pack the same), the all-reduce of the packed rows, and
 the copy back (index_copy_, and index_put_ beside it: checked to write the same). Every whole exchange is first
 checked against the mean of all ranks' gradients (each rank regenerates every rank's gradient from its seed) on the
 rows it promises. Reported, from rank 0 with the slowest
@@ -57,6 +58,11 @@ def rank_gradients(rows: int, marks: torch.Tensor, seed: int, device: torch.devi
     """Rank ``seed``'s (R, C) gradients: random on its marked rows, zero elsewhere."""
     generator = torch.Generator().manual_seed(10_000 + seed)
     return [(torch.randn(rows, c, generator=generator).to(device) * marks[:, None]) for c in CHANNELS]
+
+
+def pack_by_indexing(grads: list[torch.Tensor], rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """pack_rows through advanced indexing (the index kernel index_put_ shares) instead of index_select."""
+    return torch.cat([grad[rows] for grad in grads], dim=1, out=out)
 
 
 def bench(group: distributed.Group, device: torch.device, args: argparse.Namespace) -> dict:
@@ -102,10 +108,20 @@ def bench(group: distributed.Group, device: torch.device, args: argparse.Namespa
         ),
         ("occupied", lambda i: group.average_rows(grads, occupied), occupied_bytes, 0, occupied),
         ("occupied: pack", lambda i: distributed.pack_rows(grads, occupied, out=packed), 0, 2 * occupied_bytes, None),
+        # the pack cost 6.4 ms where the copy back took 0.6 ms (2 H100s, 2026-11-27): its kernels apart
+        (
+            "occupied: pack, index_select alone",
+            lambda i: [g.index_select(0, occupied) for g in grads],
+            0,
+            2 * occupied_bytes,
+            None,
+        ),
+        ("occupied: pack (indexing)", lambda i: pack_by_indexing(grads, occupied, packed), 0, 2 * occupied_bytes, None),
         ("occupied: all-reduce", lambda i: dist.all_reduce(packed), occupied_bytes, 0, None),
         ("occupied: copy back", copy_back, 0, 2 * occupied_bytes, None),
         ("occupied: copy back (index_put_)", lambda i: copy_back(i, index_put=True), 0, 2 * occupied_bytes, None),
     ]
+    torch.testing.assert_close(pack_by_indexing(grads, occupied, packed.clone()), packed, rtol=0, atol=0)
     reset(0)
     copy_back(0)
     by_index_copy = [g.clone() for g in grads]

@@ -387,6 +387,8 @@ def test_gradient_exchange_bench_checks_every_exchange_against_the_ranks_mean(tm
         "touched",
         "occupied",
         "occupied: pack",
+        "occupied: pack, index_select alone",
+        "occupied: pack (indexing)",
         "occupied: all-reduce",
         "occupied: copy back",
         "occupied: copy back (index_put_)",
