@@ -121,14 +121,17 @@ def capture_bounds(
     scene_box: float | Sequence[float] | None = None,
     near: float | None = None,
     far: float | None = None,
+    foreground: bool = False,
 ) -> Bounds:
     """Scene box and near/far of a capture: (V, 4, 4) cameras, (V, 4) fx, fy, cx, cy, (V, 2) image (h, w).
 
     The box is ``scene_box`` when given (a half size s: [-s, s]^3; or min and max corners); else the 1st-99th
     percentile box of the sparse ``points`` plus 10% a side when there are at least 10; else a cube around the
     cameras' focus point (:func:`focus_point`) whose half size is the median camera distance times the tangent
-    of the narrower half field of view: the cube every camera sees whole at the focus (the wider one reaches almost
-    to the cameras of a portrait capture: bench/README "The capture box"). ``near`` is 0.9 x the
+    of the wider half field of view (what a camera sees across at the focus: a bounded grid's whole scene), or with
+    ``foreground`` of the narrower one (the cube every camera sees whole: a contracted scene's full-resolution
+    middle, where the wider one reaches almost to the cameras of a portrait capture; bench/README "The capture
+    box, 3500 steps"). ``near`` is 0.9 x the
     smallest camera distance to the box (0 for a camera inside it) and ``far`` 1.1 x the largest distance to a
     box corner, unless given. ValueError when the box cannot be placed or near >= far.
     """
@@ -146,7 +149,9 @@ def capture_bounds(
                 "cannot place a scene box from the cameras (their optical axes do not meet in front of them, e.g. "
                 "a forward-facing capture): set data.scene_box (and data.near / data.far)"
             )
-        half_view = np.minimum(sizes[:, 1] / (2 * intrinsics[:, 0]), sizes[:, 0] / (2 * intrinsics[:, 1]))
+        half_view = (np.minimum if foreground else np.maximum)(
+            sizes[:, 1] / (2 * intrinsics[:, 0]), sizes[:, 0] / (2 * intrinsics[:, 1])
+        )
         half = float(np.median(np.linalg.norm(origins - centre, axis=-1) * half_view))
         box, source = np.stack([centre - half, centre + half]), "the cameras' focus"
     outside = np.maximum(np.maximum(box[0] - origins, origins - box[1]), 0.0)

@@ -219,15 +219,18 @@ def read_points(capture: Capture) -> np.ndarray | None:
 
 
 def nerfstudio_bounds(
-    capture: Capture, scene_box: float | Sequence[float] | None = None, near=None, far=None
+    capture: Capture, scene_box: float | Sequence[float] | None = None, near=None, far=None, foreground: bool = False
 ) -> Bounds:
     """The capture's scene box and near/far (from every frame's camera, so both splits share them), in the
-    oriented frame; ``extent``: instant-ngp's box there, when the file has one."""
+    oriented frame (``foreground``: a contracted scene's, :func:`data.bounds.capture_bounds`); ``extent``:
+    instant-ngp's box there, when the file has one."""
     c2w = np.stack([frame.c2w for frame in capture.frames])
     intrinsics = np.array([frame.intrinsics for frame in capture.frames])
     sizes = [frame.size or image_size(frame.image) for frame in capture.frames]
     try:
-        bounds = capture_bounds(c2w, intrinsics, np.array(sizes), read_points(capture), scene_box, near, far)
+        bounds = capture_bounds(
+            c2w, intrinsics, np.array(sizes), read_points(capture), scene_box, near, far, foreground
+        )
     except ValueError as error:
         raise SceneError(f"{capture.path}: {error}") from None
     if capture.ngp_box is not None:
@@ -327,11 +330,13 @@ def load_nerfstudio(
     num_workers: int | None = None,
     orient: str = "up",
     multiple: int = 1,
+    foreground: bool = False,
 ) -> tuple[Scene, Scene, Bounds]:
-    """(train, eval, bounds) of a nerfstudio scene; ``near``, ``far``, ``scene_box`` None: derived (data.bounds),
-    all in the frame ``orient`` gives (data/orientation.py)."""
+    """(train, eval, bounds) of a nerfstudio scene; ``near``, ``far``, ``scene_box`` None: derived (data.bounds;
+    ``foreground``: the box of a contracted scene's full-resolution middle), all in the frame ``orient`` gives
+    (data/orientation.py)."""
     capture = read_capture(root, eval_interval, orient)
-    bounds = nerfstudio_bounds(capture, scene_box, near, far)
+    bounds = nerfstudio_bounds(capture, scene_box, near, far, foreground)
     options = dict(bounds=bounds, downscale=downscale, background=background, num_workers=num_workers)
     options["multiple"] = multiple
     train = load_nerfstudio_split(capture, "train", **options)

@@ -78,7 +78,9 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
 
     data_start = time.perf_counter()
     try:
-        train_scene, eval_scene = load_scenes(cfg.data, device, multiple=cfg.model.upsample)  # captures crop to it
+        # captures crop to the upsample factor; a contracted model's derived box is its full-resolution foreground
+        foreground = cfg.model.contraction != "none"
+        train_scene, eval_scene = load_scenes(cfg.data, device, multiple=cfg.model.upsample, foreground=foreground)
     except ValueError as error:  # option checks of the loader / generator (SceneError is about the files)
         raise ConfigError(f"data: {error}") from None
     data_seconds = time.perf_counter() - data_start

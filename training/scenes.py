@@ -58,10 +58,13 @@ def scene_root(data_cfg: DictConfig) -> Path:
     )
 
 
-def load_scenes(data_cfg: DictConfig, device: torch.device, multiple: int = 1) -> tuple[Scene, Scene]:
+def load_scenes(
+    data_cfg: DictConfig, device: torch.device, multiple: int = 1, foreground: bool = False
+) -> tuple[Scene, Scene]:
     """(train, eval) splits on ``device``; eval is the test split when present, else val (nerfstudio: its split
-    lists, else every data.eval_interval-th frame; box and near/far derived unless set, and printed; images
-    cropped to a multiple of ``multiple`` pixels, the model's upsample factor)."""
+    lists, else every data.eval_interval-th frame; box and near/far derived unless set, and printed, the box as a
+    contracted scene's foreground with ``foreground``; images cropped to a multiple of ``multiple`` pixels, the
+    model's upsample factor)."""
     if data_cfg.name == "nerfstudio":
         box = data_cfg.scene_box
         box = OmegaConf.to_container(box) if OmegaConf.is_list(box) else box
@@ -75,6 +78,7 @@ def load_scenes(data_cfg: DictConfig, device: torch.device, multiple: int = 1) -
             eval_interval=data_cfg.eval_interval,
             orient=data_cfg.get("orient", "up"),
             multiple=multiple,
+            foreground=foreground,
         )
         print(f"nerfstudio {bounds.describe()}; override with data.scene_box, data.near, data.far")
         return train.to(device), evaluation.to(device)
