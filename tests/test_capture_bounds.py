@@ -4,13 +4,11 @@ as the app chooses from model.contraction), and the training masks' visual hull 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
-from test_nerfstudio import REPO, edit, write_capture
+from test_nerfstudio import edit, write_capture
+from test_train import run_train
 
 from data.bounds import capture_bounds, mask_hull_box
 from data.nerfstudio import load_nerfstudio, nerfstudio_bounds, read_capture
@@ -95,15 +93,10 @@ def test_the_app_derives_a_foreground_box_for_a_contracted_model_only(tmp_path, 
         "train.turntable_frames=0",
         *small,
     ]
-    result = subprocess.run(
-        [sys.executable, "train.py", *args, *run, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_train([*args, *run, f"hydra.run.dir={tmp_path / 'run'}"], timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    want = nerfstudio_bounds(read_capture(capture[0], orient="none"), foreground=contraction == "inf")
+    as_given = read_capture(capture[0], orient="none")
+    want = nerfstudio_bounds(as_given, foreground=contraction == "inf")
     assert f"nerfstudio {want.describe()}" in result.stdout
-    wider = nerfstudio_bounds(read_capture(capture[0], orient="none"))
+    wider = nerfstudio_bounds(as_given)
     assert (want.box[1] - want.box[0] < wider.box[1] - wider.box[0]).all() == (contraction == "inf")
