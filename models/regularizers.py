@@ -21,12 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.render import compositing_weights, exclusive_segment_cumsum
-
-
-def _segment_sum(values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
-    """(N,) per-sample values -> (B,) per-ray sums."""
-    return values.new_zeros(num_rays).index_add(0, ray, values)
+from models.render import compositing_weights, exclusive_segment_cumsum, segment_sum
 
 
 def _check_packed(name: str, ray: torch.Tensor, num_rays: int, **per_sample: torch.Tensor) -> None:
@@ -61,7 +56,7 @@ def distortion_loss(
     moment_before = exclusive_segment_cumsum(weights * mid, ray, num_rays)  # sum_{j<i} w_j m_j
     pairs = 2.0 * weights * (mid * weight_before - moment_before)
     own = weights.square() * (t_end - t_start) / 3.0
-    return _segment_sum(pairs + own, ray, num_rays)
+    return segment_sum(pairs + own, ray, num_rays)
 
 
 def near_optical_depth(
@@ -74,7 +69,7 @@ def near_optical_depth(
     if limit.dim() != 1:
         raise ValueError(f"near_optical_depth: limit must be (B,), got {tuple(limit.shape)}")
     near = t < limit[ray]
-    return _segment_sum(torch.where(near, optical_depth, torch.zeros_like(optical_depth)), ray, limit.shape[0])
+    return segment_sum(torch.where(near, optical_depth, torch.zeros_like(optical_depth)), ray, limit.shape[0])
 
 
 @dataclass

@@ -85,17 +85,79 @@ def compact(mask: torch.Tensor, count: int) -> torch.Tensor:
     return index.scatter_(0, slot, torch.arange(mask.shape[0], device=mask.device))[:count]
 
 
+def ray_bounds(ray: torch.Tensor, num_rays: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) first and one-past-last sample of each ray for (N,) ray ids grouped contiguously (sorted); an empty ray
+    has first == end. searchsorted, unlike bincount, needs no host sync on CUDA."""
+    ids = torch.arange(num_rays, device=ray.device, dtype=ray.dtype)
+    return torch.searchsorted(ray, ids), torch.searchsorted(ray, ids, right=True)
+
+
+def _inclusive_double(values: torch.Tensor) -> torch.Tensor:
+    """(N + 1,) float64: 0, then the running sum of the (N,) values (float64 keeps per-ray differences exact)."""
+    return torch.cumsum(torch.nn.functional.pad(values.double(), (1, 0)), 0)
+
+
+class _ExclusiveSegmentCumsum(torch.autograd.Function):
+    """Per-ray exclusive prefix sums with the gradient written out: out_j sums x_i over the earlier samples i of j's
+    ray, so d loss / d x_i sums g_j over the later samples j of i's ray: the ray's total of a running sum of g minus
+    i's own prefix. Float64 cumsums and gathers, no indexed backward (autograd's sorts and accumulates in float64
+    cost ~1.3 ms of a 21 ms capture step on an H100)."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
+        first, _ = ray_bounds(ray, num_rays)
+        running = _inclusive_double(values)  # running[i] = sum_{k<i} x_k
+        ctx.save_for_backward(ray)
+        ctx.num_rays = num_rays
+        return (running[:-1] - running.gather(0, first.gather(0, ray))).to(values.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (ray,) = ctx.saved_tensors
+        _, end = ray_bounds(ray, ctx.num_rays)
+        running = _inclusive_double(grad)  # sum_{j > i in the ray} g_j = running[end] - running[i + 1]
+        return (running.gather(0, end.gather(0, ray)) - running[1:]).to(grad.dtype), None, None
+
+
+class _SegmentSum(torch.autograd.Function):
+    """Per-ray sums of contiguous samples as differences of one float64 running sum (no atomics: a ray's ~100
+    samples all adding into one address serialise an ``index_add``); the gradient is each sample's ray's."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
+        first, end = ray_bounds(ray, num_rays)
+        running = _inclusive_double(values)
+        ctx.save_for_backward(ray)
+        return (running.gather(0, end) - running.gather(0, first)).to(values.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (ray,) = ctx.saved_tensors
+        return grad.gather(0, ray), None, None
+
+
 def exclusive_segment_cumsum(values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
-    """(N,) per-ray exclusive prefix sums of ``values`` for samples grouped contiguously by ray (N,).
+    """(N,) per-ray exclusive prefix sums of ``values`` for samples grouped contiguously by ray (N,) int64 in
+    [0, num_rays).
 
     Computed as a global cumsum minus the cumsum at each ray's first sample. The global sum runs over every
     sample of the batch, so it is taken in float64 to keep the per-ray differences accurate; the result has
-    ``values``' dtype. Differentiable.
+    ``values``' dtype. Differentiable in ``values`` (:class:`_ExclusiveSegmentCumsum`).
     """
-    # index of each ray's first sample (searchsorted, unlike bincount, needs no host sync on CUDA)
-    first = torch.searchsorted(ray, torch.arange(num_rays, device=ray.device, dtype=ray.dtype))
-    exclusive = torch.cumsum(values.double(), 0) - values.double()
-    return (exclusive - exclusive[first[ray]]).to(values.dtype)
+    if values.shape[0] == 0:
+        return values.clone()
+    return _ExclusiveSegmentCumsum.apply(values, ray, num_rays)
+
+
+def segment_sum(values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
+    """(N,) values of samples grouped contiguously by ray (N,) int64 in [0, num_rays) -> (B,) per-ray sums (0 for a
+    ray without samples), in ``values``' dtype; differentiable in ``values``. Summed in float64, as
+    :func:`exclusive_segment_cumsum`: keep the values finite and far below 1e15 (optical depths: clamp)."""
+    if values.shape[0] == 0:
+        return values.new_zeros(num_rays) + values.sum()  # keeps the graph
+    return _SegmentSum.apply(values, ray, num_rays)
 
 
 def survivors_and_weights(
@@ -136,6 +198,8 @@ __all__ = [
     "num_samples_per_ray",
     "PackedSamples",
     "exclusive_segment_cumsum",
+    "ray_bounds",
+    "segment_sum",
     "survivors_and_weights",
     "compact",
     "compositing_weights",
