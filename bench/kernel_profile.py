@@ -27,10 +27,16 @@ sys.path.insert(0, str(REPO))
 from training import trainer  # noqa: E402
 
 
-def kernel_time(events) -> float:
-    """Microseconds of device time over the profiler's events, kernels only: a ``record_function`` range (e.g.
-    ``Optimizer.step#...``) reports its kernels' time again, so rows that are not kernel launches are left out."""
-    return sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+def kernel_time(averages) -> float:
+    """Microseconds of device time in the profiler's ``key_averages()``, counted as its table's "Self CUDA time
+    total" is: device-side rows only, without user annotations (a ``record_function`` range such as
+    ``Optimizer.step#...`` shows up on the device too, repeating its kernels' time)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(
+        e.self_device_time_total
+        for e in averages
+        if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
+    )
 
 
 def sync() -> None:
@@ -63,7 +69,7 @@ def install(out: Path, first: int, steps: int) -> None:
             profiler = state.pop("profiler")
             profiler.__exit__(None, None, None)
             averages = profiler.key_averages()
-            device_ms = kernel_time(profiler.events()) / 1e3 / steps
+            device_ms = kernel_time(averages) / 1e3 / steps
             host_ms = sum(e.self_cpu_time_total for e in averages) / 1e3 / steps
             head = (
                 f"steps {first}..{first + steps}: plain {state['plain_ms']:.2f} ms/step, under the profiler "
