@@ -6,7 +6,9 @@ Runs train.py in this process with every override after ``--``. The ``steps`` st
 plain (device-synchronised wall clock: what a step costs without the profiler), then the next ``steps`` under
 the profiler. ``--out`` gets both timings, the device time per step (the sum of the kernels' own time, without
 the profiler's annotation rows, which repeat their kernels' time), and the tables by device and by host time.
-A host time per step well above the device time means the step is bound by the Python side (op launches).
+A host time per step well above the device time means the step is bound by the Python side (op launches); the
+third table says which part of the step issues them: per section of the trainer's step (sampling, forward,
+loss_backward, ...), the top-level ATen calls and, on a GPU, the kernel launches.
 Pick ``first`` away from the periodic evaluations (``train.eval_every``) and the grids' growth. Without a GPU it
 profiles the host alone (the tests run it so on the CPU).
 """
@@ -14,6 +16,8 @@ profiles the host alone (the tests run it so on the CPU).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import runpy
 import sys
 import time
@@ -24,7 +28,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from training import profiler as step_profiler  # noqa: E402
 from training import trainer  # noqa: E402
+
+SECTION = "section:"  # the record_function ranges around the trainer's step sections
 
 
 def kernel_time(averages) -> float:
@@ -37,6 +44,43 @@ def kernel_time(averages) -> float:
         for e in averages
         if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
     )
+
+
+def mark_sections() -> None:
+    """Every ``StepProfiler.section`` (timed or not) also opens a ``record_function`` range named after it."""
+    plain_section = step_profiler.StepProfiler.section
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        with torch.profiler.record_function(SECTION + name), plain_section(self, name):
+            yield
+
+    step_profiler.StepProfiler.section = section
+
+
+def calls_by_section(events, steps: int) -> str:
+    """Per section of the step: top-level ATen calls (not those an op makes inside itself) and CUDA kernel launches
+    per step, with the commonest calls."""
+    calls: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for event in events:
+        name, parent = event.name, event.cpu_parent
+        launch = name == "cudaLaunchKernel"
+        if not launch and not (
+            name.startswith("aten::") and not (parent and parent.name.startswith(("aten::", "cuda_ext::")))
+        ):
+            continue
+        while parent is not None and not parent.name.startswith(SECTION):
+            parent = parent.cpu_parent
+        # on CUDA the backward runs in autograd's own thread, outside loss_backward's range
+        section = parent.name[len(SECTION) :] if parent is not None else "(no section)"
+        calls[section]["(kernel launches)" if launch else name] += 1
+    lines = []
+    for section, counter in sorted(calls.items(), key=lambda item: -sum(item[1].values())):
+        launches = counter.pop("(kernel launches)", 0)
+        common = ", ".join(f"{name[6:]} {count / steps:g}" for name, count in counter.most_common(10))
+        per_step = f"{sum(counter.values()) / steps:7.1f} ATen calls, {launches / steps:6.1f} launches a step"
+        lines.append(f"{section:16s} {per_step}: {common}")
+    return "\n".join(lines)
 
 
 def sync() -> None:
@@ -81,7 +125,17 @@ def install(out: Path, first: int, steps: int) -> None:
                 else "(no CUDA device)",
                 averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90),
             ]
-            out.write_text(head + "\nby device time\n" + tables[0] + "\n\nby host time\n" + tables[1])
+            sections = calls_by_section(profiler.events(), steps)
+            out.write_text(
+                head
+                + "\nby device time\n"
+                + tables[0]
+                + "\n\nby host time\n"
+                + tables[1]
+                + "\n\nby section of the step\n"
+                + sections
+                + "\n"
+            )
             print(head, end="", flush=True)
         return result
 
@@ -97,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.first < args.steps:
         raise SystemExit(f"--first ({args.first}) must be >= --steps ({args.steps}) >= 1")
+    mark_sections()
     install(args.out, args.first, args.steps)
     sys.argv = [str(REPO / "train.py"), *args.overrides]
     runpy.run_path(str(REPO / "train.py"), run_name="__main__")

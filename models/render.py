@@ -85,11 +85,10 @@ def compact(mask: torch.Tensor, count: int) -> torch.Tensor:
     return index.scatter_(0, slot, torch.arange(mask.shape[0], device=mask.device))[:count]
 
 
-def ray_bounds(ray: torch.Tensor, num_rays: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B,) first and one-past-last sample of each ray for (N,) ray ids grouped contiguously (sorted); an empty ray
-    has first == end. searchsorted, unlike bincount, needs no host sync on CUDA."""
-    ids = torch.arange(num_rays, device=ray.device, dtype=ray.dtype)
-    return torch.searchsorted(ray, ids), torch.searchsorted(ray, ids, right=True)
+def ray_bounds(ray: torch.Tensor, num_rays: int, end: bool = False) -> torch.Tensor:
+    """(B,) each ray's first sample (``end``: one past its last) for (N,) ray ids grouped contiguously (sorted); an
+    empty ray's first equals its end. searchsorted, unlike bincount, needs no host sync on CUDA."""
+    return torch.searchsorted(ray, torch.arange(num_rays, device=ray.device, dtype=ray.dtype), right=end)
 
 
 def _inclusive_double(values: torch.Tensor) -> torch.Tensor:
@@ -105,7 +104,7 @@ class _ExclusiveSegmentCumsum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
-        first, _ = ray_bounds(ray, num_rays)
+        first = ray_bounds(ray, num_rays)
         running = _inclusive_double(values)  # running[i] = sum_{k<i} x_k
         ctx.save_for_backward(ray)
         ctx.num_rays = num_rays
@@ -115,7 +114,7 @@ class _ExclusiveSegmentCumsum(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (ray,) = ctx.saved_tensors
-        _, end = ray_bounds(ray, ctx.num_rays)
+        end = ray_bounds(ray, ctx.num_rays, end=True)
         running = _inclusive_double(grad)  # sum_{j > i in the ray} g_j = running[end] - running[i + 1]
         return (running.gather(0, end.gather(0, ray)) - running[1:]).to(grad.dtype), None, None
 
@@ -126,7 +125,7 @@ class _SegmentSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
-        first, end = ray_bounds(ray, num_rays)
+        first, end = ray_bounds(ray, num_rays), ray_bounds(ray, num_rays, end=True)
         running = _inclusive_double(values)
         ctx.save_for_backward(ray)
         return (running.gather(0, end) - running.gather(0, first)).to(values.dtype)

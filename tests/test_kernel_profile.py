@@ -18,6 +18,10 @@ def test_tiny_run_writes_the_timings_and_tables(tmp_path, scene_cache):  # noqa:
     text = out.read_text()
     assert text.startswith("steps 4..6: plain ") and "ms/step" in text.splitlines()[0]
     assert "by host time" in text and "aten::" in text  # the host table lists the step's ops
+    sections = text[text.index("by section of the step") :].splitlines()[1:]
+    named = {line.split()[0] for line in sections if line.strip()}
+    assert {"sampling", "forward", "loss_backward", "optimizer"} <= named, sections
+    assert all(" ATen calls, " in line for line in sections if line.strip())
     assert (tmp_path / "run" / "metrics.json").exists()  # the run itself went on to its end
 
 
