@@ -3,7 +3,7 @@
 # then run the requested stages, logging each under $OUT (default: ./gpu_out).
 #
 #   bench/gpu_session.sh [tests] [grid-tests] [op-tests] [bench] [bench-grid] [bench-render] [train] [lego] [lego-in-order]
-#                        [lego-torch] [profile] [grid-channels] [variants] [exchange] [syncs]
+#                        [lego-torch] [profile] [grid-channels] [variants] [exchange] [syncs] [kernels]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate.py only
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
@@ -28,6 +28,8 @@
 #                channels -> $OUT/grid_channels.json, .md
 # exchange:   bench/bench_grad_exchange.py on every GPU of the machine (torchrun): the grids' gradient exchange,
 #             dense / touched rows / occupied rows, -> $OUT/grad_exchange.json ($EXCHANGE_ARGS: e.g. --occupied 0.05)
+# kernels:    bench/kernel_profile.py: torch.profiler over 30 steps from $KERNELS_FIRST (2800) of the
+#             +experiment=$KERNELS_EXPERIMENT (blender) run on $KERNELS_DATA (lego) -> $OUT/kernel_profile.txt
 # syncs:      bench/step_syncs.py: the device syncs of lego preset steps 300-319, by site -> $OUT/step_syncs.json
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
 # Everything is written under a work folder and packed into $OUT/session.tgz at the end (the device tool
@@ -112,6 +114,9 @@ for s in "${stages[@]}"; do
     viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
       -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ${VIEWER_OVERRIDES:-} ;;
     peers) source bench/peers/gpu_stage.sh ;;
+    kernels) stage kernel_profile python3 bench/kernel_profile.py --out "$OUT/kernel_profile.txt" \
+      --first "${KERNELS_FIRST:-2800}" -- +experiment="${KERNELS_EXPERIMENT:-blender}" data.root="${KERNELS_DATA:-$LEGO}" \
+      train.turntable_frames=0 hydra.run.dir="$OUT/kernels" ;;
     syncs) stage step_syncs python3 bench/step_syncs.py --json "$OUT/step_syncs.json" -- +experiment=blender \
       data.root="$LEGO" train.iters=400 train.eval_final_views=4 train.turntable_frames=0 hydra.run.dir="$OUT/syncs" ;;
     exchange) stage grad_exchange python3 -m torch.distributed.run --standalone \
