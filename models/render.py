@@ -85,10 +85,10 @@ def compact(mask: torch.Tensor, count: int) -> torch.Tensor:
     return index.scatter_(0, slot, torch.arange(mask.shape[0], device=mask.device))[:count]
 
 
-def ray_bounds(ray: torch.Tensor, num_rays: int, end: bool = False) -> torch.Tensor:
-    """(B,) each ray's first sample (``end``: one past its last) for (N,) ray ids grouped contiguously (sorted); an
-    empty ray's first equals its end. searchsorted, unlike bincount, needs no host sync on CUDA."""
-    return torch.searchsorted(ray, torch.arange(num_rays, device=ray.device, dtype=ray.dtype), right=end)
+def ray_offsets(ray: torch.Tensor, num_rays: int) -> torch.Tensor:
+    """(B + 1,) int64 offsets of (N,) ray ids grouped contiguously (sorted): ray b owns samples
+    [offsets[b], offsets[b + 1]) (march_rays' ``ray_offsets``). searchsorted, unlike bincount, needs no host sync."""
+    return torch.searchsorted(ray, torch.arange(num_rays + 1, device=ray.device, dtype=ray.dtype))
 
 
 def _inclusive_double(values: torch.Tensor) -> torch.Tensor:
@@ -104,19 +104,17 @@ class _ExclusiveSegmentCumsum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
-        first = ray_bounds(ray, num_rays)
+        offsets = ray_offsets(ray, num_rays)
         running = _inclusive_double(values)  # running[i] = sum_{k<i} x_k
-        ctx.save_for_backward(ray)
-        ctx.num_rays = num_rays
-        return (running[:-1] - running.gather(0, first.gather(0, ray))).to(values.dtype)
+        ctx.save_for_backward(ray, offsets)
+        return (running[:-1] - running.gather(0, offsets.gather(0, ray))).to(values.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        (ray,) = ctx.saved_tensors
-        end = ray_bounds(ray, ctx.num_rays, end=True)
-        running = _inclusive_double(grad)  # sum_{j > i in the ray} g_j = running[end] - running[i + 1]
-        return (running.gather(0, end.gather(0, ray)) - running[1:]).to(grad.dtype), None, None
+        ray, offsets = ctx.saved_tensors
+        running = _inclusive_double(grad)  # sum_{j > i in the ray} g_j = running[end of the ray] - running[i + 1]
+        return (running.gather(0, offsets.gather(0, ray + 1)) - running[1:]).to(grad.dtype), None, None
 
 
 class _SegmentSum(torch.autograd.Function):
@@ -125,10 +123,8 @@ class _SegmentSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch.Tensor:
-        first, end = ray_bounds(ray, num_rays), ray_bounds(ray, num_rays, end=True)
-        running = _inclusive_double(values)
         ctx.save_for_backward(ray)
-        return (running.gather(0, end) - running.gather(0, first)).to(values.dtype)
+        return _inclusive_double(values).gather(0, ray_offsets(ray, num_rays)).diff().to(values.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -145,8 +141,6 @@ def exclusive_segment_cumsum(values: torch.Tensor, ray: torch.Tensor, num_rays: 
     sample of the batch, so it is taken in float64 to keep the per-ray differences accurate; the result has
     ``values``' dtype. Differentiable in ``values`` (:class:`_ExclusiveSegmentCumsum`).
     """
-    if values.shape[0] == 0:
-        return values.clone()
     return _ExclusiveSegmentCumsum.apply(values, ray, num_rays)
 
 
@@ -154,8 +148,6 @@ def segment_sum(values: torch.Tensor, ray: torch.Tensor, num_rays: int) -> torch
     """(N,) values of samples grouped contiguously by ray (N,) int64 in [0, num_rays) -> (B,) per-ray sums (0 for a
     ray without samples), in ``values``' dtype; differentiable in ``values``. Summed in float64, as
     :func:`exclusive_segment_cumsum`: keep the values finite and far below 1e15 (optical depths: clamp)."""
-    if values.shape[0] == 0:
-        return values.new_zeros(num_rays) + values.sum()  # keeps the graph
     return _SegmentSum.apply(values, ray, num_rays)
 
 
@@ -197,7 +189,7 @@ __all__ = [
     "num_samples_per_ray",
     "PackedSamples",
     "exclusive_segment_cumsum",
-    "ray_bounds",
+    "ray_offsets",
     "segment_sum",
     "survivors_and_weights",
     "compact",

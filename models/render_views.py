@@ -30,7 +30,7 @@ from models.decoder import DIFFUSE_CHANNELS
 from models.field import optical_depth
 from models.pose_refinement import points_with_ray_gradients
 from models.regularizers import RenderedSamples
-from models.render import PackedSamples, compact, survivors_and_weights
+from models.render import PackedSamples, compact, ray_offsets, survivors_and_weights
 
 if TYPE_CHECKING:  # models.model imports this module
     from models.model import VoxelNeRF
@@ -127,7 +127,7 @@ def march(
             if c.early_termination > 0:
                 index = compact(alive, alive_count)
                 samples, shows = samples.take(index), shows[index]
-                offsets = torch.searchsorted(samples.ray, torch.arange(num_rays + 1, device=samples.ray.device))
+                offsets = ray_offsets(samples.ray, num_rays)
             keep = compact(shows, shown_count) if c.weight_threshold > 0 else None
     if model.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
         model.touched.mark_points(samples.points, model.grid_shape)
