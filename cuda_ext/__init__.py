@@ -11,6 +11,7 @@ Public ops (each differentiable, dispatching on the input's device):
   :func:`adam_replay_rows` dense Adam's zero-gradient steps replayed on the masked rows (the exact lazy Adam).
 - :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets.
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
+- :func:`sampled_tv` a grid's total variation on (S,) sampled cells -> () float64, its gradient added in place.
 
 :mod:`cuda_ext.reference` holds pure-PyTorch versions with the same signatures; they need no compiled
 extension, so ``import cuda_ext.reference`` and ``ops=torch`` work without a build. The custom ops need
@@ -36,6 +37,7 @@ else:
     from cuda_ext.march import march_rays
     from cuda_ext.render import volume_render
     from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
+    from cuda_ext.tv import sampled_tv
     from cuda_ext.upsample import upsample_bilinear2d
 
 _CUSTOM_OPS = (
@@ -49,6 +51,7 @@ _CUSTOM_OPS = (
     "march_rays",
     "sparse_adam_step",
     "adam_replay_rows",
+    "sampled_tv",
 )
 
 
@@ -132,6 +135,7 @@ __all__ = [
     "march_rays",
     "sparse_adam_step",
     "adam_replay_rows",
+    "sampled_tv",
     "reference",
     "has_extension",
     "has_cuda_kernels",

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from cuda_ext import _brick_checks, _checks, _step_checks
 from cuda_ext._gelu_rows_checks import check_gelu_rows_inputs
+from cuda_ext._tv_checks import check_sampled_tv_inputs, tv_cell_count
 
 __all__ = [
     "OPAQUE_DEPTH",
@@ -28,6 +29,7 @@ __all__ = [
     "contract_points",
     "sparse_adam_step",
     "adam_replay_rows",
+    "sampled_tv",
 ]
 
 # An optical depth past which light is gone (exp(-100) < 4e-44: what follows has T = 0 to any tolerance). Global
@@ -262,6 +264,47 @@ def adam_replay_rows(
         m, v = exp_avg[rows], exp_avg_sq[rows]
         param[rows] = param[rows] - shift * torch.where(v > 0, m / v.sqrt(), torch.zeros_like(m))
         exp_avg[rows], exp_avg_sq[rows] = m * decay1, v * decay2
+
+
+def sampled_tv(
+    grad: torch.Tensor,
+    values: torch.Tensor,
+    cells: torch.Tensor,
+    shape: Sequence[int],
+    inside: Sequence[Sequence[int]] | None = None,
+    outside: float = 1.0,
+    scale: float = 1.0,
+    check_cells: bool = True,
+) -> torch.Tensor:
+    """cuda_ext.sampled_tv from its definition: the cells' corner rows and pair weights from integer arithmetic,
+    the four rows gathered, the loss as the model's TV writes it, autograd's gradient of the gathered rows added
+    into ``grad`` with ``index_add_``. Returns () float64."""
+    shape, flat, outside, scale = check_sampled_tv_inputs(grad, values, cells, shape, inside, outside, scale)
+    count = tv_cell_count(values, shape)
+    if check_cells and cells.numel() and not bool(((cells >= 0) & (cells < count)).all()):
+        raise ValueError(f"sampled_tv: cells must lie in [0, {count}), got values outside it")
+    if cells.numel() == 0 or values.shape[1] == 0:
+        return torch.zeros((), dtype=torch.float64, device=values.device)
+    r0, r1, r2 = shape
+    per_grid = (r0 - 1) * (r1 - 1) * (r2 - 1)
+    g, rest = cells // per_grid, cells % per_grid
+    v = torch.stack([rest // ((r1 - 1) * (r2 - 1)), rest // (r2 - 1) % (r1 - 1), rest % (r2 - 1)])  # (3, S)
+    corner = ((g * r0 + v[0]) * r1 + v[1]) * r2 + v[2]
+    rows = torch.stack([corner, corner + r1 * r2, corner + r2, corner + 1])  # (4, S)
+    picked = values.detach()[rows.reshape(-1)].reshape(4, cells.shape[0], -1).requires_grad_(True)
+    with torch.enable_grad():
+        squares = (picked[1:] - picked[:1]) ** 2  # (3, S, C)
+        if flat:
+            lo = torch.tensor(flat[0::2], device=cells.device)[:, None]
+            hi = torch.tensor(flat[1::2], device=cells.device)[:, None]
+            inside_v, inside_next = (lo <= v) & (v <= hi), (lo <= v + 1) & (v + 1 <= hi)  # (3, S) per axis
+            both = torch.stack([inside_next[a] & inside_v.all(0) for a in range(3)])  # v and v + e_a in the box
+            one = torch.ones((), dtype=values.dtype, device=values.device)
+            squares = squares * torch.where(both, one, one * outside)[..., None]  # outside in dtype, not float32
+        loss = scale * squares.mean(dim=(1, 2)).sum()
+        (gradient,) = torch.autograd.grad(loss, picked)
+    grad.view(-1, values.shape[1]).index_add_(0, rows.reshape(-1), gradient.reshape(-1, values.shape[1]))
+    return loss.detach().to(torch.float64)
 
 
 def march_rays(

@@ -116,6 +116,15 @@ class SceneSpace:
             for r in shape
         )
 
+    def foreground_ranges(self, shape: tuple[int, int, int]) -> tuple[tuple[int, int], ...] | None:
+        """Per axis, the (first, last) vertex index of :meth:`foreground` (a contiguous run: the box is the
+        cube's middle half), computed on the host; None when bounded."""
+        axes = self.foreground(shape, torch.device("cpu"))
+        if axes is None:
+            return None
+        runs = [inside.nonzero()[:, 0] for inside in axes]
+        return tuple((int(run[0]), int(run[-1])) for run in runs)
+
     def foreground_cells(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor | None:
         """(R0-1, R1-1, R2-1) bool: the cells of a grid of ``shape`` vertices that lie in the box (all 8 corners in
         :meth:`foreground`); None when bounded (every cell is in the box)."""

@@ -37,6 +37,7 @@ from models.field import (
     resample_box,
     visible_box,
 )
+from models.grid_tv import DeferredTV
 from models.ops import OpSet
 from models.pose_refinement import PoseRefinement
 from models.render import (
@@ -97,6 +98,7 @@ class VoxelNeRF(nn.Module):
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
         self.row_grads = RowGradients()  # model.tv_sparse_grad: the TV rows' gradients, added after the backward
+        self.deferred_tv = DeferredTV()  # the trainer's TV: cells drawn before the forward, applied after the backward
 
     # the schedule's state travels with the weights: state_dict "_extra_state" = (resolution, shrunk) int64
     def get_extra_state(self) -> torch.Tensor:
@@ -279,13 +281,22 @@ class VoxelNeRF(nn.Module):
             groups.append({"params": [self.poses.table], "lr": lr_pose, "name": "poses"})
         return groups
 
-    def regularization(self) -> torch.Tensor:
+    def regularization(self, defer: bool = False) -> torch.Tensor | None:
         """Weighted total variation of the density and feature grids (scalar; zero after ``tv_until``). With
         ``model.tv_sparse_grad`` its gradient reaches the grids only at ``self.row_grads.scatter()``, which the
-        caller runs after ``backward()``."""
+        caller runs after ``backward()``.
+
+        ``defer`` (the trainer's step): where ``ops.sampled_tv`` can take the estimate (``model.tv_sparse_grad``,
+        a sampled estimate, no touched-rows marks), this only draws its cells and returns None (no term);
+        :meth:`deferred_regularization` computes it after the backward, gradient included."""
         c = self.config
         terms = []
         self.row_grads.clear()  # gathers of an estimate that was never backpropagated
+        self.deferred_tv.cells = None
+        if defer and (self.progress > c.tv_until or self.deferred_tv.applies(self)):
+            if self.progress <= c.tv_until:
+                self.deferred_tv.draw(self)
+            return None
         if self.progress <= c.tv_until:
             touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
             # a replaying Adam catches up the rows the estimate reads
@@ -302,6 +313,11 @@ class VoxelNeRF(nn.Module):
                 terms.append(self.fine.regularization(*weights, c.tv_samples, rows))
         # no term: a zero that stays in the graph, so backward() always works
         return sum(terms) if terms else self.density.grid.reshape(-1)[:1].sum() * 0.0
+
+    def deferred_regularization(self) -> torch.Tensor | None:
+        """After ``loss.backward()``: the TV estimate :meth:`regularization` (``defer``) left out, its gradient added
+        onto the grids' ``.grad`` (:class:`models.grid_tv.DeferredTV`); its () float64 value, or None."""
+        return self.deferred_tv.apply(self)
 
     # ------------------------------------------------------------------ rendering
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:

@@ -22,6 +22,7 @@ OP_NAMES = (
     "march_rays",
     "sparse_adam_step",
     "brick_grid_interpolate",
+    "sampled_tv",
 )  # the config keys: functions of cuda_ext
 EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
 FAMILIES = {"gelu": ("gelu_rows",), "sparse_adam_step": ("adam_replay_rows",)}  # swapped by the family's key
@@ -43,6 +44,8 @@ class OpSet:
     - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``,
       ``adam_replay_rows(param, exp_avg, exp_avg_sq (M,C), mask (M,), last (M,), replay (T,), done, beta1, beta2)``
       (the optimisers', training.optim; the same backend: ``ops.sparse_adam_step``)
+    - ``sampled_tv(grad (M,C), values (M,C), cells (S,), shape [R0,R1,R2], inside, outside, scale) -> ()``: the TV
+      estimate, its gradient added into ``grad`` (the model's TV terms, after the backward)
 
     ``backends`` maps each op's name to "custom" or "torch" (for logs and metrics.json).
     """
@@ -56,6 +59,7 @@ class OpSet:
     march_rays: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     sparse_adam_step: Callable[..., None]
     adam_replay_rows: Callable[..., None]
+    sampled_tv: Callable[..., torch.Tensor]
     backends: dict[str, str] = field(default_factory=dict)
 
 

@@ -42,6 +42,7 @@ TORCH_OPS = {
     "march_rays": "torch",
     "brick_grid_interpolate": "torch",
     "sparse_adam_step": "torch",
+    "sampled_tv": "torch",
 }
 
 
@@ -100,6 +101,7 @@ def test_build_ops_maps_each_key_to_its_backend():
             "march_rays": "custom",
             "brick_grid_interpolate": "custom",
             "sparse_adam_step": "custom",
+            "sampled_tv": "custom",
         }
     )
     assert ops.grid_interpolate is cuda_ext.grid_interpolate
@@ -113,6 +115,7 @@ def test_build_ops_maps_each_key_to_its_backend():
         "march_rays": "custom",
         "brick_grid_interpolate": "custom",
         "sparse_adam_step": "custom",
+        "sampled_tv": "custom",
     }
 
 
@@ -579,6 +582,7 @@ def test_custom_ops_match_torch_ops():
             "march_rays": "custom",
             "brick_grid_interpolate": "custom",
             "sparse_adam_step": "custom",
+            "sampled_tv": "custom",
         }
     )
     reference_model = make_model(upsample=2, decoder_layers=2)

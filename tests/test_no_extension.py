@@ -48,6 +48,7 @@ def test_references_and_ops_torch_need_no_build(tmp_path):
         "march_rays": "torch",
         "brick_grid_interpolate": "torch",
         "sparse_adam_step": "torch",
+        "sampled_tv": "torch",
     }
 
 

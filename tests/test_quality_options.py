@@ -34,6 +34,7 @@ CUSTOM_OPS = {
     "march_rays": "custom",
     "brick_grid_interpolate": "custom",
     "sparse_adam_step": "custom",
+    "sampled_tv": "custom",
 }
 
 

@@ -15,7 +15,7 @@ from models.render_views import infer_image, infer_march
 from training.inference import render_view
 
 CUSTOM = {"grid_interpolate": "custom", "upsample_bilinear2d": "custom", "gelu": "custom"}
-CUSTOM |= {"volume_render": "custom", "march_rays": "custom", "sparse_adam_step": "custom"}
+CUSTOM |= {"volume_render": "custom", "march_rays": "custom", "sparse_adam_step": "custom", "sampled_tv": "custom"}
 CUSTOM |= {"brick_grid_interpolate": "custom"}
 
 

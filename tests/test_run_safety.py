@@ -149,7 +149,7 @@ def test_a_finished_run_keeps_its_model_and_an_unfinished_one_its_checkpoint(tmp
 
 def test_exploding_loss_stops_the_run_naming_the_cause(tmp_path, cache, monkeypatch, capsys):
     original = trainer_module.VoxelNeRF.regularization
-    monkeypatch.setattr(trainer_module.VoxelNeRF, "regularization", lambda self: original(self) + 2.5e20)
+    monkeypatch.setattr(trainer_module.VoxelNeRF, "regularization", lambda self, **_: original(self) + 2.5e20)
     code = run_in_process(tiny_overrides(cache, 6) + ["train.turntable_frames=0"], tmp_path / "run")
     assert code == trainer_module.EXIT_DIVERGED
     assert "exploding" in capsys.readouterr().err

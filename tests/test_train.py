@@ -104,6 +104,7 @@ def test_run_writes_metrics_renders_and_checkpoint(finished_run):
         "march_rays": "torch",
         "brick_grid_interpolate": "torch",
         "sparse_adam_step": "torch",
+        "sampled_tv": "torch",
     }
     assert metrics["device"] == "cpu" and metrics["resolution"] == [16, 16]
     assert len(metrics["per_view"]) == N_TEST
@@ -269,7 +270,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, scene_cache
 
     original = trainer_module.VoxelNeRF.regularization
 
-    def poisoned(self):  # NaN from step 8 on, flowing into every grid's gradient
+    def poisoned(self, **_):  # NaN from step 8 on, flowing into every grid's gradient
         value = original(self)
         return value + self.density.grid.sum() * float("nan") if self.progress >= 7 / 20 else value
 
@@ -348,6 +349,7 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
                 "march_rays": "custom",
                 "brick_grid_interpolate": "custom",
                 "sparse_adam_step": "custom",
+                "sampled_tv": "custom",
             },
         ),
         (
@@ -360,6 +362,7 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
                 "march_rays": "torch",
                 "brick_grid_interpolate": "torch",
                 "sparse_adam_step": "torch",
+                "sampled_tv": "torch",
             },
         ),
         (
@@ -372,6 +375,7 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
                 "march_rays": "custom",
                 "brick_grid_interpolate": "custom",
                 "sparse_adam_step": "custom",
+                "sampled_tv": "custom",
             },
         ),
         (
@@ -384,6 +388,7 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
                 "march_rays": "torch",
                 "brick_grid_interpolate": "torch",
                 "sparse_adam_step": "torch",
+                "sampled_tv": "torch",
             },
         ),
         # the keys' earlier names still work
@@ -397,6 +402,7 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
                 "march_rays": "custom",
                 "brick_grid_interpolate": "custom",
                 "sparse_adam_step": "custom",
+                "sampled_tv": "custom",
             },
         ),
         (
@@ -409,6 +415,7 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
                 "march_rays": "torch",
                 "brick_grid_interpolate": "torch",
                 "sparse_adam_step": "torch",
+                "sampled_tv": "torch",
             },
         ),
     ],

@@ -87,7 +87,7 @@ def floater_losses(out: dict, origins: torch.Tensor, train_cfg, centre: torch.Te
     return total
 
 
-def step_loss(out: dict, batch, target: torch.Tensor, regularization: torch.Tensor, train_cfg, model, centre):
+def step_loss(out: dict, batch, target: torch.Tensor, regularization: torch.Tensor | None, train_cfg, model, centre):
     """(loss, mse) of one training step: the photometric loss of ``out["rgb"]`` against ``target`` (same shape),
     D-SSIM, the model's ``regularization`` (its TV, already computed), the opacity loss on ``batch.alpha``, the
     floater losses and the pose corrections' penalty, each with its ``train.*`` weight. ``centre``: (3,) the scene
@@ -97,7 +97,8 @@ def step_loss(out: dict, batch, target: torch.Tensor, regularization: torch.Tens
     loss = mse if kind == "mse" else photometric_loss(out["rgb"], target, kind)
     if train_cfg.get("dssim", 0.0) > 0:  # patch batches only (training.config_rules)
         loss = loss + train_cfg.dssim * dssim(out["rgb"], target)
-    loss = loss + regularization
+    if regularization is not None:  # None: the TV is added after the backward (models/grid_tv.py)
+        loss = loss + regularization
     weight = float(train_cfg.get("opacity_loss", 0.0))
     if weight != 0.0 and batch.alpha is not None:
         loss = loss + weight * opacity_loss(out["opacity"], batch.alpha)

@@ -164,9 +164,10 @@ class Trainer:
                 batch = batch.shard(self.group.rank, self.group.world) if self.group.active else batch
                 background, target = self._training_background(batch)
             # the TV estimate before the forward: a replaying Adam catches up the rows it reads in place, which
-            # must not happen to a grid the forward's lookups have already saved for their backward
+            # must not happen to a grid the forward's lookups have already saved for their backward; through
+            # ops.sampled_tv only its cells are drawn here, and it runs after the backward (models/grid_tv.py)
             with profiler.section("regularization"):
-                regularization = self.model.regularization()
+                regularization = self.model.regularization(defer=True)
             with profiler.section("forward"):
                 if isinstance(batch, PatchBatch):
                     out = self.model.render_patches(batch, background)
@@ -177,6 +178,9 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.model.row_grads.scatter()  # model.tv_sparse_grad: the TV rows' gradients onto the grids'
+            with profiler.section("tv_gradient"):
+                deferred = self.model.deferred_regularization()  # the TV's value, its gradient added in place
+                loss = loss if deferred is None else loss.detach() + deferred
             with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients averaged
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself

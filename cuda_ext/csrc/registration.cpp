@@ -54,6 +54,9 @@ TORCH_LIBRARY(cuda_ext, m) {
   m.def(
       "adam_replay_rows(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor mask, Tensor last, "
       "Tensor replay, int done, float beta1, float beta2) -> ()");
+  m.def(
+      "sampled_tv(Tensor(a!) grad, Tensor values, Tensor cells, int[] shape, int[] inside, float outside, "
+      "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
@@ -74,6 +77,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("march_rays", &cuda_ext::march_rays_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
   m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cpu);
+  m.impl("sampled_tv", &cuda_ext::sampled_tv_cpu);
 }
 
 #ifdef WITH_CUDA
@@ -95,5 +99,6 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("march_rays", &cuda_ext::march_rays_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
   m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cuda);
+  m.impl("sampled_tv", &cuda_ext::sampled_tv_cuda);
 }
 #endif
