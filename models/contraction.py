@@ -17,6 +17,7 @@ optical depth uses its own world-space step, dt/dk: ``step`` on the linear part 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -118,12 +119,10 @@ class SceneSpace:
 
     def foreground_ranges(self, shape: tuple[int, int, int]) -> tuple[tuple[int, int], ...] | None:
         """Per axis, the (first, last) vertex index of :meth:`foreground` (a contiguous run: the box is the
-        cube's middle half), computed on the host; None when bounded."""
-        axes = self.foreground(shape, torch.device("cpu"))
-        if axes is None:
+        cube's middle half), computed once per shape on the host; None when bounded."""
+        if not self.contract:
             return None
-        runs = [inside.nonzero()[:, 0] for inside in axes]
-        return tuple((int(run[0]), int(run[-1])) for run in runs)
+        return _foreground_ranges(tuple(shape))
 
     def foreground_cells(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor | None:
         """(R0-1, R1-1, R2-1) bool: the cells of a grid of ``shape`` vertices that lie in the box (all 8 corners in
@@ -144,6 +143,12 @@ class SceneSpace:
         norm = torch.stack(torch.meshgrid(*axes, indexing="ij")).amax(0)  # outermost contracted L-inf norm nearby
         distance = 1.0 / (2.0 - norm).clamp(min=1.0 / math.sqrt(HUGE_STEP))  # the uncontracted norm, m = 2 - 1/n
         return distance.clamp(min=1.0).square().float()
+
+
+@functools.lru_cache(maxsize=16)
+def _foreground_ranges(shape: tuple[int, int, int]) -> tuple[tuple[int, int], ...]:
+    runs = [inside.nonzero()[:, 0] for inside in SceneSpace("inf").foreground(shape, torch.device("cpu"))]
+    return tuple((int(run[0]), int(run[-1])) for run in runs)
 
 
 __all__ = ["CONTRACTIONS", "SceneSpace", "box_radius", "contract_points", "split_distances"]

@@ -32,7 +32,7 @@ def case(grids=2, channels=3, samples=200, dtype=torch.float64, device="cpu", se
 def by_definition(values, cells, inside, outside, scale):
     """The estimate and its gradient, one cell and one pair at a time (float64, Python loops)."""
     r0, r1, r2 = SHAPE
-    grad = torch.zeros_like(values, dtype=torch.float64)
+    grad = torch.zeros(values.shape, dtype=torch.float64)  # on the CPU, as the loops run
     x = values.double().cpu()
     total = 0.0
     per = (r0 - 1) * (r1 - 1) * (r2 - 1)
