@@ -1,4 +1,4 @@
-"""Benchmark of the sampled TV estimate's forward + backward with a dense gradient vs ``model.tv_sparse_grad``.
+"""Benchmark of the sampled TV estimate's forward + backward: a dense gradient, ``model.tv_sparse_grad``, the op.
 
     python3 bench/bench_tv_grad.py [--device cuda|cpu] [--size 320] [--channels 12] [--samples 65536]
                                    [--json OUT.json]
@@ -9,7 +9,9 @@ whose ``.grad`` already holds a dense gradient, as the lookups leave it before t
 and its backward onto that gradient: plain indexing (a zero-filled grid-sized gradient, the rows scattered into
 it, a whole-grid add: 4 M C 4 bytes at least) against ``models.sparse_rows.RowGradients`` (the 4 K rows read,
 and their gradient added onto the grid's with one ``index_add_`` after the backward: 3 x 4 K C 4 bytes).
-Reported: median ms, GB/s and % of the copy bandwidth on each variant's bytes, and the speed-up of the rows.
+The third variant is ``cuda_ext.sampled_tv`` (what training runs): the cells drawn, the estimate and its gradient
+added onto the grid's in one kernel (the same 3 x 4 K C 4 bytes as the rows). Reported: median ms, GB/s and % of
+the copy bandwidth on each variant's bytes, and each variant's speed-up over the dense one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_timing import Timer, bench_timer, measure_copy, print_header, report_header, write_report  # noqa: E402
 
+import cuda_ext  # noqa: E402
 from models.field import VoxelGrid  # noqa: E402
 from models.sparse_rows import RowGradients  # noqa: E402
 
@@ -48,23 +51,37 @@ def bench(device: torch.device, side: int, channels: int, samples: int, timer: T
     grid.grid.grad = torch.randn_like(grid.grid)  # the lookups' dense gradient, already there
     rows = side**3
     results = []
-    for variant, row_grads, nbytes in (
-        ("dense (indexing)", None, dense_bytes(rows, channels)),
-        ("rows (RowGradients)", RowGradients(), sparse_bytes(samples, channels)),
-    ):
+    cells = (side - 1) ** 3
 
-        def run(i: int, row_grads: RowGradients | None = row_grads) -> None:
+    def indexed(row_grads: RowGradients | None):
+        def run(i: int) -> None:
             grid.total_variation(samples, rows=row_grads).backward()
             if row_grads is not None:
                 row_grads.scatter()
 
+        return run
+
+    def fused(i: int) -> None:
+        drawn = torch.randint(cells, (samples,), device=device)
+        flat = grid.grid.detach().view(-1, channels)
+        cuda_ext.sampled_tv(grid.grid.grad.view(-1, channels), flat, drawn, (side,) * 3, None, 1.0, 1.0, False)
+
+    variants = [
+        ("dense (indexing)", indexed(None), dense_bytes(rows, channels)),
+        ("rows (RowGradients)", indexed(RowGradients()), sparse_bytes(samples, channels)),
+    ]
+    if cuda_ext.has_extension():
+        variants.append(("op (sampled_tv)", fused, sparse_bytes(samples, channels)))
+    results = []
+    for variant, run, nbytes in variants:
         timing = timer(run, lambda i: None, 1)
         gbps = nbytes / timing["ms"] / 1e6
         results.append(
             {"variant": variant, "bytes": nbytes, **timing, "GBps": gbps, "pct_copy": 100 * gbps / copy["GBps"]}
         )
         assert not grid.grid.grad.is_sparse  # added onto the dense gradient, as in training
-    results[1]["speedup_vs_dense"] = results[0]["ms"] / results[1]["ms"]
+    for result in results[1:]:
+        result["speedup_vs_dense"] = results[0]["ms"] / result["ms"]
     return {"copy": copy, "results": results}
 
 

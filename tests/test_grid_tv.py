@@ -122,3 +122,18 @@ def test_foreground_ranges_are_the_masks_runs(r):
         want[lo : hi + 1] = True
         assert torch.equal(mask, want)
     assert SceneSpace("none").foreground_ranges((5, 5, 5)) is None
+
+
+@pytest.mark.skipif(not cuda_ext.has_extension(), reason="no build")
+def test_a_training_run_is_the_same_run_with_the_op_or_its_reference(tmp_path):
+    """The trainer's step with the deferred TV: the kernel and the PyTorch reference train the same model."""
+    from test_distributed import assert_same_model, single, tiny
+
+    from training.checkpoint import load_checkpoint
+
+    cache = tmp_path / "cache"
+    for backend in ("custom", "torch"):
+        result = single(tiny(cache, tmp_path / backend, 12) + [f"ops.sampled_tv={backend}", "model.tv_density=0.1"])
+        assert result.returncode == 0, result.stderr[-2000:]
+    runs = [load_checkpoint(tmp_path / b / "checkpoints" / "last.pt", map_location="cpu") for b in ("custom", "torch")]
+    assert_same_model(*runs)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_model import make_model, randomize_density
 
+import cuda_ext
 from models.sparse_rows import RowGradients, gather_rows
 
 F64 = torch.float64
@@ -110,13 +111,16 @@ def test_the_tv_estimate_is_the_same_with_a_sparse_gradient(overrides, device):
 
 
 def test_a_training_run_is_the_same_run_with_the_sparse_tv_gradient(tmp_path):
+    """The TV estimate in PyTorch, its gradient as rows or dense (an optimiser reading the touched rows keeps the
+    trainer on this path; otherwise ops.sampled_tv takes it: tests/test_grid_tv.py)."""
     from test_distributed import assert_same_model, single, tiny
 
     from training.checkpoint import load_checkpoint
 
     cache = tmp_path / "cache"
     for name, sparse in (("dense", "false"), ("sparse", "true")):
-        result = single(tiny(cache, tmp_path / name, 12) + [f"model.tv_sparse_grad={sparse}"])
+        masked = ["train.sparse_adam=true", f"model.tv_sparse_grad={sparse}"]
+        result = single(tiny(cache, tmp_path / name, 12) + masked)
         assert result.returncode == 0, result.stderr[-2000:]
     runs = [
         load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("dense", "sparse")
@@ -143,10 +147,12 @@ def test_bench_tv_grad_smoke_cpu(tmp_path, load_bench):
         ]
     )
     assert out.exists() and report["grid"] == {"size": 12, "rows": 1728, "channels": 12, "dtype": "float32"}
-    dense, sparse = report["results"]
+    dense, sparse, *op = report["results"]
     assert dense["variant"].startswith("dense") and sparse["variant"].startswith("rows")
+    assert [r["variant"] for r in op] == (["op (sampled_tv)"] if cuda_ext.has_extension() else [])
     assert dense["bytes"] == 4 * 1728 * 12 * 4 and sparse["bytes"] == 3 * 4 * 200 * 12 * 4
-    assert all(r["ms"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0 for r in (dense, sparse))
-    assert sparse["speedup_vs_dense"] == pytest.approx(dense["ms"] / sparse["ms"])
+    assert all(r["ms"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0 for r in (dense, sparse, *op))
+    for r in (sparse, *op):
+        assert r["speedup_vs_dense"] == pytest.approx(dense["ms"] / r["ms"])
     with pytest.raises(SystemExit):  # more samples than cells: the whole-grid TV, not this benchmark
         load_bench("bench_tv_grad").main(["--device", "cpu", "--size", "4", "--samples", "27"])
