@@ -217,29 +217,49 @@ class BrickGrids(nn.Module):
             )
 
     def regularization(
-        self, tv_density: float, tv_features: float, num_samples: int, rows: RowGradients | None = None
+        self,
+        tv_density: float,
+        tv_features: float,
+        num_samples: int,
+        rows: RowGradients | None = None,
+        cells: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``tv_density`` x the density rows' :meth:`total_variation` + ``tv_features`` x the features' (scalar)."""
+        """``tv_density`` x the density rows' :meth:`total_variation` + ``tv_features`` x the features' (scalar),
+        both on the same ``cells`` (drawn here when None)."""
         terms = [
-            weight * self.total_variation(values, num_samples, rows)
+            weight * self.total_variation(values, num_samples, rows, cells)
             for weight, values in ((tv_density, self.density), (tv_features, self.features))
             if weight > 0
         ]
         return sum(terms) if terms else self.density[:1].sum() * 0.0  # the zero reads one row, not the pool
 
-    def total_variation(self, values: torch.Tensor, num_samples: int, rows: RowGradients | None = None) -> torch.Tensor:
+    def tv_cells(self) -> int:
+        """The cells a fine TV sample is drawn from: (brick - 1)^3 in each allocated brick."""
+        return self.bricks * (self.brick - 1) ** 3
+
+    def total_variation(
+        self,
+        values: torch.Tensor,
+        num_samples: int,
+        rows: RowGradients | None = None,
+        cells: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Mean squared difference between neighbouring fine vertices inside bricks, summed over the 3 axes,
-        estimated on ``num_samples`` random vertices (scalar; pairs across brick faces are left out). Through
-        ``rows`` its gradient reaches ``values`` as the rows read, at ``rows.scatter()`` (models.sparse_rows)."""
+        estimated on ``num_samples`` random vertices (scalar; pairs across brick faces are left out): the lower
+        corners of ``cells`` ((num_samples,) int64 in [0, :meth:`tv_cells`), brick by brick; drawn here when None).
+        Through ``rows`` its gradient reaches ``values`` as the rows read, at ``rows.scatter()``
+        (models.sparse_rows)."""
         b = self.brick
         if b < 2 or not self.active:
             return values[:1].sum() * 0.0
-        device = values.device
-        local = torch.randint(b - 1, (3, num_samples), device=device)
-        slot = torch.randint(self.bricks, (num_samples,), device=device)
+        if cells is None:
+            cells = torch.randint(self.tv_cells(), (num_samples,), device=values.device)
+        per = (b - 1) ** 3
+        slot, rest = cells // per, cells % per
+        local = (rest // (b - 1) ** 2, rest // (b - 1) % (b - 1), rest % (b - 1))
         centre = slot * b**3 + (local[0] * b + local[1]) * b + local[2]
         index = torch.stack([centre, centre + b * b, centre + b, centre + 1]).reshape(-1)
-        picked = gather_rows(values, index, rows).reshape(4, num_samples, -1)
+        picked = gather_rows(values, index, rows).reshape(4, len(cells), -1)
         return ((picked[1:] - picked[:1]) ** 2).mean(dim=(1, 2)).sum()
 
     # the fine grid's shape travels with its rows: "_extra_state" = (V0, V1, V2, brick) int64

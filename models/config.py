@@ -81,7 +81,7 @@ class ModelConfig:
     tv_until: float = 1.0
     tv_samples: int = 65536
     tv_background: float = 1.0  # TV multiplier outside the foreground box (contraction=inf: the shell)
-    tv_sparse_grad: bool = True  # the sampled TV's gradient as the rows it read (models/sparse_rows.py)
+    tv_sparse_grad: bool = True  # the sampled TV's gradient as the rows it read (models/grid_tv.py, sparse_rows.py)
     shading: str = "deferred"
     shrink_at: Any = None  # null, a step (int) or a fraction of training (float)
     shrink_threshold: float = 1.0e-3

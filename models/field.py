@@ -125,6 +125,7 @@ class VoxelGrid(nn.Module):
         outside: float = 1.0,
         reader: Callable[[torch.Tensor], None] | None = None,
         rows: RowGradients | None = None,
+        cells: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Mean squared difference between neighbouring voxels, summed over the 3 axes (scalar).
 
@@ -138,6 +139,8 @@ class VoxelGrid(nn.Module):
         (TouchedRows.before_read_rows with the grid's shape).
         ``rows``: optional, the estimate gathers through it, so its gradient reaches the grid as the rows it read
         when ``rows.scatter()`` runs after the backward (models.sparse_rows; the whole-grid form's is dense).
+        ``cells``: optional (num_samples,) int64 cell indices in [0, (R0-1)(R1-1)(R2-1)) to estimate on (the
+        model draws them once for both grids, models.grid_tv.draw_cells); else drawn here, uniformly.
         """
         grid = self.grid
         r0, r1, r2 = self.shape
@@ -155,9 +158,9 @@ class VoxelGrid(nn.Module):
                 return sum((torch.diff(grid, dim=a) ** 2 * weights[a][..., None]).mean() for a in range(3))
             return sum((torch.diff(grid, dim=axis) ** 2).mean() for axis in range(3))
         device = grid.device
-        i = torch.randint(r0 - 1, (num_samples,), device=device)
-        j = torch.randint(r1 - 1, (num_samples,), device=device)
-        k = torch.randint(r2 - 1, (num_samples,), device=device)
+        if cells is None:
+            cells = torch.randint((r0 - 1) * (r1 - 1) * (r2 - 1), (num_samples,), device=device)
+        i, j, k = cells // ((r1 - 1) * (r2 - 1)), cells // (r2 - 1) % (r1 - 1), cells % (r2 - 1)
         centre = (i * r1 + j) * r2 + k
         # one gather of each voxel and its +1 neighbour along every axis: a single grid-sized gradient in backward
         index = torch.stack([centre, centre + r1 * r2, centre + r2, centre + 1])
@@ -165,7 +168,7 @@ class VoxelGrid(nn.Module):
             touched[index.reshape(-1)] = True
         if reader is not None:
             reader(index.reshape(-1))
-        values = gather_rows(grid, index.reshape(-1), rows).reshape(4, num_samples, -1)
+        values = gather_rows(grid, index.reshape(-1), rows).reshape(4, len(cells), -1)
         if weighted:  # the (3, S) weights of each sampled voxel's three pairs
             vertex = [f[c] for f, c in zip(foreground, (i, j, k))]
             pair = [f[c] & f[c + 1] for f, c in zip(foreground, (i, j, k))]

@@ -25,30 +25,26 @@ class DeferredTV:
     @staticmethod
     def applies(model) -> bool:
         """The model's TV can go this way: sampled (fewer samples than cells), its gradient as rows
-        (``model.tv_sparse_grad``), and no optimiser that reads the touched-rows marks or replays reads."""
+        (``model.tv_sparse_grad``)."""
         c, cells = model.config, math.prod(r - 1 for r in model.grid_shape)
-        touched = model.touched
-        return bool(c.tv_sparse_grad) and 0 < c.tv_samples < cells and not touched.enabled and touched.reader is None
+        return bool(c.tv_sparse_grad) and 0 < c.tv_samples < cells
 
     @staticmethod
-    def groups(model) -> list[tuple[int, tuple[int, int, int], list, tuple | None, float]]:
-        """The grid pairs: (cells to draw from, vertex shape, [(scale, parameter (..., C))], the foreground's vertex
-        ranges or None, the outside weight): the coarse grids; the fine grid's bricks when allocated."""
+    def groups(model) -> list[tuple[tuple[int, int, int], list, tuple | None, float]]:
+        """The grid pairs, in :func:`draw_cells`' order: (vertex shape, [(scale, parameter (..., C))], the
+        foreground's vertex ranges or None, the outside weight): the coarse grids; the fine grid's bricks (a stack
+        of (b, b, b) grids: no pairs across brick faces) when allocated."""
         c = model.config
         shape = model.grid_shape
         inside = model.space.foreground_ranges(shape) if c.tv_background != 1.0 else None
         pairs = [(c.tv_density, model.density.grid), (c.tv_features, model.features.grid)]
-        groups = [(math.prod(r - 1 for r in shape), shape, pairs, inside, c.tv_background)]
         fine, b = model.fine, model.fine.brick
-        if fine.active and b >= 2:  # the bricks as a stack of (b, b, b) grids: no pairs across brick faces
-            scaled = [(c.tv_density * c.fine.tv, fine.density), (c.tv_features * c.fine.tv, fine.features)]
-            groups.append((fine.bricks * (b - 1) ** 3, (b, b, b), scaled, None, 1.0))
-        return groups
+        scaled = [(c.tv_density * c.fine.tv, fine.density), (c.tv_features * c.fine.tv, fine.features)]
+        return [(shape, pairs, inside, c.tv_background), ((b, b, b), scaled, None, 1.0)]
 
     def draw(self, model) -> None:
-        """Draw this step's cells: ``model.tv_samples`` per grid pair, uniform over its cells."""
-        device, samples = model.bbox.device, model.config.tv_samples
-        self.cells = [torch.randint(count, (samples,), device=device) for count, *_ in self.groups(model)]
+        """Draw this step's cells (:func:`draw_cells`)."""
+        self.cells = list(draw_cells(model))
 
     @torch.no_grad()
     def apply(self, model) -> torch.Tensor | None:
@@ -57,10 +53,17 @@ class DeferredTV:
         cells, self.cells = self.cells, None
         if cells is None:
             return None
+        touched, shape = model.touched, model.grid_shape
+        if cells[0] is not None and (touched.enabled or touched.reader is not None):
+            # a sparse Adam steps the coarse rows the estimate reads; a replaying one catches them up first
+            rows = corner_rows(cells[0], shape, neighbours=True)
+            if touched.enabled:
+                touched.mask(shape, rows.device)[rows] = True
+            touched.before_read_rows(rows, shape)
         total = None
-        for drawn, (_, shape, pairs, inside, outside) in zip(cells, self.groups(model)):
+        for drawn, (shape, pairs, inside, outside) in zip(cells, self.groups(model)):
             for scale, param in pairs:
-                if scale <= 0:
+                if drawn is None or scale <= 0:
                     continue
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
@@ -79,3 +82,25 @@ class DeferredTV:
                 )
                 total = value if total is None else total + value
         return total
+
+
+def draw_cells(model) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """This step's TV cells, the same draws whichever way the estimate then runs (this op, or the PyTorch estimate
+    of models.field / models.brick_grid): (coarse, fine), ``model.tv_samples`` int64 each, uniform over the
+    coarse grids' (R0-1)(R1-1)(R2-1) cells (None for the whole-grid TV: tv_samples <= 0 or >= the cells) and over
+    the fine bricks' (None without allocated bricks). Density and features of one grid share them."""
+    device, samples = model.bbox.device, model.config.tv_samples
+    count = math.prod(r - 1 for r in model.grid_shape)
+    coarse = torch.randint(count, (samples,), device=device) if 0 < samples < count else None
+    fine = model.fine
+    sampled = fine.active and fine.brick >= 2 and samples > 0
+    return coarse, torch.randint(fine.tv_cells(), (samples,), device=device) if sampled else None
+
+
+def corner_rows(cells: torch.Tensor, shape: tuple[int, int, int], neighbours: bool = False) -> torch.Tensor:
+    """The rows of (S,) cells' lower corners in a grid of ``shape`` vertices, (S,); with ``neighbours`` also
+    their +1 neighbours along axes 0, 1, 2: (4, S)."""
+    r0, r1, r2 = shape
+    i, j, k = cells // ((r1 - 1) * (r2 - 1)), cells // (r2 - 1) % (r1 - 1), cells % (r2 - 1)
+    corner = (i * r1 + j) * r2 + k
+    return torch.stack([corner, corner + r1 * r2, corner + r2, corner + 1]) if neighbours else corner

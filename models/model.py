@@ -37,7 +37,7 @@ from models.field import (
     resample_box,
     visible_box,
 )
-from models.grid_tv import DeferredTV
+from models.grid_tv import DeferredTV, draw_cells
 from models.ops import OpSet
 from models.pose_refinement import PoseRefinement
 from models.render import (
@@ -305,12 +305,14 @@ class VoxelNeRF(nn.Module):
             weighted = c.tv_background != 1.0
             shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)
             rows = self.row_grads if c.tv_sparse_grad else None  # the rows read, not a whole-grid gradient
+            coarse, fine = draw_cells(self)  # the draws the deferred estimate makes
             for weight, grid in ((c.tv_density, self.density), (c.tv_features, self.features)):
                 if weight > 0:
-                    terms.append(weight * grid.total_variation(c.tv_samples, touched, *shell, reader, rows=rows))
+                    tv = grid.total_variation(c.tv_samples, touched, *shell, reader, rows=rows, cells=coarse)
+                    terms.append(weight * tv)
             if self.fine.active:  # the fine grid's own, at its spacing
                 weights = (c.tv_density * c.fine.tv, c.tv_features * c.fine.tv)
-                terms.append(self.fine.regularization(*weights, c.tv_samples, rows))
+                terms.append(self.fine.regularization(*weights, c.tv_samples, rows, fine))
         # no term: a zero that stays in the graph, so backward() always works
         return sum(terms) if terms else self.density.grid.reshape(-1)[:1].sum() * 0.0
 

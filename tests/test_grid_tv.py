@@ -58,7 +58,8 @@ def test_coarse_estimate_is_the_pytorch_one_on_its_cells(backend, contraction):
     randomize_density(model)
     model.double()  # float64 grids and gradients: the comparison is to rounding, not to float32's
     assert model.regularization(defer=True) is None  # no term in the loss: only the cells are drawn
-    (cells,) = model.deferred_tv.cells
+    cells, fine = model.deferred_tv.cells
+    assert fine is None  # no fine grid allocated
     before = with_random_grads(model)
     value = model.deferred_regularization()
     shape, c = model.grid_shape, model.config
@@ -94,13 +95,32 @@ def test_taken_only_where_it_applies():
     for overrides in ({"tv_sparse_grad": False}, {"tv_samples": 0}):  # autograd's form; the whole grid's TV
         model = make_model(0, **overrides)
         assert isinstance(model.regularization(defer=True), torch.Tensor) and model.deferred_tv.cells is None
-    model = make_model(0)
-    model.touched.enabled = True  # an optimiser that reads the touched rows' marks
-    assert isinstance(model.regularization(defer=True), torch.Tensor)
-    assert isinstance(model.regularization(), torch.Tensor)  # without defer: the PyTorch estimate, as ever
+    assert isinstance(make_model(0).regularization(), torch.Tensor)  # without defer: the PyTorch estimate
     model = make_model(0, tv_until=0.5)
     model.progress = 0.6  # the TV is over: no term, nothing drawn
     assert model.regularization(defer=True) is None and model.deferred_regularization() is None
+
+
+def test_the_rows_it_reads_are_marked_and_caught_up_first():
+    """A sparse Adam steps the touched rows (the estimate's among them); a replaying one catches them up before
+    they are read: the deferred estimate marks exactly the PyTorch estimate's rows, and reads them after."""
+    order = []
+    model = make_model(2, tv_density=0.3)
+    model.touched.enabled = True
+    model.touched.reader = lambda mask: order.append(("caught up", mask.clone()))
+    model.regularization(defer=True)
+    cells, _ = model.deferred_tv.cells
+    ops = model.ops
+    model.ops = type(ops)(
+        **{**ops.__dict__, "sampled_tv": lambda *a, **k: order.append("read") or ops.sampled_tv(*a, **k)}
+    )
+    model.deferred_regularization()
+    marks = model.touched.mask(model.grid_shape).clone()
+    model.touched.mask(model.grid_shape).zero_()
+    model.touched.reader = None
+    model.density.total_variation(len(cells), model.touched.mask(model.grid_shape), cells=cells)  # PyTorch's marks
+    assert torch.equal(marks, model.touched.mask(model.grid_shape)) and int(marks.sum()) > len(cells)
+    assert order[0][0] == "caught up" and torch.equal(order[0][1].bool(), marks) and order[1:] == ["read", "read"]
 
 
 def test_a_grid_without_a_gradient_gets_one():
