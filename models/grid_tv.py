@@ -17,10 +17,10 @@ import torch
 
 
 class DeferredTV:
-    """The cells drawn for this step's TV estimate (one (S,) int64 tensor per grid pair), and applying it."""
+    """The cells drawn for this step's TV estimate ([coarse, fine]: :func:`draw_cells`), and applying it."""
 
     def __init__(self) -> None:
-        self.cells: list[torch.Tensor] | None = None
+        self.cells: list[torch.Tensor | None] | None = None
 
     @staticmethod
     def applies(model) -> bool:
