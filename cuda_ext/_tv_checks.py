@@ -18,15 +18,19 @@ from cuda_ext._checks import (
     require,
 )
 
-__all__ = ["check_sampled_tv_inputs", "tv_cell_count"]
+__all__ = ["check_sampled_tv_inputs", "check_cell_range"]
 
 OP = "sampled_tv"
 
 
-def tv_cell_count(values: torch.Tensor, shape: Sequence[int]) -> int:
-    """G * (R0-1) * (R1-1) * (R2-1): the cells of the G grids of ``shape`` that ``values``' rows hold."""
-    grids = values.shape[0] // (shape[0] * shape[1] * shape[2])
-    return grids * (shape[0] - 1) * (shape[1] - 1) * (shape[2] - 1)
+def check_cell_range(values: torch.Tensor, cells: torch.Tensor, shape: Sequence[int]) -> None:
+    """cells in [0, G * (R0-1) * (R1-1) * (R2-1)), the cells of the G grids of ``shape`` in ``values``' rows: a data
+    check (one small reduction and one device sync)."""
+    if cells.numel():
+        count = values.shape[0] // (shape[0] * shape[1] * shape[2]) * (shape[0] - 1) * (shape[1] - 1) * (shape[2] - 1)
+        low, high = torch.stack(torch.aminmax(cells)).tolist()
+        if low < 0 or high >= count:
+            raise ValueError(f"{OP}: cells must lie in [0, {count}), got values in [{low}, {high}]")
 
 
 def check_sampled_tv_inputs(

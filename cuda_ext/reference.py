@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cuda_ext import _brick_checks, _checks, _step_checks
 from cuda_ext._gelu_rows_checks import check_gelu_rows_inputs
-from cuda_ext._tv_checks import check_sampled_tv_inputs, tv_cell_count
+from cuda_ext._tv_checks import check_cell_range, check_sampled_tv_inputs
 
 __all__ = [
     "OPAQUE_DEPTH",
@@ -280,9 +280,8 @@ def sampled_tv(
     the four rows gathered, the loss as the model's TV writes it, autograd's gradient of the gathered rows added
     into ``grad`` with ``index_add_``. Returns () float64."""
     shape, flat, outside, scale = check_sampled_tv_inputs(grad, values, cells, shape, inside, outside, scale)
-    count = tv_cell_count(values, shape)
-    if check_cells and cells.numel() and not bool(((cells >= 0) & (cells < count)).all()):
-        raise ValueError(f"sampled_tv: cells must lie in [0, {count}), got values outside it")
+    if check_cells:
+        check_cell_range(values, cells, shape)
     if cells.numel() == 0 or values.shape[1] == 0:
         return torch.zeros((), dtype=torch.float64, device=values.device)
     r0, r1, r2 = shape

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.config import FineConfig, step_of
-from models.field import cell_coords, cell_corners
+from models.field import cell_coords, cell_corners, tv_pair_rows
 from models.ops import OpSet
 from models.sparse_rows import RowGradients, gather_rows
 
@@ -254,12 +254,8 @@ class BrickGrids(nn.Module):
             return values[:1].sum() * 0.0
         if cells is None:
             cells = torch.randint(self.tv_cells(), (num_samples,), device=values.device)
-        per = (b - 1) ** 3
-        slot, rest = cells // per, cells % per
-        local = (rest // (b - 1) ** 2, rest // (b - 1) % (b - 1), rest % (b - 1))
-        centre = slot * b**3 + (local[0] * b + local[1]) * b + local[2]
-        index = torch.stack([centre, centre + b * b, centre + b, centre + 1]).reshape(-1)
-        picked = gather_rows(values, index, rows).reshape(4, len(cells), -1)
+        _, index = tv_pair_rows(cells, (b, b, b))  # the pool as a stack of (b, b, b) grids
+        picked = gather_rows(values, index.reshape(-1), rows).reshape(4, len(cells), -1)
         return ((picked[1:] - picked[:1]) ** 2).mean(dim=(1, 2)).sum()
 
     # the fine grid's shape travels with its rows: "_extra_state" = (V0, V1, V2, brick) int64

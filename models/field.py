@@ -63,6 +63,18 @@ def corner_rows(unit_points: torch.Tensor, shape: tuple[int, int, int]) -> torch
     return (base[:, None] + offsets).reshape(-1)
 
 
+def tv_pair_rows(cells: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S,) sampled cells of a stack of grids of ``shape`` vertices (rows in order: grid, then R0, R1, R2; cells
+    likewise, (R0-1)(R1-1)(R2-1) a grid) -> ((3, S) each cell's lower corner within its grid, (4, S) the rows of
+    that corner and of its +1 neighbours along axes 0, 1, 2): what a TV estimate reads."""
+    r0, r1, r2 = shape
+    per_grid = (r0 - 1) * (r1 - 1) * (r2 - 1)
+    g, rest = cells // per_grid, cells % per_grid
+    v = torch.stack([rest // ((r1 - 1) * (r2 - 1)), rest // (r2 - 1) % (r1 - 1), rest % (r2 - 1)])
+    corner = ((g * r0 + v[0]) * r1 + v[1]) * r2 + v[2]
+    return v, torch.stack([corner, corner + r1 * r2, corner + r2, corner + 1])
+
+
 def resample(grid: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     """Trilinear resample (align_corners=True) of a channels-last (R0, R1, R2, C) grid to ``shape`` + (C,)."""
     if tuple(grid.shape[:3]) == tuple(shape):
@@ -160,10 +172,8 @@ class VoxelGrid(nn.Module):
         device = grid.device
         if cells is None:
             cells = torch.randint((r0 - 1) * (r1 - 1) * (r2 - 1), (num_samples,), device=device)
-        i, j, k = cells // ((r1 - 1) * (r2 - 1)), cells // (r2 - 1) % (r1 - 1), cells % (r2 - 1)
-        centre = (i * r1 + j) * r2 + k
         # one gather of each voxel and its +1 neighbour along every axis: a single grid-sized gradient in backward
-        index = torch.stack([centre, centre + r1 * r2, centre + r2, centre + 1])
+        (i, j, k), index = tv_pair_rows(cells, self.shape)
         if touched is not None:
             touched[index.reshape(-1)] = True
         if reader is not None:
@@ -328,6 +338,7 @@ __all__ = [
     "cell_coords",
     "cell_corners",
     "corner_rows",
+    "tv_pair_rows",
     "resample",
     "resample_box",
     "VoxelGrid",

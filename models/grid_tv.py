@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from models.field import tv_pair_rows
+
 
 class DeferredTV:
     """The cells drawn for this step's TV estimate ([coarse, fine]: :func:`draw_cells`), and applying it."""
@@ -56,7 +58,7 @@ class DeferredTV:
         touched, shape = model.touched, model.grid_shape
         if cells[0] is not None and (touched.enabled or touched.reader is not None):
             # a sparse Adam steps the coarse rows the estimate reads; a replaying one catches them up first
-            rows = corner_rows(cells[0], shape, neighbours=True)
+            _, rows = tv_pair_rows(cells[0], shape)
             if touched.enabled:
                 touched.mask(shape, rows.device)[rows] = True
             touched.before_read_rows(rows, shape)
@@ -95,12 +97,3 @@ def draw_cells(model) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     fine = model.fine
     sampled = fine.active and fine.brick >= 2 and samples > 0
     return coarse, torch.randint(fine.tv_cells(), (samples,), device=device) if sampled else None
-
-
-def corner_rows(cells: torch.Tensor, shape: tuple[int, int, int], neighbours: bool = False) -> torch.Tensor:
-    """The rows of (S,) cells' lower corners in a grid of ``shape`` vertices, (S,); with ``neighbours`` also
-    their +1 neighbours along axes 0, 1, 2: (4, S)."""
-    r0, r1, r2 = shape
-    i, j, k = cells // ((r1 - 1) * (r2 - 1)), cells // (r2 - 1) % (r1 - 1), cells % (r2 - 1)
-    corner = (i * r1 + j) * r2 + k
-    return torch.stack([corner, corner + r1 * r2, corner + r2, corner + 1]) if neighbours else corner
