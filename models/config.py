@@ -49,6 +49,7 @@ class FineConfig:
     tv: float = 1.0  # the fine grid's TV weight, as a multiple of tv_density / tv_features
     lr: float = 1.0  # its learning rate, as a multiple of the grids' (train.lr)
     min_pixels: float = 0.0  # allocate only if a coarse voxel spans at least this many pixels of the training views
+    reach: float = 1.0  # contracted models: bricks out to this L-inf radius of the contracted cube (1: the box, 2: all)
     grow_at: Any = None  # the coarse grids' growth when the fine grid will be used (null: model.grow_at)
     resolution_end: Any = None  # the coarse grids' final resolution then (null: model.resolution_end)
 
@@ -198,6 +199,7 @@ def _check_fine(c: ModelConfig) -> None:
     _number_in("fine.lr", f.lr, 0.0)
     _number_in("fine.min_pixels", f.min_pixels, 0.0)
     _number_in("fine.min_weight", f.min_weight, 0.0, 1.0)
+    _number_in("fine.reach", f.reach, 1.0, 2.0)
     if not _is_step_or_fraction(f.at):
         raise ValueError(f"model.fine.at: must be a step >= 1 (int) or a fraction in (0, 1), got {f.at!r}")
     if f.grow_at is not None:

@@ -107,13 +107,16 @@ class SceneSpace:
         beyond = (t - split).clamp(min=0.0)
         return torch.minimum(t, split) + radius * beyond / (beyond + radius)
 
-    def foreground(self, shape: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    def foreground(
+        self, shape: tuple[int, int, int], device: torch.device, reach: float = 1.0
+    ) -> tuple[torch.Tensor, ...] | None:
         """Per axis, (R_a,) bool: which vertex coordinates lie in the box (contracted: |x| <= 1 of the cube's
-        [-2, 2], the middle half, boundary included); None when bounded (every vertex is in the box)."""
+        [-2, 2], the middle half, boundary included; ``reach`` in [1, 2]: |x| <= reach, the box and the shell's
+        inner part, out to 1 / (2 - reach) box half-sizes); None when bounded (every vertex is in the box)."""
         if not self.contract:
             return None
         return tuple(
-            torch.linspace(-2.0, 2.0, r, device=device, dtype=torch.float64).abs() <= 1.0 + 1e-3 / (r - 1)
+            torch.linspace(-2.0, 2.0, r, device=device, dtype=torch.float64).abs() <= reach + 1e-3 / (r - 1)
             for r in shape
         )
 
@@ -124,10 +127,12 @@ class SceneSpace:
             return None
         return _foreground_ranges(tuple(shape))
 
-    def foreground_cells(self, shape: tuple[int, int, int], device: torch.device) -> torch.Tensor | None:
+    def foreground_cells(
+        self, shape: tuple[int, int, int], device: torch.device, reach: float = 1.0
+    ) -> torch.Tensor | None:
         """(R0-1, R1-1, R2-1) bool: the cells of a grid of ``shape`` vertices that lie in the box (all 8 corners in
-        :meth:`foreground`); None when bounded (every cell is in the box)."""
-        axes = self.foreground(shape, device)
+        :meth:`foreground`, out to ``reach``); None when bounded (every cell is in the box)."""
+        axes = self.foreground(shape, device, reach)
         if axes is None:
             return None
         cells = [inside[:-1] & inside[1:] for inside in axes]

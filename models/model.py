@@ -244,8 +244,9 @@ class VoxelNeRF(nn.Module):
             self.set_resolution(target)
             grown = True
         voxel = self.space.voxel(self.extent, self.grid_shape)
-        # at fine.at; contracted: bricks in the box only (the shell's voxels already grow with distance, as its pixels)
-        foreground = partial(self.space.foreground_cells, self.grid_shape, self.bbox.device)
+        # at fine.at; contracted: bricks in the box and out to fine.reach (farther out, the shell's voxels grow with
+        # the distance squared, its pixels' footprint only with the distance)
+        foreground = partial(self.space.foreground_cells, self.grid_shape, self.bbox.device, c.fine.reach)
         grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask, voxel, foreground) or grown
         if step >= c.occupancy.warmup and (grown or due):
             self.touched.before_whole_read()

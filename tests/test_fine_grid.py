@@ -155,9 +155,10 @@ def test_training_marks_the_cells_it_sees_and_the_bricks_go_there():
     assert json.loads(json.dumps(summary)) == summary
 
 
-@pytest.mark.parametrize("contraction", ["none", "inf"])
-def test_contracted_bricks_stay_in_the_foreground_box(contraction):
-    model = fine_model(contraction=contraction, **{"fine.factor": 2, "fine.brick": 2, "fine.collect": 1})
+@pytest.mark.parametrize("contraction, reach", [("none", 1.0), ("inf", 1.0), ("inf", 1.5)])
+def test_contracted_bricks_stay_in_the_foreground_box(contraction, reach):
+    settings = {"fine.factor": 2, "fine.brick": 2, "fine.collect": 1, "fine.reach": reach}
+    model = fine_model(contraction=contraction, **settings)
     with torch.no_grad():
         model.density.grid.fill_(20.0)  # every cell occupied: the bricks would fill the whole cube
     model.refresh_occupancy()
@@ -169,14 +170,16 @@ def test_contracted_bricks_stay_in_the_foreground_box(contraction):
         return
     assert 0 < int(used.sum()) < used.numel()
     b, factor = model.fine.brick, 2
-    inside = SceneSpace("inf").foreground(model.grid_shape, torch.device("cpu"))  # coarse vertices in the box
+    inside = SceneSpace("inf").foreground(model.grid_shape, torch.device("cpu"), reach)  # coarse vertices in reach
+    wider = SceneSpace("inf").foreground(model.grid_shape, torch.device("cpu"), reach + 0.25)
+    assert all(int(w.sum()) > int(i.sum()) for w, i in zip(wider, inside))  # the reach is a real bound here
     for axis in range(3):
         lo, hi = (int(i) * factor for i in inside[axis].nonzero()[[0, -1], 0])  # the box's fine vertices
         first = torch.arange(used.shape[axis]) * b  # each brick's first vertex along the axis
         reaches = (first + b - 1 >= lo) & (first <= hi)
         along = used.any(dim=tuple(a for a in range(3) if a != axis))
         assert torch.equal(along, reaches)  # a brick on every slab that holds box vertices, none beyond
-    cells = SceneSpace("inf").foreground_cells(model.grid_shape, torch.device("cpu"))
+    cells = SceneSpace("inf").foreground_cells(model.grid_shape, torch.device("cpu"), reach)
     assert cells.shape == model.occupancy.mask.shape and 0 < int(cells.sum()) < cells.numel()
 
 
@@ -242,6 +245,9 @@ def test_fine_grow_at_is_checked_like_grow_at():
         parse_model_config({"fine": {"grow_at": [0.1, 1.5]}})
     with pytest.raises(ValueError, match="model.fine.grow_at"):
         parse_model_config({"fine": {"grow_at": 0.2}})
+    for reach in (0.9, 2.5):
+        with pytest.raises(ValueError, match=r"model.fine.reach: must be in \[1, 2\]"):
+            parse_model_config({"fine": {"reach": reach}})
     with pytest.raises(ValueError, match=r"model.fine.at: must come after every model.fine.grow_at entry \(3\)"):
         parse_model_config({"fine": {"factor": 2, "brick": 4, "at": 3, "grow_at": [1, 3]}})
     from omegaconf import OmegaConf
