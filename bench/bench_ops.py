@@ -37,18 +37,38 @@ from bench_cases import (  # noqa: E402
     grid_cases,
     ray_points,  # noqa: F401  (tests reach it through this module)
 )
+from bench_render_cases import DISTORTION_RULE, distortion_cases, render_cases  # noqa: E402
 from bench_render_cases import RULE as RENDER_RULE  # noqa: E402
-from bench_render_cases import render_cases  # noqa: E402
 from bench_report import derive, evaluate_targets, render  # noqa: E402
 from bench_timing import Timer, _no_reset, cache_bytes, measure_copy, rotation_sets  # noqa: E402
 
 # custom-in-order: the grid lookup with CUDA_EXT_GRID_REORDER=off (points always visited as given), to show
 # what the bucket order gains on grids larger than L2
-# former: the model's PyTorch compositing that volume_render replaced (models/render.py)
+# former: the model's PyTorch compositing that volume_render replaced, and the training step's distortion loss
+# that distortion_loss replaced (models/render.py's segmented scans)
 VARIANTS = ("custom", "custom-in-order", "reference", "builtin", "former")
-OPS = ("trilinear", "grid_interpolate", "brick_grid_interpolate", "upsample", "gelu", "gelu_rows", "volume_render")
-CASE_BUILDERS = {**CASE_BUILDERS, "brick_grid_interpolate": brick_cases, "volume_render": render_cases}
-COUNTING_RULES = {**COUNTING_RULES, "brick_grid_interpolate": BRICK_RULE, "volume_render": RENDER_RULE}
+OPS = (
+    "trilinear",
+    "grid_interpolate",
+    "brick_grid_interpolate",
+    "upsample",
+    "gelu",
+    "gelu_rows",
+    "volume_render",
+    "distortion_loss",
+)
+CASE_BUILDERS = {
+    **CASE_BUILDERS,
+    "brick_grid_interpolate": brick_cases,
+    "volume_render": render_cases,
+    "distortion_loss": distortion_cases,
+}
+COUNTING_RULES = {
+    **COUNTING_RULES,
+    "brick_grid_interpolate": BRICK_RULE,
+    "volume_render": RENDER_RULE,
+    "distortion_loss": DISTORTION_RULE,
+}
 OP_ALIASES = {"grid": "grid_interpolate", "brick": "brick_grid_interpolate"}  # --ops grid still works
 
 

@@ -1,8 +1,10 @@
-"""The op benchmark's volume_render cases: packed samples of B rays (30-60 samples each), C = 3 (per-sample
-colour) and C = 12 (deferred features), custom vs reference vs the model's former PyTorch compositing
-(models/render.py: compositing_weights + accumulate), which the op replaced.
+"""The op benchmark's per-ray scan cases on packed samples of B rays (30-60 samples each):
 
-The three outputs are compared and differentiated as one (B, C + 2) tensor: [values | opacity | depth].
+- volume_render with C = 3 (per-sample colour) and C = 12 (deferred features), custom vs reference vs the model's
+  former PyTorch compositing (models/render.py: compositing_weights + accumulate), which the op replaced; the three
+  outputs are compared and differentiated as one (B, C + 2) tensor: [values | opacity | depth];
+- distortion_loss, custom vs reference vs the training step's former PyTorch form (the weights, two per-ray
+  exclusive prefix sums and a per-ray sum through models/render.py's segmented scans).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from bench_cases import DTYPE, Case, Ops, Sizes, Variant
 CHANNELS = (3, 12)
 SAMPLES_PER_RAY = (30, 60)  # each ray's count is uniform in this range (inclusive)
 
+DISTORTION_RULE = "fw: s + t_start + t_end + offsets + the (B,) loss; bw: the same + grad + grad_s"
 RULE = (
     "fw: s + t + values + offsets + the (B, C + 2) outputs; bw (grad=s+values): s + t + values + offsets + outputs "
     "+ their gradients + grad_s + grad_values (the backward recomputes the transmittance: no saved intermediates)"
@@ -95,3 +98,58 @@ def _case(ops: Ops, rays: int, n: int, c: int, offsets_cpu: torch.Tensor) -> Cas
         bytes_fw=fw_bytes,
         bytes_bw=fw_bytes + rays * (c + 2) * e + n * (1 + c) * e,
     )
+
+
+def _former_distortion(rays: int):
+    """The training step's distortion loss before the op: weights from the optical depths, then the O(N) pair sum
+    through two per-ray exclusive prefix sums and a per-ray sum (models/render.py); takes each sample's ray."""
+    from models.render import compositing_weights, exclusive_segment_cumsum, segment_sum
+
+    def call(sd: torch.Tensor, t0: torch.Tensor, t1: torch.Tensor, ray: torch.Tensor) -> torch.Tensor:
+        weights, mid = compositing_weights(sd, ray, rays), 0.5 * (t0 + t1)
+        before = exclusive_segment_cumsum(weights, ray, rays)
+        moment = exclusive_segment_cumsum(weights * mid, ray, rays)
+        terms = 2.0 * weights * (mid * before - moment) + weights.square() * (t1 - t0) / 3.0
+        return segment_sum(terms, ray, rays)
+
+    return call
+
+
+def distortion_cases(s: Sizes, ops: Ops) -> list[Case]:
+    cases, e = [], DTYPE.itemsize
+    for rays in s.volume_render:
+        counts = torch.randint(SAMPLES_PER_RAY[0], SAMPLES_PER_RAY[1] + 1, (rays,), generator=torch.Generator())
+        offsets_cpu = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        n = int(offsets_cpu[-1])
+
+        def make(gen: torch.Generator, n: int = n, offsets_cpu: torch.Tensor = offsets_cpu) -> tuple:
+            kw = dict(generator=gen, device=gen.device, dtype=DTYPE)
+            sd, lengths = torch.rand(n, **kw) * 0.2, torch.rand(n, **kw) * 0.01 + 1e-3
+            ends = torch.cumsum(lengths + torch.rand(n, **kw) * 0.01, 0)  # in order along each ray, with gaps
+            offsets = offsets_cpu.to(gen.device)
+            first = torch.repeat_interleave(ends[offsets[:-1]] - lengths[offsets[:-1]], offsets.diff())
+            t1 = ends - first + 2.0  # each ray from t = 2
+            return sd, t1 - lengths, t1, offsets
+
+        backward = ops.backward_op("distortion_loss")
+        variants = {
+            "custom": Variant(ops.custom("distortion_loss")),
+            "reference": Variant(ops.ref("distortion_loss")),
+            "former": Variant(_former_distortion(rays), adapt=_ray_index),
+        }
+        fw_bytes = n * 3 * e + (rays + 1) * 8 + rays * e
+        cases.append(
+            Case(
+                "distortion_loss",
+                f"B={rays}",
+                f"N={n} ({SAMPLES_PER_RAY[0]}-{SAMPLES_PER_RAY[1]} per ray)",
+                make,
+                (rays,),
+                (True, False, False, False),
+                variants,
+                lambda g, x: backward(g, *x),
+                bytes_fw=fw_bytes,
+                bytes_bw=fw_bytes + rays * e + n * e,
+            )
+        )
+    return cases

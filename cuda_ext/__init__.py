@@ -11,6 +11,8 @@ Public ops (each differentiable, dispatching on the input's device):
   :func:`adam_replay_rows` dense Adam's zero-gradient steps replayed on the masked rows (the exact lazy Adam).
 - :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets.
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
+- :func:`distortion_loss` packed optical depths (N,), intervals (N,), (N,) + (B+1,) offsets -> (B,) mip-NeRF 360's
+  distortion loss on the compositing weights.
 - :func:`sampled_tv` a grid's total variation on (S,) sampled cells -> () float64, its gradient added in place.
 
 :mod:`cuda_ext.reference` holds pure-PyTorch versions with the same signatures; they need no compiled
@@ -35,7 +37,7 @@ else:
     from cuda_ext.brick_grid import brick_grid_interpolate
     from cuda_ext.gelu import gelu, gelu_rows
     from cuda_ext.march import march_rays
-    from cuda_ext.render import volume_render
+    from cuda_ext.render import distortion_loss, volume_render
     from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
     from cuda_ext.tv import sampled_tv
     from cuda_ext.upsample import upsample_bilinear2d
@@ -48,6 +50,7 @@ _CUSTOM_OPS = (
     "gelu",
     "gelu_rows",
     "volume_render",
+    "distortion_loss",
     "march_rays",
     "sparse_adam_step",
     "adam_replay_rows",
@@ -132,6 +135,7 @@ __all__ = [
     "gelu",
     "gelu_rows",
     "volume_render",
+    "distortion_loss",
     "march_rays",
     "sparse_adam_step",
     "adam_replay_rows",

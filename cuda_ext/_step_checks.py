@@ -1,6 +1,6 @@
-"""Argument checks of the training-step ops (volume_render, sparse_adam_step, adam_replay_rows), shared by their
-wrappers, fake kernels and references; same rules and messages as :mod:`cuda_ext._checks` (metadata only, except
-where a docstring says otherwise)."""
+"""Argument checks of the training-step ops (volume_render, distortion_loss, sparse_adam_step, adam_replay_rows),
+shared by their wrappers, fake kernels and references; same rules and messages as :mod:`cuda_ext._checks` (metadata
+only, except where a docstring says otherwise)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ __all__ = [
     "check_render_inputs",
     "check_render_offsets",
     "check_render_grads",
+    "check_packed_samples",
+    "check_distortion_inputs",
     "check_adam_inputs",
     "check_adam_replay_inputs",
     "check_march_inputs",
@@ -36,7 +38,19 @@ def check_render_inputs(
 ) -> float:
     """Packed samples: optical_depth (N,) float32/float64, values (N, C), t (N,) of its dtype and device,
     ray_offsets (B + 1,) int64 on its device, early_stop a number in [0, 1). Returns early_stop as a float."""
-    for name, value in (("optical_depth", optical_depth), ("values", values), ("t", t), ("ray_offsets", ray_offsets)):
+    check_packed_samples(op, optical_depth, ray_offsets, values=values, t=t)
+    if isinstance(early_stop, bool) or not isinstance(early_stop, (int, float)):
+        raise TypeError(f"{op}: early_stop must be a number, got {early_stop!r} of type {type(early_stop).__name__}")
+    if not 0.0 <= early_stop < 1.0:
+        raise ValueError(f"{op}: early_stop must be in [0, 1), got {early_stop}")
+    return float(early_stop)
+
+
+def check_packed_samples(op: str, optical_depth: Any, ray_offsets: Any, **per_sample: Any) -> None:
+    """optical_depth (N,) float32/float64, each of ``per_sample`` of its dtype and device with N rows (``values``
+    (N, C), the others (N,)), ray_offsets (B + 1,) int64 on its device (volume_render's and distortion_loss's
+    packed samples)."""
+    for name, value in (("optical_depth", optical_depth), *per_sample.items(), ("ray_offsets", ray_offsets)):
         check_tensor(op, name, value)
     check_device(op, "optical_depth", optical_depth)
     require(
@@ -50,18 +64,17 @@ def check_render_inputs(
         lambda: f"{op}: optical_depth must have shape (N,), got {_shape(optical_depth)}",
     )
     n = optical_depth.shape[0]
-    require(
-        values.dim() == 2 and values.shape[0] == n,
-        ValueError,
-        lambda: f"{op}: values must have shape (N, C) with N = {n}, got {_shape(values)}",
-    )
-    require(
-        t.dim() == 1 and t.shape[0] == n,
-        ValueError,
-        lambda: f"{op}: t must have shape (N,) with N = {n}, got {_shape(t)}",
-    )
-    check_same_device_and_dtype(op, "values", values, "optical_depth", optical_depth)
-    check_same_device_and_dtype(op, "t", t, "optical_depth", optical_depth)
+    for name, value in per_sample.items():
+        rows = 2 if name == "values" else 1
+        require(
+            value.dim() == rows and value.shape[0] == n,
+            ValueError,
+            lambda name=name, value=value, rows=rows: (
+                f"{op}: {name} must have shape {'(N, C)' if rows == 2 else '(N,)'} with N = {n}, got {_shape(value)}"
+            ),
+        )
+    for name, value in per_sample.items():
+        check_same_device_and_dtype(op, name, value, "optical_depth", optical_depth)
     require(
         ray_offsets.dim() == 1 and ray_offsets.shape[0] >= 1,
         ValueError,
@@ -78,11 +91,15 @@ def check_render_inputs(
             f"{optical_depth.device}"
         ),
     )
-    if isinstance(early_stop, bool) or not isinstance(early_stop, (int, float)):
-        raise TypeError(f"{op}: early_stop must be a number, got {early_stop!r} of type {type(early_stop).__name__}")
-    if not 0.0 <= early_stop < 1.0:
-        raise ValueError(f"{op}: early_stop must be in [0, 1), got {early_stop}")
-    return float(early_stop)
+
+
+def check_distortion_inputs(
+    optical_depth: Any, t_start: Any, t_end: Any, ray_offsets: Any, op: str = "distortion_loss"
+) -> None:
+    """distortion_loss's packed samples: optical_depth, t_start, t_end (N,), ray_offsets (B + 1,) int64; the
+    offsets' values where that costs no device sync (:func:`check_render_offsets`)."""
+    check_packed_samples(op, optical_depth, ray_offsets, t_start=t_start, t_end=t_end)
+    check_render_offsets(optical_depth, ray_offsets, op)
 
 
 def check_render_offsets(optical_depth: torch.Tensor, ray_offsets: torch.Tensor, op: str = "volume_render") -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "gelu",
     "gelu_rows",
     "volume_render",
+    "distortion_loss",
     "march_rays",
     "contract_points",
     "sparse_adam_step",
@@ -178,30 +179,59 @@ def volume_render(
     ray_offsets: torch.Tensor,
     early_stop: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Alpha compositing of packed samples (cuda_ext.volume_render's contract), with torch ops.
-
-    Ray b owns samples [ray_offsets[b], ray_offsets[b + 1]); T_i = exp(-sum of the ray's s_j before i) comes
-    from one global cumulative sum (float64, so per-ray differences stay accurate) minus its value at the ray's
-    first sample (each s_j clamped to :data:`OPAQUE_DEPTH`, where T is 0 already); w_i = T_i (1 - exp(-s_i)), zero
-    where T_i < early_stop or the sample is in no ray.
-    """
+    """Alpha compositing of packed samples (cuda_ext.volume_render's contract), with torch ops: the weights of
+    :func:`_packed_weights`, summed per ray."""
     early_stop = _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop)
     _step_checks.check_render_offsets(optical_depth, ray_offsets)
-    n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
-    index = torch.arange(n, device=optical_depth.device)
-    ray = torch.searchsorted(ray_offsets, index, right=True) - 1
-    inside = (ray >= 0) & (ray < rays)
-    ray = ray.clamp(0, max(rays - 1, 0))
-    s = torch.where(inside, optical_depth, torch.zeros_like(optical_depth))
-    scan = s.double().clamp(max=OPAQUE_DEPTH)  # the same transmittances, a bounded global sum
-    exclusive = torch.cumsum(scan, 0) - scan
-    first = ray_offsets[ray].clamp(0, max(n - 1, 0))
-    transmittance = torch.exp(-(exclusive - exclusive[first])).to(s.dtype)
-    keep = inside & (transmittance >= early_stop) if early_stop > 0 else inside
-    weights = torch.where(keep, transmittance * -torch.expm1(-s), torch.zeros_like(s))
+    ray, weights = _packed_weights(optical_depth, ray_offsets, early_stop)
+    rays = ray_offsets.shape[0] - 1
     out = values.new_zeros(rays, values.shape[1]).index_add(0, ray, values * weights[:, None])
     geometry = values.new_zeros(rays, 2).index_add(0, ray, torch.stack([weights, weights * t], 1))
     return out, geometry[:, 0], geometry[:, 1]
+
+
+def distortion_loss(
+    optical_depth: torch.Tensor, t_start: torch.Tensor, t_end: torch.Tensor, ray_offsets: torch.Tensor
+) -> torch.Tensor:
+    """cuda_ext.distortion_loss with torch ops: the weights of :func:`_packed_weights`, then per ray
+    ``sum_i [2 w_i (m_i W_i - M_i) + w_i^2 (t_end_i - t_start_i) / 3]`` with W_i, M_i the sums of w_j and w_j m_j
+    over the ray's earlier samples (the pair sum written in one pass: the midpoints m increase along a ray)."""
+    _step_checks.check_distortion_inputs(optical_depth, t_start, t_end, ray_offsets)
+    if t_start.requires_grad or t_end.requires_grad:
+        raise ValueError("distortion_loss: t_start and t_end are not differentiated; pass them detached")
+    ray, weights = _packed_weights(optical_depth, ray_offsets, 0.0)
+    first = ray_offsets[ray].clamp(max=max(t_start.shape[0] - 1, 0))  # from the ray's first: no rounding far out
+    mid = 0.5 * ((t_start - t_start[first]) + (t_end - t_end[first]))
+    before = _ray_exclusive(torch.stack([weights, weights * mid], 1), ray_offsets, ray)
+    terms = 2.0 * weights * (mid * before[:, 0] - before[:, 1]) + weights.square() * (t_end - t_start) / 3.0
+    return terms.new_zeros(ray_offsets.shape[0] - 1).index_add(0, ray, terms)
+
+
+def _packed_weights(
+    optical_depth: torch.Tensor, ray_offsets: torch.Tensor, early_stop: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) ray of each sample (clamped to [0, B)) and (N,) compositing weights w_i = T_i (1 - exp(-s_i)), with
+    T_i = exp(-sum of the ray's s_j before i) (each s_j clamped to :data:`OPAQUE_DEPTH`, where T is 0 already); zero
+    where T_i < early_stop or the sample is in no ray."""
+    n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
+    ray = torch.searchsorted(ray_offsets, torch.arange(n, device=optical_depth.device), right=True) - 1
+    inside = (ray >= 0) & (ray < rays)
+    ray = ray.clamp(0, max(rays - 1, 0))
+    s = torch.where(inside, optical_depth, torch.zeros_like(optical_depth))
+    transmittance = torch.exp(-_ray_exclusive(s.clamp(max=OPAQUE_DEPTH)[:, None], ray_offsets, ray)[:, 0])
+    keep = inside & (transmittance >= early_stop) if early_stop > 0 else inside
+    return ray, torch.where(keep, transmittance * -torch.expm1(-s), torch.zeros_like(s))
+
+
+def _ray_exclusive(values: torch.Tensor, ray_offsets: torch.Tensor, ray: torch.Tensor) -> torch.Tensor:
+    """(N, K) per-ray exclusive prefix sums of (N, K) values: one global cumulative sum in float64 (per-ray
+    differences stay accurate) minus its value at the ray's first sample; in ``values``' dtype."""
+    if values.shape[0] == 0:
+        return values
+    wide = values.double()
+    exclusive = torch.cumsum(wide, 0) - wide
+    first = ray_offsets[ray].clamp(0, values.shape[0] - 1)
+    return (exclusive - exclusive[first]).to(values.dtype)
 
 
 def sparse_adam_step(

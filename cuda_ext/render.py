@@ -1,6 +1,7 @@
-"""Volume rendering of packed samples: the typed wrapper of ``torch.ops.cuda_ext.volume_render``, its fake
-(meta) kernels, and its autograd through the hand-written backward kernel (csrc/render.h has the formulas;
-the kernels are csrc/cpu/render.cpp and csrc/cuda/render.cu).
+"""Per-ray scans of packed samples: the typed wrappers of ``torch.ops.cuda_ext.volume_render`` (compositing) and
+``torch.ops.cuda_ext.distortion_loss`` (mip-NeRF 360's regulariser on the same weights), their fake (meta) kernels,
+and their autograd through the hand-written backward kernels (csrc/render.h and csrc/distortion.h have the
+formulas; the kernels are csrc/cpu/{render,distortion}.cpp and csrc/cuda/{render,distortion}.cu).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from cuda_ext import _step_checks
 
-__all__ = ["volume_render"]
+__all__ = ["volume_render", "distortion_loss"]
 
 
 def volume_render(
@@ -79,3 +80,54 @@ def _backward(ctx: Any, grad_values: torch.Tensor, grad_opacity: torch.Tensor, g
 
 
 torch.library.register_autograd("cuda_ext::volume_render", _backward, setup_context=_setup_context)
+
+
+def distortion_loss(
+    optical_depth: torch.Tensor, t_start: torch.Tensor, t_end: torch.Tensor, ray_offsets: torch.Tensor
+) -> torch.Tensor:
+    """mip-NeRF 360's distortion loss of each ray, on the weights :func:`volume_render` composites.
+
+    Args:
+        optical_depth: (N,) s_i >= 0 of each sample, float32 or float64; w_i = T_i (1 - exp(-s_i)).
+        t_start, t_end: (N,) the ends of each sample's interval along its ray (same dtype and device): a ray's
+            intervals in order and not overlapping.
+        ray_offsets: (B + 1,) int64, as for :func:`volume_render` (checked on the CPU; clamped on CUDA).
+    Returns:
+        (B,) ``sum_ij w_i w_j |m_i - m_j| + 1/3 sum_i w_i^2 (t_end_i - t_start_i)`` with m_i the intervals'
+        midpoints; 0 for a ray without samples. Differentiable in optical_depth (once); t_start and t_end are data:
+        a ValueError if either requires grad.
+    """
+    _step_checks.check_distortion_inputs(optical_depth, t_start, t_end, ray_offsets)
+    if t_start.requires_grad or t_end.requires_grad:
+        raise ValueError("distortion_loss: t_start and t_end are not differentiated; pass them detached")
+    return torch.ops.cuda_ext.distortion_loss(optical_depth, t_start, t_end, ray_offsets)
+
+
+@torch.library.register_fake("cuda_ext::distortion_loss")
+def _distortion_loss_fake(optical_depth, t_start, t_end, ray_offsets):
+    _step_checks.check_packed_samples("distortion_loss", optical_depth, ray_offsets, t_start=t_start, t_end=t_end)
+    return optical_depth.new_empty((ray_offsets.shape[0] - 1,))
+
+
+@torch.library.register_fake("cuda_ext::distortion_loss_backward")
+def _distortion_loss_backward_fake(grad, optical_depth, t_start, t_end, ray_offsets):
+    op = "distortion_loss_backward"
+    _step_checks.check_packed_samples(op, optical_depth, ray_offsets, t_start=t_start, t_end=t_end)
+    _step_checks.check_tensor(op, "grad", grad)
+    return torch.empty_like(optical_depth)
+
+
+def _distortion_setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _distortion_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    if torch.is_grad_enabled():
+        raise RuntimeError("distortion_loss: double backward is not supported (create_graph=True)")
+    grad_sd = torch.ops.cuda_ext.distortion_loss_backward(grad.contiguous(), *ctx.saved_tensors)
+    return grad_sd if ctx.needs_input_grad[0] else None, None, None, None
+
+
+torch.library.register_autograd(
+    "cuda_ext::distortion_loss", _distortion_backward, setup_context=_distortion_setup_context
+)

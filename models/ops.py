@@ -25,7 +25,11 @@ OP_NAMES = (
     "sampled_tv",
 )  # the config keys: functions of cuda_ext
 EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
-FAMILIES = {"gelu": ("gelu_rows",), "sparse_adam_step": ("adam_replay_rows",)}  # swapped by the family's key
+FAMILIES = {  # swapped by the family's key
+    "gelu": ("gelu_rows",),
+    "sparse_adam_step": ("adam_replay_rows",),
+    "volume_render": ("distortion_loss",),
+}
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class OpSet:
     - ``gelu(x, approximate="none") -> x.shape``; ``gelu_rows(x (N,H), rows (B,H), index (N,), approximate) ->
       gelu(x + rows[index])`` (the same backend: ``ops.gelu``)
     - ``volume_render(optical_depth (N,), values (N,C), t (N,), ray_offsets (B+1,), early_stop) ->
-      (values (B,C), opacity (B,), depth (B,))``
+      (values (B,C), opacity (B,), depth (B,))``; ``distortion_loss(optical_depth (N,), t_start (N,), t_end (N,),
+      ray_offsets (B+1,)) -> (B,)`` (the regulariser on the same weights; the same backend: ``ops.volume_render``)
     - ``march_rays(origins, directions (B,3), t_start, t_end, offset (B,), occupancy (R0,R1,R2) bool, box (2,3),
       step, max_samples) -> (ray (N,), t (N,), points (N,3) in [-1,1], ray_offsets (B+1,))``
     - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``,
@@ -56,6 +61,7 @@ class OpSet:
     gelu: Callable[..., torch.Tensor]
     gelu_rows: Callable[..., torch.Tensor]
     volume_render: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    distortion_loss: Callable[..., torch.Tensor]
     march_rays: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     sparse_adam_step: Callable[..., None]
     adam_replay_rows: Callable[..., None]

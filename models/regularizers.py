@@ -6,9 +6,8 @@ constrain a region:
 - the distortion loss of mip-NeRF 360 (as nerfacto and DirectVoxGO v2 use it): per ray
   ``sum_ij w_i w_j |m_i - m_j| + 1/3 sum_i w_i^2 (t1_i - t0_i)`` with m_i the midpoint of sample i's interval
   [t0_i, t1_i]: small when a ray's weight sits in one short stretch (a surface), large when it is spread out
-  (haze, or a floater in front of the surface). The double sum is computed in O(N) with two segmented prefix
-  sums, since for samples in order along the ray
-  ``sum_ij w_i w_j |m_i - m_j| = 2 sum_i w_i (m_i sum_{j<i} w_j - sum_{j<i} w_j m_j)``;
+  (haze, or a floater in front of the surface). The op ``distortion_loss`` (cuda_ext, or its reference with
+  ``ops.volume_render=torch``) computes it from the optical depths in one pass per ray;
 - the near-density penalty: the optical depth ``-ln T`` a ray accumulates before a given distance from its
   camera (a soft near plane: unlike raising ``data.near``, density stays possible there when the photometric loss
   of other views wants it).
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.render import compositing_weights, exclusive_segment_cumsum, segment_sum
+from models.render import compositing_weights, ray_offsets, segment_sum
 
 
 def _check_packed(name: str, ray: torch.Tensor, num_rays: int, **per_sample: torch.Tensor) -> None:
@@ -33,30 +32,6 @@ def _check_packed(name: str, ray: torch.Tensor, num_rays: int, **per_sample: tor
     for key, value in per_sample.items():
         if value.shape != ray.shape:
             raise ValueError(f"{name}: {key} must have the shape of ray {tuple(ray.shape)}, got {tuple(value.shape)}")
-
-
-def distortion_loss(
-    ray: torch.Tensor, t_start: torch.Tensor, t_end: torch.Tensor, weights: torch.Tensor, num_rays: int
-) -> torch.Tensor:
-    """mip-NeRF 360's distortion loss of each ray, in O(N).
-
-    Args:
-        ray: (N,) int64 ray of each sample, grouped by ray (non-decreasing) with each ray's samples in order along it
-            (their intervals do not overlap, so the midpoints increase).
-        t_start, t_end: (N,) the ends of each sample's interval along its ray.
-        weights: (N,) compositing weights w_i.
-        num_rays: B.
-    Returns:
-        (B,) ``sum_ij w_i w_j |m_i - m_j| + 1/3 sum_i w_i^2 (t_end_i - t_start_i)``, zero for rays without samples.
-        Differentiable in ``weights``, ``t_start`` and ``t_end``.
-    """
-    _check_packed("distortion_loss", ray, num_rays, t_start=t_start, t_end=t_end, weights=weights)
-    mid = 0.5 * (t_start + t_end)
-    weight_before = exclusive_segment_cumsum(weights, ray, num_rays)  # sum_{j<i} w_j
-    moment_before = exclusive_segment_cumsum(weights * mid, ray, num_rays)  # sum_{j<i} w_j m_j
-    pairs = 2.0 * weights * (mid * weight_before - moment_before)
-    own = weights.square() * (t_end - t_start) / 3.0
-    return segment_sum(pairs + own, ray, num_rays)
 
 
 def near_optical_depth(
@@ -76,31 +51,35 @@ def near_optical_depth(
 class RenderedSamples:
     """What a render's packed samples leave for the regularisers (VoxelNeRF.march's ``packed`` output):
     ray (N,) int64, t (N,) sample distances (unit directions), optical_depth (N,) s_i = sigma_i * delta_i with
-    gradients, ``step``, the march's step, and ``march``, a function giving each sample's (N,) march coordinate, in
+    gradients, ``step``, the march's step, ``march``, a function giving each sample's (N,) march coordinate, in
     which every sample stands for [march_i - step/2, march_i + step/2] (bounded: t itself; contracted: linear then
     disparity, see models.contraction.SceneSpace.march_coordinate), called only when a regulariser needs it (None:
-    t)."""
+    t), and ``offsets`` (B + 1,) int64, each ray's first sample (None: found from ``ray``)."""
 
     ray: torch.Tensor
     t: torch.Tensor
     optical_depth: torch.Tensor
     step: float
     march: Callable[[], torch.Tensor] | None = None
+    offsets: torch.Tensor | None = None
 
     def weights(self, num_rays: int) -> torch.Tensor:
         """(N,) compositing weights w_i = T_i alpha_i, differentiable in the optical depths."""
         return compositing_weights(self.optical_depth, self.ray, num_rays)
 
-    def distortion(self, num_rays: int, unit: float = 1.0) -> torch.Tensor:
+    def distortion(self, op: Callable[..., torch.Tensor], num_rays: int, unit: float = 1.0) -> torch.Tensor:
         """(B,) distortion loss in the march coordinate (where the samples' intervals are all ``step`` long, as
         nerfacto measures it in its normalised spacing: the far background, whose world intervals grow with the
-        distance squared, does not dominate), in units of ``unit`` (e.g. the scene box's diagonal)."""
+        distance squared, does not dominate), in units of ``unit`` (e.g. the scene box's diagonal), through ``op``
+        (``distortion_loss`` of cuda_ext or cuda_ext.reference: the model's ``ops``)."""
         half, march = 0.5 * self.step, self.t if self.march is None else self.march()
-        return distortion_loss(self.ray, (march - half) / unit, (march + half) / unit, self.weights(num_rays), num_rays)
+        offsets = self.offsets if self.offsets is not None else ray_offsets(self.ray, num_rays)
+        march = march.detach()  # data: the samples' places
+        return op(self.optical_depth, (march - half) / unit, (march + half) / unit, offsets)
 
     def near_density(self, limit: torch.Tensor) -> torch.Tensor:
         """(B,) optical depth before ``limit`` (B,) along each ray (:func:`near_optical_depth`)."""
         return near_optical_depth(self.ray, self.t, self.optical_depth, limit)
 
 
-__all__ = ["distortion_loss", "near_optical_depth", "RenderedSamples"]
+__all__ = ["near_optical_depth", "RenderedSamples"]

@@ -152,7 +152,7 @@ def march(
         "depth": depth,
         "opacity": opacity,
         "samples": torch.tensor(len(samples)),
-        "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march),
+        "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march, offsets),
     }
 
 

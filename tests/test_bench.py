@@ -50,15 +50,16 @@ def test_tiny_cpu_run_records_every_measurement_and_survives_a_failing_op(bench,
         *(("brick_grid_interpolate", f"{points} C={c}") for c in (12, 1) for points in ("random", "rays")),
         ("volume_render", "C=3 B=64"),
         ("volume_render", "C=12 B=64"),
+        ("distortion_loss", "B=64"),
     }
     assert {(op, case) for op, case, _ in rows} == expected_cases
     errors = {(e["op"], e["case"], e["variant"], e["phase"]): e["error"] for e in report["errors"]}
 
     # The pure-PyTorch variants run everywhere: each has positive times, bandwidths and custom-speed-up slots.
     timed = [key for key in rows if key[2] in ("builtin", "former") or (key[2] == "reference" and key[0] != "gelu")]
-    # reference: trilinear x2, grid x2, brick x4, upsample, gelu_rows, volume_render x2; builtin: grid x2,
-    # upsample, gelu, gelu_rows; former: x2
-    assert len(timed) == 12 + 5 + 2
+    # reference: trilinear x2, grid x2, brick x4, upsample, gelu_rows, volume_render x2, distortion_loss; builtin:
+    # grid x2, upsample, gelu, gelu_rows; former: volume_render x2, distortion_loss
+    assert len(timed) == 13 + 5 + 3
     for key in timed:
         row = rows[key]
         for field in ("fw_ms", "fwbw_ms", "fw_GBps", "fw_pct_copy", "fwbw_GBps"):

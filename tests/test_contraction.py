@@ -15,11 +15,11 @@ from test_march import call, scene
 from test_model import TORCH_OPS, make_cfg, make_model, one_thread, randomize_density, rays_towards_centre  # noqa: F401
 
 import cuda_ext
+from cuda_ext import reference
 from data import RaySampler, ensure_synthetic_scene, load_blender
 from models import VoxelNeRF, build_ops
 from models.config import parse_model_config
 from models.contraction import SceneSpace, box_radius, contract_points, split_distances
-from models.regularizers import distortion_loss
 
 F64 = torch.float64
 
@@ -246,8 +246,8 @@ def test_contracted_model_distortion_is_measured_in_the_march_coordinate():
     t_split = split_distances(origins, directions, model.bbox, model.near)
     march = SceneSpace("inf").march_coordinate(packed.t, packed.ray, t_split, model.bbox)
     half = 0.5 * packed.step
-    expected = distortion_loss(packed.ray, march - half, march + half, packed.weights(num_rays), num_rays)
-    torch.testing.assert_close(packed.distortion(num_rays), expected)
+    expected = reference.distortion_loss(packed.optical_depth, march - half, march + half, packed.offsets)
+    torch.testing.assert_close(packed.distortion(model.ops.distortion_loss, num_rays), expected)
     assert float(packed.t.max()) > float(march.max()) + 1.0  # world distances would have differed
 
 

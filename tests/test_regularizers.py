@@ -1,6 +1,6 @@
-"""The floater regularisers (models/regularizers.py, training/losses.py): the O(N) distortion loss against its
-O(S^2) definition in float64, gradchecks, the near-density penalty against a loop, both on a model's render, and
-the photometric losses and their config keys."""
+"""The floater regularisers (models/regularizers.py, training/losses.py): the near-density penalty against a loop,
+both regularisers on a model's render (the distortion loss through the model's op; the op itself:
+tests/test_distortion_loss.py), and the photometric losses and their config keys."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 from test_model import make_model
 
-from models.regularizers import RenderedSamples, distortion_loss, near_optical_depth
+from cuda_ext import reference
+from models.regularizers import RenderedSamples, near_optical_depth
 from models.render import compositing_weights
 from training.config import ConfigError, typed, validate_config
 from training.losses import dssim, floater_losses, photometric_loss
@@ -30,60 +31,7 @@ def random_packed(gen: torch.Generator, counts: list[int], dtype=torch.float64):
     return ray, starts, starts + lengths, weights
 
 
-def brute_force_distortion(ray, t_start, t_end, weights, num_rays: int) -> torch.Tensor:
-    """The definition, one ray at a time: sum_ij w_i w_j |m_i - m_j| + 1/3 sum_i w_i^2 (t1_i - t0_i)."""
-    out = torch.full((num_rays,), float("nan"), dtype=weights.dtype)  # poison: every ray must be written
-    for r in range(num_rays):
-        sel = ray == r
-        w, mid = weights[sel], 0.5 * (t_start[sel] + t_end[sel])
-        pairs = (w[:, None] * w[None, :] * (mid[:, None] - mid[None, :]).abs()).sum()
-        out[r] = pairs + (w.square() * (t_end[sel] - t_start[sel])).sum() / 3.0
-    return out
-
-
 COUNTS = [5, 0, 1, 17, 3, 0, 40]  # rays with no sample, one sample, many
-
-
-def test_distortion_matches_definition(gen):
-    ray, t0, t1, w = random_packed(gen, COUNTS)
-    got = distortion_loss(ray, t0, t1, w, len(COUNTS))
-    want = brute_force_distortion(ray, t0, t1, w, len(COUNTS))
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert got[1] == 0 and got[5] == 0  # empty rays: exactly zero
-    # a one-sample ray has only its own term (to rounding: per-ray sums are differences of one running sum)
-    own = w[ray == 2].square().sum() * (t1 - t0)[ray == 2].sum() / 3
-    torch.testing.assert_close(got[2], own, rtol=1e-13, atol=1e-15)
-
-
-def test_distortion_float32_close_to_float64(gen):
-    ray, t0, t1, w = random_packed(gen, [300, 2, 500])
-    got = distortion_loss(ray, t0.float(), t1.float(), w.float(), 3)
-    torch.testing.assert_close(got.double(), brute_force_distortion(ray, t0, t1, w, 3), rtol=1e-5, atol=1e-6)
-
-
-def test_distortion_gradcheck(gen):
-    ray, t0, t1, w = random_packed(gen, [4, 0, 1, 6])
-    inputs = tuple(x.clone().requires_grad_() for x in (t0, t1, w))
-    assert torch.autograd.gradcheck(lambda a, b, c: distortion_loss(ray, a, b, c, 4), inputs)
-
-
-def test_distortion_prefers_concentrated_weight():
-    # the same total weight on one ray: a surface (adjacent samples) costs less than two blobs apart
-    ray = torch.zeros(4, dtype=torch.int64)
-    t0 = torch.tensor([2.0, 2.1, 2.2, 4.0], dtype=torch.float64)
-    surface = distortion_loss(ray, t0, t0 + 0.1, torch.tensor([0.0, 0.45, 0.45, 0.0], dtype=torch.float64), 1)
-    floater = distortion_loss(ray, t0, t0 + 0.1, torch.tensor([0.45, 0.0, 0.0, 0.45], dtype=torch.float64), 1)
-    # 2 * 0.45^2 * 0.1 + 2 * 0.45^2 * 0.1 / 3, and 2 * 0.45^2 * 1.9 + the same own terms
-    assert surface.item() == pytest.approx(0.054) and floater.item() == pytest.approx(0.8235)
-
-
-def test_distortion_bad_input():
-    ray = torch.zeros(3, dtype=torch.int64)
-    t = torch.rand(3)
-    with pytest.raises(ValueError, match="distortion_loss: weights"):
-        distortion_loss(ray, t, t + 0.1, torch.rand(4), 1)
-    with pytest.raises(ValueError, match="distortion_loss: ray"):
-        distortion_loss(ray.int(), t, t + 0.1, torch.rand(3), 1)
 
 
 def test_near_optical_depth_matches_loop(gen):
@@ -124,12 +72,12 @@ def test_render_exposes_packed_samples():
     per_ray = torch.zeros(origins.shape[0]).index_add(0, packed.ray, weights)
     torch.testing.assert_close(per_ray, out["opacity"], rtol=1e-5, atol=1e-6)
     assert out["opacity"].min() < 0.99 and out["opacity"].max() > 0.5  # neither empty nor saturated
-    # intervals centred on the samples, distances in the given unit
-    unit = 2.5
-    want = distortion_loss(packed.ray, (packed.t - packed.step / 2) / unit, (packed.t + packed.step / 2) / unit,
-                           weights, origins.shape[0])  # fmt: skip
-    torch.testing.assert_close(packed.distortion(origins.shape[0], unit), want)
-    packed.distortion(origins.shape[0]).mean().backward()
+    # intervals centred on the samples, distances in the given unit, through the model's op
+    unit, op = 2.5, model.ops.distortion_loss
+    t0, t1 = ((packed.t + sign * packed.step / 2).detach() / unit for sign in (-1, 1))
+    want = reference.distortion_loss(packed.optical_depth, t0, t1, packed.offsets)
+    torch.testing.assert_close(packed.distortion(op, origins.shape[0], unit), want)
+    packed.distortion(op, origins.shape[0]).mean().backward()
     assert model.density.grid.grad.abs().sum() > 0
 
 
@@ -139,7 +87,7 @@ def test_near_density_loss_only_touches_voxels_near_the_cameras():
     out = model.render_rays(origins, directions, jitter=torch.full((origins.shape[0],), 0.5))
     centre = torch.zeros(3)
     cfg = OmegaConf.create({"near_density_loss": 1.0, "near_density_fraction": 0.8})  # cameras ~4 from the centre
-    loss = floater_losses(out, origins, cfg, centre, unit=1.0)
+    loss = floater_losses(out, origins, cfg, centre, 1.0, model.ops)
     loss.backward()
     grad = model.density.grid.grad[..., 0]
     assert grad.abs().sum() > 0
@@ -159,7 +107,7 @@ def test_near_density_loss_only_touches_voxels_near_the_cameras():
 
 def test_floater_losses_off_by_default():
     cfg = OmegaConf.create({})
-    assert floater_losses({}, torch.zeros(2, 3), cfg, torch.zeros(3), 1.0) == 0.0  # nothing is computed
+    assert floater_losses({}, torch.zeros(2, 3), cfg, torch.zeros(3), 1.0, None) == 0.0  # nothing is computed
 
 
 def test_floater_losses_weights():
@@ -168,8 +116,9 @@ def test_floater_losses_weights():
     out = model.render_rays(origins, directions, jitter=torch.full((32,), 0.5))
     packed = out["packed"]
     cfg = OmegaConf.create({"distortion_loss": 0.01, "near_density_loss": 0.1, "near_density_fraction": 0.3})
-    got = floater_losses(out, origins, cfg, torch.zeros(3), 5.0)
-    want = 0.01 * packed.distortion(32, 5.0).mean() + 0.1 * packed.near_density(0.3 * origins.norm(dim=-1)).mean()
+    got = floater_losses(out, origins, cfg, torch.zeros(3), 5.0, model.ops)
+    want = 0.01 * packed.distortion(model.ops.distortion_loss, 32, 5.0).mean()
+    want = want + 0.1 * packed.near_density(0.3 * origins.norm(dim=-1)).mean()
     torch.testing.assert_close(got, want)
 
 
@@ -302,7 +251,7 @@ def test_step_loss_sums_the_weighted_terms(gen, kind, with_alpha):
     rgb, target = torch.rand(64, 3, generator=gen), torch.rand(64, 3, generator=gen)
     opacity, alpha = torch.rand(64, generator=gen), torch.rand(64, generator=gen)
     batch = SimpleNamespace(alpha=alpha if with_alpha else None, origins=torch.zeros(64, 3))
-    model = SimpleNamespace(initial_extent=(2.0, 2.0, 2.0), poses=SimpleNamespace(enabled=False))
+    model = SimpleNamespace(initial_extent=(2.0, 2.0, 2.0), poses=SimpleNamespace(enabled=False), ops=None)
     cfg = OmegaConf.create({"loss": kind, "opacity_loss": 0.3, "distortion_loss": 0.0, "near_density_loss": 0.0})
     regularization = torch.tensor(0.125)
     loss, mse = step_loss({"rgb": rgb, "opacity": opacity}, batch, target, regularization, cfg, model, torch.zeros(3))

@@ -62,12 +62,13 @@ def photometric_loss(rgb: torch.Tensor, target: torch.Tensor, kind: str) -> torc
     raise ValueError(f"train.loss: unknown loss {kind!r} (expected one of {', '.join(PHOTOMETRIC_LOSSES)})")
 
 
-def floater_losses(out: dict, origins: torch.Tensor, train_cfg, centre: torch.Tensor, unit: float):
+def floater_losses(out: dict, origins: torch.Tensor, train_cfg, centre: torch.Tensor, unit: float, ops):
     """The weighted per-ray regularisers of a render (models/regularizers.py), averaged over its rays; 0.0 when
     both weights are 0 (nothing is computed then).
 
     ``out``: a render's dict with ``packed`` (its models.regularizers.RenderedSamples); ``origins``: its (..., 3) ray
-    origins (unit directions); ``centre``: (3,) the scene box's centre; ``unit``: the scene box's diagonal.
+    origins (unit directions); ``centre``: (3,) the scene box's centre; ``unit``: the scene box's diagonal; ``ops``:
+    the model's models.ops.OpSet (its ``distortion_loss``).
     - ``train.distortion_loss``: mip-NeRF 360's distortion, distances in units of the box diagonal (the weight
       then does not depend on the scene's scale; nerfacto uses 0.002 in its normalised ray coordinates).
     - ``train.near_density_loss``: the optical depth ``-ln T`` a ray accumulates in the first
@@ -80,7 +81,7 @@ def floater_losses(out: dict, origins: torch.Tensor, train_cfg, centre: torch.Te
     packed, origins = out["packed"], origins.reshape(-1, 3)
     total = 0.0
     if distortion > 0.0:
-        total = total + distortion * packed.distortion(origins.shape[0], unit).mean()
+        total = total + distortion * packed.distortion(ops.distortion_loss, origins.shape[0], unit).mean()
     if near > 0.0:
         limit = float(train_cfg.get("near_density_fraction", 0.2)) * (origins - centre).norm(dim=-1)
         total = total + near * packed.near_density(limit).mean()
@@ -103,7 +104,7 @@ def step_loss(out: dict, batch, target: torch.Tensor, regularization: torch.Tens
     if weight != 0.0 and batch.alpha is not None:
         loss = loss + weight * opacity_loss(out["opacity"], batch.alpha)
     unit = math.hypot(*model.initial_extent)  # the scene box's diagonal
-    loss = loss + floater_losses(out, batch.origins, train_cfg, centre, unit)
+    loss = loss + floater_losses(out, batch.origins, train_cfg, centre, unit, model.ops)
     if model.poses.enabled:  # the L2 pull of the pose corrections towards the poses as given
         loss = loss + float(train_cfg.get("pose_penalty", 0.01)) * model.poses.penalty()
     return loss, mse

@@ -71,6 +71,14 @@ void adam_replay_rows_cpu(const at::Tensor& param, const at::Tensor& exp_avg, co
                           const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
                           double beta1, double beta2);
 
+// distortion_loss: mip-NeRF 360's distortion loss of each ray of packed samples, from their optical depths and
+// (N,) interval ends; its backward gives the optical depths' gradient (distortion.h).
+at::Tensor distortion_loss_cpu(const at::Tensor& optical_depth, const at::Tensor& t_start, const at::Tensor& t_end,
+                               const at::Tensor& ray_offsets);
+at::Tensor distortion_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& optical_depth,
+                                        const at::Tensor& t_start, const at::Tensor& t_end,
+                                        const at::Tensor& ray_offsets);
+
 // sampled_tv: the total variation on sampled cells of a stack of (R0, R1, R2) vertex grids (rows of values),
 // returned (0-d float64) with its gradient added into grad in place.
 at::Tensor sampled_tv_cpu(const at::Tensor& grad, const at::Tensor& values, const at::Tensor& cells,
@@ -118,6 +126,11 @@ at::Tensor gelu_rows_cuda(const at::Tensor& x, const at::Tensor& rows, const at:
                           c10::string_view approximate);
 at::Tensor gelu_rows_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
                                    const at::Tensor& index, c10::string_view approximate);
+at::Tensor distortion_loss_cuda(const at::Tensor& optical_depth, const at::Tensor& t_start, const at::Tensor& t_end,
+                                const at::Tensor& ray_offsets);
+at::Tensor distortion_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& optical_depth,
+                                         const at::Tensor& t_start, const at::Tensor& t_end,
+                                         const at::Tensor& ray_offsets);
 at::Tensor sampled_tv_cuda(const at::Tensor& grad, const at::Tensor& values, const at::Tensor& cells,
                            at::IntArrayRef shape, at::IntArrayRef inside, double outside, double scale);
 #endif

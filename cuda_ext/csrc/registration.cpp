@@ -44,6 +44,10 @@ TORCH_LIBRARY(cuda_ext, m) {
       "volume_render_backward(Tensor grad_values, Tensor grad_opacity, Tensor grad_depth, Tensor optical_depth, "
       "Tensor values, Tensor t, Tensor ray_offsets, Tensor out, Tensor opacity, Tensor depth, float early_stop) "
       "-> (Tensor, Tensor)");
+  m.def("distortion_loss(Tensor optical_depth, Tensor t_start, Tensor t_end, Tensor ray_offsets) -> Tensor");
+  m.def(
+      "distortion_loss_backward(Tensor grad, Tensor optical_depth, Tensor t_start, Tensor t_end, "
+      "Tensor ray_offsets) -> Tensor");
   m.def(
       "march_rays(Tensor origins, Tensor directions, Tensor t_start, Tensor t_end, Tensor offset, "
       "Tensor occupancy, Tensor box, float step, int max_samples, Tensor? t_split=None) "
@@ -74,6 +78,8 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("gelu_rows_backward", &cuda_ext::gelu_rows_backward_cpu);
   m.impl("volume_render", &cuda_ext::volume_render_cpu);
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cpu);
+  m.impl("distortion_loss", &cuda_ext::distortion_loss_cpu);
+  m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cpu);
   m.impl("march_rays", &cuda_ext::march_rays_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
   m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cpu);
@@ -96,6 +102,8 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("gelu_rows_backward", &cuda_ext::gelu_rows_backward_cuda);
   m.impl("volume_render", &cuda_ext::volume_render_cuda);
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cuda);
+  m.impl("distortion_loss", &cuda_ext::distortion_loss_cuda);
+  m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cuda);
   m.impl("march_rays", &cuda_ext::march_rays_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
   m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cuda);
