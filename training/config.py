@@ -30,7 +30,7 @@ class OpsConfig:
     brick_grid_interpolate: str = "custom"  # the trilinear lookup in the sparse fine grid (model.fine)
     upsample_bilinear2d: str = "custom"  # the deferred decoder's feature upsampling
     gelu: str = "custom"  # the decoder's activation
-    volume_render: str = "custom"  # compositing of packed samples into colour, opacity, depth
+    volume_render: str = "custom"  # compositing of packed samples into colour, opacity, depth (and distortion_loss)
     march_rays: str = "custom"  # packed samples along the rays, empty space skipped
     sparse_adam_step: str = "custom"  # train.sparse_adam's update of the touched voxels
     sampled_tv: str = "custom"  # the grids' total variation on sampled cells, its gradient added after the backward
