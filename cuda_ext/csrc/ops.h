@@ -1,8 +1,8 @@
 // Declarations of every kernel entry point, CPU and CUDA. registration.cpp binds them to the
 // schemas; each op family implements its CPU half in cpu/<family>.cpp and its CUDA half in
 // cuda/<family>*.cu. Validation and math shared by both halves live in <family>.h beside this file
-// (trilinear.h, grid_interpolate.h, brick_grid.h, upsample.h, gelu.h); kernel_common.h and interpolation.h
-// hold what several families share.
+// (trilinear.h, grid_interpolate.h, brick_grid.h, upsample.h, gelu.h, render.h, distortion.h, ...); kernel_common.h
+// and interpolation.h hold what several families share (cuda/warp_scan.cuh: the per-ray warp scans).
 #pragma once
 
 #include <ATen/ATen.h>
