@@ -3,6 +3,7 @@
 They define what the custom kernels compute, serve as the ``ops=torch`` backend of the model,
 and are what the tests compare against. Autograd differentiates them. They check their arguments with
 the wrappers' checks (``cuda_ext._checks``), so both backends reject a bad call with the same exception.
+The per-ray ops (march_rays, volume_render, distortion_loss) live in ``cuda_ext._reference_rays``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from cuda_ext import _brick_checks, _checks, _step_checks
 from cuda_ext._gelu_rows_checks import check_gelu_rows_inputs
+from cuda_ext._reference_rays import OPAQUE_DEPTH, contract_points, distortion_loss, march_rays, volume_render
 from cuda_ext._tv_checks import check_cell_range, check_sampled_tv_inputs
 
 __all__ = [
@@ -32,12 +34,6 @@ __all__ = [
     "adam_replay_rows",
     "sampled_tv",
 ]
-
-# An optical depth past which light is gone (exp(-100) < 4e-44: what follows has T = 0 to any tolerance). Global
-# prefix sums clamp to it: a contracted march's last sample can have s ~ 1e11 (its step grows with the distance
-# squared), and 1e11 per ray over a million rays is past float64's 2^53, where a global sum's per-ray differences
-# are noise.
-OPAQUE_DEPTH = 100.0
 
 
 def trilinear_interpolate(feats: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
@@ -172,69 +168,6 @@ def gelu_rows(x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, approxim
     return F.gelu(x + rows.index_select(0, index), approximate=approximate)
 
 
-def volume_render(
-    optical_depth: torch.Tensor,
-    values: torch.Tensor,
-    t: torch.Tensor,
-    ray_offsets: torch.Tensor,
-    early_stop: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Alpha compositing of packed samples (cuda_ext.volume_render's contract), with torch ops: the weights of
-    :func:`_packed_weights`, summed per ray."""
-    early_stop = _step_checks.check_render_inputs(optical_depth, values, t, ray_offsets, early_stop)
-    _step_checks.check_render_offsets(optical_depth, ray_offsets)
-    ray, weights = _packed_weights(optical_depth, ray_offsets, early_stop)
-    rays = ray_offsets.shape[0] - 1
-    out = values.new_zeros(rays, values.shape[1]).index_add(0, ray, values * weights[:, None])
-    geometry = values.new_zeros(rays, 2).index_add(0, ray, torch.stack([weights, weights * t], 1))
-    return out, geometry[:, 0], geometry[:, 1]
-
-
-def distortion_loss(
-    optical_depth: torch.Tensor, t_start: torch.Tensor, t_end: torch.Tensor, ray_offsets: torch.Tensor
-) -> torch.Tensor:
-    """cuda_ext.distortion_loss with torch ops: the weights of :func:`_packed_weights`, then per ray
-    ``sum_i [2 w_i (m_i W_i - M_i) + w_i^2 (t_end_i - t_start_i) / 3]`` with W_i, M_i the sums of w_j and w_j m_j
-    over the ray's earlier samples (the pair sum written in one pass: the midpoints m increase along a ray)."""
-    _step_checks.check_distortion_inputs(optical_depth, t_start, t_end, ray_offsets)
-    if t_start.requires_grad or t_end.requires_grad:
-        raise ValueError("distortion_loss: t_start and t_end are not differentiated; pass them detached")
-    ray, weights = _packed_weights(optical_depth, ray_offsets, 0.0)
-    first = ray_offsets[ray].clamp(max=max(t_start.shape[0] - 1, 0))  # from the ray's first: no rounding far out
-    mid = 0.5 * ((t_start - t_start[first]) + (t_end - t_end[first]))
-    weight_before, moment_before = (_ray_exclusive(x, ray_offsets, ray) for x in (weights, weights * mid))
-    terms = 2.0 * weights * (mid * weight_before - moment_before) + weights.square() * (t_end - t_start) / 3.0
-    return terms.new_zeros(ray_offsets.shape[0] - 1).index_add(0, ray, terms)
-
-
-def _packed_weights(
-    optical_depth: torch.Tensor, ray_offsets: torch.Tensor, early_stop: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) ray of each sample (clamped to [0, B)) and (N,) compositing weights w_i = T_i (1 - exp(-s_i)), with
-    T_i = exp(-sum of the ray's s_j before i) (each s_j clamped to :data:`OPAQUE_DEPTH`, where T is 0 already); zero
-    where T_i < early_stop or the sample is in no ray."""
-    n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
-    ray = torch.searchsorted(ray_offsets, torch.arange(n, device=optical_depth.device), right=True) - 1
-    inside = (ray >= 0) & (ray < rays)
-    ray = ray.clamp(0, max(rays - 1, 0))
-    s = torch.where(inside, optical_depth, torch.zeros_like(optical_depth))
-    transmittance = torch.exp(-_ray_exclusive(s.clamp(max=OPAQUE_DEPTH), ray_offsets, ray))
-    keep = inside & (transmittance >= early_stop) if early_stop > 0 else inside
-    return ray, torch.where(keep, transmittance * -torch.expm1(-s), torch.zeros_like(s))
-
-
-def _ray_exclusive(values: torch.Tensor, ray_offsets: torch.Tensor, ray: torch.Tensor) -> torch.Tensor:
-    """(N,) per-ray exclusive prefix sums of (N,) values: one global cumulative sum in float64 (per-ray
-    differences stay accurate) minus its value at the ray's first sample; in ``values``' dtype. One-dimensional:
-    CUDA's cumsum down the rows of an (N, 2) tensor runs a scan per column, ~1000x slower (6.5 s at 47 M rows)."""
-    if values.shape[0] == 0:
-        return values
-    wide = values.double()
-    exclusive = torch.cumsum(wide, 0) - wide
-    first = ray_offsets[ray].clamp(0, values.shape[0] - 1)
-    return (exclusive - exclusive[first]).to(values.dtype)
-
-
 def sparse_adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -335,65 +268,3 @@ def sampled_tv(
         (gradient,) = torch.autograd.grad(loss, picked)
     grad.view(-1, values.shape[1]).index_add_(0, rows.reshape(-1), gradient.reshape(-1, values.shape[1]))
     return loss.detach().to(torch.float64)
-
-
-def march_rays(
-    origins: torch.Tensor,
-    directions: torch.Tensor,
-    t_start: torch.Tensor,
-    t_end: torch.Tensor,
-    offset: torch.Tensor,
-    occupancy: torch.Tensor,
-    box: torch.Tensor,
-    step: float,
-    max_samples: int,
-    t_split: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed samples along rays where the occupancy grid is set (cuda_ext.march_rays' contract, bounded or
-    contracted), with torch ops: the dense (B, S) distances, (B, S, 3) grid coordinates and keep-mask, compacted
-    with nonzero() (one sync). Each formula is evaluated in the kernels' order, one rounding per operation."""
-    step, max_samples = _step_checks.check_march_inputs(
-        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
-    )
-    k = torch.arange(max_samples, device=origins.device, dtype=origins.dtype)
-    t = t_start[:, None] + (k[None, :] + offset[:, None]) * step
-    alive = t < t_end[:, None]
-    if t_split is not None:
-        t, alive = _disparity_samples(t, alive, t_start, t_end, offset, box, step, t_split)
-    alive = torch.cummin(alive.to(torch.uint8), 1).values.bool()  # a ray ends at its first sample past its end
-    world = origins[:, None, :] + t[..., None] * directions[:, None, :]
-    unit = (world - box[0]) * (2.0 / (box[1] - box[0])) - 1.0
-    if t_split is not None:
-        unit = contract_points(unit)
-    s0, s1, s2 = occupancy.shape
-    c0, c1, c2 = (((unit[..., a] + 1) * (0.5 * s)).long().clamp(0, s - 1) for a, s in enumerate((s0, s1, s2)))
-    kept = alive & occupancy.reshape(-1)[(c0 * s1 + c1) * s2 + c2]
-    flat = kept.reshape(-1).nonzero().squeeze(1)
-    ray = torch.div(flat, max_samples, rounding_mode="floor")
-    ray_offsets = torch.searchsorted(ray, torch.arange(origins.shape[0] + 1, device=ray.device))
-    return ray, t.reshape(-1)[flat], unit.reshape(-1, 3)[flat], ray_offsets
-
-
-def _disparity_samples(t, alive, t_start, t_end, offset, box, step, t_split):
-    """(B, S) linear distances and their t < t_end -> those of the contracted march: samples past each ray's linear
-    count K uniform in disparity about t_split - P (march_rays' docstring), alive while den > 0 and t < t_end."""
-    k = torch.arange(t.shape[1], device=t.device)
-    radius = ((box[1] - box[0]) * 0.5).min()
-    step_t = torch.tensor(step, dtype=t.dtype, device=t.device)  # the kernels' T(step)
-    count = torch.ceil((t_split - t_start) / step_t - offset)
-    cap = float(t.shape[1])
-    count = torch.where(count > 0, torch.where(count < cap, count, cap), 0.0).long()  # NaN -> 0, as the kernels
-    linear = k[None, :] < count[:, None]
-    j = (k[None, :] - count[:, None]).to(t.dtype)
-    den = 1.0 - (j + offset[:, None]) * (step_t / radius)
-    far = ((t_split - radius)[:, None] + radius / den).to(t.dtype)
-    return torch.where(linear, t, far), torch.where(linear, alive, (den > 0) & (far < t_end[:, None]))
-
-
-def contract_points(unit: torch.Tensor) -> torch.Tensor:
-    """(..., 3) box coordinates -> grid coordinates of the L-inf scene contraction (march_rays' contracted points):
-    u / 2 inside the box (m = max |u_a| <= 1), else u * ((2 - 1 / m) / m) / 2: the contracted cube [-2, 2]^3
-    (infinity on its surface) halved to the grid's [-1, 1]^3. Any dtype; differentiable."""
-    norm = unit.abs().amax(-1, keepdim=True)
-    shrink = torch.where(norm > 1, (2.0 - 1.0 / norm) / norm, torch.ones_like(norm))
-    return unit * shrink * 0.5
