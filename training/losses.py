@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from models.ops import OpSet
 from training.metrics import SSIM_K1, SSIM_K2, SSIM_WINDOW, separable_filter
 
 
@@ -62,13 +63,13 @@ def photometric_loss(rgb: torch.Tensor, target: torch.Tensor, kind: str) -> torc
     raise ValueError(f"train.loss: unknown loss {kind!r} (expected one of {', '.join(PHOTOMETRIC_LOSSES)})")
 
 
-def floater_losses(out: dict, origins: torch.Tensor, train_cfg, centre: torch.Tensor, unit: float, ops):
+def floater_losses(out: dict, origins: torch.Tensor, train_cfg, centre: torch.Tensor, unit: float, ops: OpSet | None):
     """The weighted per-ray regularisers of a render (models/regularizers.py), averaged over its rays; 0.0 when
     both weights are 0 (nothing is computed then).
 
     ``out``: a render's dict with ``packed`` (its models.regularizers.RenderedSamples); ``origins``: its (..., 3) ray
     origins (unit directions); ``centre``: (3,) the scene box's centre; ``unit``: the scene box's diagonal; ``ops``:
-    the model's models.ops.OpSet (its ``distortion_loss``).
+    the model's OpSet (its ``distortion_loss``; unused, may be None, when ``train.distortion_loss`` is 0).
     - ``train.distortion_loss``: mip-NeRF 360's distortion, distances in units of the box diagonal (the weight
       then does not depend on the scene's scale; nerfacto uses 0.002 in its normalised ray coordinates).
     - ``train.near_density_loss``: the optical depth ``-ln T`` a ray accumulates in the first
