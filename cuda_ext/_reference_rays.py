@@ -103,8 +103,6 @@ def distortion_loss(
     ``sum_i [2 w_i (m_i W_i - M_i) + w_i^2 (t_end_i - t_start_i) / 3]`` with W_i, M_i the sums of w_j and w_j m_j
     over the ray's earlier samples (the pair sum written in one pass: the midpoints m increase along a ray)."""
     _step_checks.check_distortion_inputs(optical_depth, t_start, t_end, ray_offsets)
-    if t_start.requires_grad or t_end.requires_grad:
-        raise ValueError("distortion_loss: t_start and t_end are not differentiated; pass them detached")
     ray, weights = _packed_weights(optical_depth, ray_offsets, 0.0)
     first = ray_offsets[ray].clamp(max=max(t_start.shape[0] - 1, 0))  # from the ray's first: no rounding far out
     mid = 0.5 * ((t_start - t_start[first]) + (t_end - t_end[first]))

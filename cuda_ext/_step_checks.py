@@ -46,11 +46,12 @@ def check_render_inputs(
     return float(early_stop)
 
 
-def check_packed_samples(op: str, optical_depth: Any, ray_offsets: Any, **per_sample: Any) -> None:
-    """optical_depth (N,) float32/float64, each of ``per_sample`` of its dtype and device with N rows (``values``
-    (N, C), the others (N,)), ray_offsets (B + 1,) int64 on its device (volume_render's and distortion_loss's
-    packed samples)."""
-    for name, value in (("optical_depth", optical_depth), *per_sample.items(), ("ray_offsets", ray_offsets)):
+def check_packed_samples(op: str, optical_depth: Any, ray_offsets: Any, values: Any = None, **per_sample: Any) -> None:
+    """optical_depth (N,) float32/float64; ``values`` (N, C) when given and each of ``per_sample`` (N,), of its dtype
+    and device; ray_offsets (B + 1,) int64 on its device (volume_render's and distortion_loss's packed samples)."""
+    rows = [("values", values, 2)] if values is not None else []  # (name, tensor, dims) of the per-sample inputs
+    rows += [(name, value, 1) for name, value in per_sample.items()]
+    for name, value in (("optical_depth", optical_depth), *(row[:2] for row in rows), ("ray_offsets", ray_offsets)):
         check_tensor(op, name, value)
     check_device(op, "optical_depth", optical_depth)
     require(
@@ -64,16 +65,15 @@ def check_packed_samples(op: str, optical_depth: Any, ray_offsets: Any, **per_sa
         lambda: f"{op}: optical_depth must have shape (N,), got {_shape(optical_depth)}",
     )
     n = optical_depth.shape[0]
-    for name, value in per_sample.items():
-        rows = 2 if name == "values" else 1
+    for name, value, dims in rows:
         require(
-            value.dim() == rows and value.shape[0] == n,
+            value.dim() == dims and value.shape[0] == n,
             ValueError,
-            lambda name=name, value=value, rows=rows: (
-                f"{op}: {name} must have shape {'(N, C)' if rows == 2 else '(N,)'} with N = {n}, got {_shape(value)}"
+            lambda name=name, value=value, dims=dims: (
+                f"{op}: {name} must have shape {'(N, C)' if dims == 2 else '(N,)'} with N = {n}, got {_shape(value)}"
             ),
         )
-    for name, value in per_sample.items():
+    for name, value, _ in rows:
         check_same_device_and_dtype(op, name, value, "optical_depth", optical_depth)
     require(
         ray_offsets.dim() == 1 and ray_offsets.shape[0] >= 1,
@@ -97,9 +97,12 @@ def check_distortion_inputs(
     optical_depth: Any, t_start: Any, t_end: Any, ray_offsets: Any, op: str = "distortion_loss"
 ) -> None:
     """distortion_loss's packed samples: optical_depth, t_start, t_end (N,), ray_offsets (B + 1,) int64; the
-    offsets' values where that costs no device sync (:func:`check_render_offsets`)."""
+    offsets' values where that costs no device sync (:func:`check_render_offsets`); t_start and t_end are data (a
+    ValueError if either requires grad: the op gives them no gradient)."""
     check_packed_samples(op, optical_depth, ray_offsets, t_start=t_start, t_end=t_end)
     check_render_offsets(optical_depth, ray_offsets, op)
+    if t_start.requires_grad or t_end.requires_grad:
+        raise ValueError(f"{op}: t_start and t_end are not differentiated; pass them detached")
 
 
 def check_render_offsets(optical_depth: torch.Tensor, ray_offsets: torch.Tensor, op: str = "volume_render") -> None:

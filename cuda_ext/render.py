@@ -98,8 +98,6 @@ def distortion_loss(
         a ValueError if either requires grad.
     """
     _step_checks.check_distortion_inputs(optical_depth, t_start, t_end, ray_offsets)
-    if t_start.requires_grad or t_end.requires_grad:
-        raise ValueError("distortion_loss: t_start and t_end are not differentiated; pass them detached")
     return torch.ops.cuda_ext.distortion_loss(optical_depth, t_start, t_end, ray_offsets)
 
 
