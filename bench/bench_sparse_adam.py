@@ -1,4 +1,5 @@
-"""Benchmark of cuda_ext.sparse_adam_step (masked Adam on the touched rows) vs dense torch.optim.Adam.
+"""Benchmark of cuda_ext.sparse_adam_step (masked Adam on the touched rows) and masked_adam_step (on the elements
+whose gradient is non-zero) vs dense torch.optim.Adam.
 
     python3 bench/bench_sparse_adam.py [--device cuda|cpu] [--size 256] [--channels 13] [--fractions 0.01,0.1]
                                        [--json OUT.json]
@@ -8,9 +9,11 @@ rows, sorted (as SparseGridAdam's nonzero() hands them over). Reported per varia
 it must move, % of the device's copy bandwidth (a large tensor copy, bench_timing.measure_copy), and the speed-up
 over dense Adam (fused=True on CUDA, foreach=True on the CPU). Bytes: sparse K*C*4 * 7 (read param, grad, m, v;
 write param, m, v) + 8*K (rows); dense M*C*4 * 7; exact (train.sparse_adam=exact: the replay of the rows' skipped
-steps, then the step) K*C*4 * 13 + 32*K. Two sparse timings: the raw op (the kernel and its launch) and
-the wrapper, which also checks rows' range (one reduction and one host sync per call). Row sets rotate so that
-the touched rows of one call are not still in the cache at the next (as bench_ops does).
+steps, then the step) K*C*4 * 13 + 32*K; masked (train.sparse_adam=nonzero: the gradient zero outside the K rows,
+no list) M*C*4 + K*C*4 * 6 (the whole gradient read; param, m, v read and written on the K rows). Two sparse
+timings: the raw op (the kernel and its launch) and the wrapper, which also checks rows' range (one reduction and
+one host sync per call). Row sets rotate so that the touched rows of one call are not still in the cache at the
+next (as bench_ops does).
 """
 
 from __future__ import annotations
@@ -106,11 +109,38 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
             row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
             row["row_sets"] = sets
             rows.append(row)
+        timing = time_masked(param, grad, picks, timer)
+        row = _row("masked by gradient", fraction, k, masked_bytes(m, k, channels), timing, copy["GBps"])
+        row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
+        rows.append(row)
         timing = time_exact(param, grad, picks, timer)
         row = _row("exact (replay + step)", fraction, k, exact_bytes(k, channels), timing, copy["GBps"])
         row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
         rows.append(row)
     return {"copy": copy, "results": rows}
+
+
+def masked_bytes(m: int, k: int, channels: int, itemsize: int = 4) -> int:
+    return m * channels * itemsize + 6 * k * channels * itemsize
+
+
+def time_masked(param: torch.Tensor, grad: torch.Tensor, picks: list, timer: Timer) -> dict:
+    """masked_adam_step over the whole grid, its gradient non-zero on one of the row sets only (each set its own
+    gradient tensor: the sets rotate through memory as the listed variants' do)."""
+    grads = []
+    for rows in picks:
+        sparse = torch.zeros_like(grad)
+        sparse[rows] = grad[rows]
+        grads.append(sparse)
+    exp_avg, exp_avg_sq, step = torch.zeros_like(param), torch.zeros_like(param), {"n": 0}
+
+    def run(i: int) -> None:
+        step["n"] += 1
+        torch.ops.cuda_ext.masked_adam_step(
+            param, grads[i % len(grads)], exp_avg, exp_avg_sq, step["n"], *HYPER.values()
+        )
+
+    return timer(run, lambda i: None, len(picks))
 
 
 def exact_bytes(k: int, channels: int, itemsize: int = 4) -> int:
@@ -182,7 +212,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         **report_header(device),
         "grid": {"size": args.size, "rows": args.size**3, "channels": args.channels, "dtype": "float32"},
         "hyper": HYPER,
-        "bytes_rule": "sparse: 7*K*C*4 + 8*K (read param, grad, m, v; write param, m, v; rows); dense: 7*M*C*4",
+        "bytes_rule": "sparse: 7*K*C*4 + 8*K (read param, grad, m, v; write param, m, v; rows); dense: 7*M*C*4; "
+        "masked: M*C*4 + 6*K*C*4 (the whole gradient; param, m, v on the K rows)",
         **measured,
     }
     print_header(report, report["copy"]["GBps"])

@@ -1,4 +1,4 @@
-"""Argument checks of the training-step ops (volume_render, distortion_loss, sparse_adam_step, adam_replay_rows),
+"""Argument checks of the training-step ops (volume_render, distortion_loss, the Adam steps, adam_replay_rows),
 shared by their wrappers, fake kernels and references; same rules and messages as :mod:`cuda_ext._checks` (metadata
 only, except where a docstring says otherwise)."""
 
@@ -25,6 +25,7 @@ __all__ = [
     "check_packed_samples",
     "check_distortion_inputs",
     "check_adam_inputs",
+    "check_masked_adam_inputs",
     "check_adam_replay_inputs",
     "check_march_inputs",
 ]
@@ -168,6 +169,28 @@ def check_adam_inputs(
         ValueError,
         lambda: f"{op}: rows and param must be on the same device, got {rows.device} and {param.device}",
     )
+    _check_adam_numbers(op, step, lr, beta1, beta2, eps)
+
+
+def check_masked_adam_inputs(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    step: Any,
+    lr: Any,
+    beta1: Any,
+    beta2: Any,
+    eps: Any,
+    op: str = "masked_adam_step",
+) -> None:
+    """param, grad, exp_avg, exp_avg_sq (M, C) as sparse_adam_step's; the numbers as its."""
+    _check_row_state(op, param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+    _check_adam_numbers(op, step, lr, beta1, beta2, eps)
+
+
+def _check_adam_numbers(op: str, step: Any, lr: Any, beta1: Any, beta2: Any, eps: Any) -> None:
+    """step an int >= 1, lr a number >= 0, beta1 and beta2 in [0, 1), eps a number > 0."""
     if check_int(op, "step", step) < 1:
         raise ValueError(f"{op}: step must be >= 1, got {step}")
     _check_numbers(op, (("lr", lr, 0.0, float("inf")), ("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0)))

@@ -1,10 +1,11 @@
-"""Row-sparse Adam: the typed wrappers of ``torch.ops.cuda_ext.sparse_adam_step`` and ``adam_replay_rows`` and
-their fake kernels.
+"""Row-sparse Adam: the typed wrappers of ``torch.ops.cuda_ext.sparse_adam_step``, ``masked_adam_step`` and
+``adam_replay_rows`` and their fake kernels.
 
 The kernels (csrc/cpu/adam.cpp, csrc/cuda/adam.cu) apply torch.optim.Adam's update to the listed rows only
-(rows not listed are neither read nor written: training.optim.SparseGridAdam, the masked Adam), and replay dense
-Adam's zero-gradient steps on the masked rows (training.lazy_adam.LazyGridAdam, which steps the rows a training
-step reads and replays the others when they are next read).
+(rows not listed are neither read nor written: training.optim.SparseGridAdam, the masked Adam), or to the elements
+whose gradient is non-zero (no list: the gradient is the mask), and replay dense Adam's zero-gradient steps on the
+masked rows (training.lazy_adam.LazyGridAdam, which steps the rows a training step reads and replays the others
+when they are next read).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from cuda_ext import _step_checks
 
-__all__ = ["sparse_adam_step", "adam_replay_rows"]
+__all__ = ["sparse_adam_step", "masked_adam_step", "adam_replay_rows"]
 
 
 def sparse_adam_step(
@@ -69,6 +70,46 @@ def sparse_adam_step(
 def _sparse_adam_step_fake(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps) -> None:
     # In place, no output: the fake kernel only checks the metadata (rows' values are data, not checked here).
     _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
+
+
+def masked_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """One Adam step on the elements of ``param`` whose gradient is non-zero, in place (DirectVoxGO's masked Adam).
+
+    Where ``grad`` is non-zero (NaN included), exactly :func:`sparse_adam_step`'s update; where it is exactly zero,
+    the value *and* both moments stay as they were (no decay, no drift), so a voxel no ray reached this step is left
+    alone, as with the rows :func:`sparse_adam_step` is not given. No list of rows and no device sync: the kernel
+    reads the whole gradient and reads and writes ``param``, ``exp_avg`` and ``exp_avg_sq`` only where the gradient
+    has a non-zero element (on CUDA per 16-byte pack), so the time follows M for the gradient and the touched
+    elements for the rest.
+
+    Args:
+        param, exp_avg, exp_avg_sq: (M, C) contiguous, float32 or float64, on one device; updated in place.
+        grad: (M, C) contiguous, param's dtype and device.
+        step: the step number after this update, an int >= 1 (bias correction); lr: a number >= 0;
+            beta1, beta2: numbers in [0, 1); eps: a number > 0.
+    Raises:
+        TypeError: an argument of the wrong type, a dtype other than float32/float64, mixed dtypes.
+        ValueError: a shape, device or contiguity mismatch, a value out of its range.
+    """
+    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
+    torch.ops.cuda_ext.masked_adam_step(
+        param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps)
+    )
+
+
+@torch.library.register_fake("cuda_ext::masked_adam_step")
+def _masked_adam_step_fake(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps) -> None:
+    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
 
 
 def adam_replay_rows(

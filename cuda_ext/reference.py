@@ -31,6 +31,7 @@ __all__ = [
     "march_rays",
     "contract_points",
     "sparse_adam_step",
+    "masked_adam_step",
     "adam_replay_rows",
     "sampled_tv",
 ]
@@ -200,6 +201,32 @@ def sparse_adam_step(
         denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
         p.addcdiv_(m, denom, value=-(lr / bias_correction1))
         param[rows], exp_avg[rows], exp_avg_sq[rows] = p, m, v
+
+
+def masked_adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """torch.optim.Adam's update on the elements of (M, C) ``param`` whose gradient is non-zero, in place; the
+    elements with a zero gradient untouched (value and moments): :func:`sparse_adam_step`'s ops on the gathered
+    elements, scattered back."""
+    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
+    with torch.no_grad():
+        on = grad != 0  # NaN != 0: stepped, as dense Adam would
+        g, m, v, p = grad[on], exp_avg[on], exp_avg_sq[on], param[on]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias_correction1, bias_correction2 = 1 - beta1 ** float(step), 1 - beta2 ** float(step)
+        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-(lr / bias_correction1))
+        param[on], exp_avg[on], exp_avg_sq[on] = p, m, v
 
 
 def adam_replay_rows(

@@ -27,7 +27,7 @@ OP_NAMES = (
 EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
 FAMILIES = {  # swapped by the family's key
     "gelu": ("gelu_rows",),
-    "sparse_adam_step": ("adam_replay_rows",),
+    "sparse_adam_step": ("adam_replay_rows", "masked_adam_step"),
     "volume_render": ("distortion_loss",),
 }
 
@@ -47,6 +47,8 @@ class OpSet:
     - ``march_rays(origins, directions (B,3), t_start, t_end, offset (B,), occupancy (R0,R1,R2) bool, box (2,3),
       step, max_samples) -> (ray (N,), t (N,), points (N,3) in [-1,1], ray_offsets (B+1,))``
     - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``,
+      ``masked_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), step, lr, beta1, beta2, eps)`` (the elements whose
+      gradient is non-zero),
       ``adam_replay_rows(param, exp_avg, exp_avg_sq (M,C), mask (M,), last (M,), replay (T,), done, beta1, beta2)``
       (the optimisers', training.optim; the same backend: ``ops.sparse_adam_step``)
     - ``sampled_tv(grad (M,C), values (M,C), cells (S,), shape [R0,R1,R2], inside, outside, scale) -> ()``: the TV
@@ -64,6 +66,7 @@ class OpSet:
     distortion_loss: Callable[..., torch.Tensor]
     march_rays: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     sparse_adam_step: Callable[..., None]
+    masked_adam_step: Callable[..., None]
     adam_replay_rows: Callable[..., None]
     sampled_tv: Callable[..., torch.Tensor]
     backends: dict[str, str] = field(default_factory=dict)

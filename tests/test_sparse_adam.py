@@ -318,16 +318,19 @@ def test_bench_smoke_cpu(tmp_path, load_bench):
     assert out.exists() and report["grid"] == {"size": 8, "rows": 512, "channels": 13, "dtype": "float32"}
     variants = [(r["variant"], r["fraction"]) for r in report["results"]]
     assert variants[0] == ("dense Adam (foreach)", 1.0)
-    kinds = ("sparse op", "sparse wrapper", "exact (replay + step)")
+    kinds = ("sparse op", "sparse wrapper", "masked by gradient", "exact (replay + step)")
     assert {v for v in variants[1:]} == {(v, f) for v in kinds for f in (0.01, 0.1)}
     for r in report["results"]:
         assert r["ms"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0
     for r in report["results"][1:]:
-        moved = 13 if r["variant"].startswith("exact") else 7  # the replay reads and writes param, m, v too
-        assert (
-            r["speedup_vs_dense"] > 0
-            and r["bytes"] == moved * r["rows"] * 13 * 4 + (32 if moved == 13 else 8) * r["rows"]
-        )
+        k = r["rows"]
+        if r["variant"].startswith("masked"):  # the whole gradient, then param, m, v on the K rows
+            expected = 512 * 13 * 4 + 6 * k * 13 * 4
+        elif r["variant"].startswith("exact"):  # the replay reads and writes param, m, v too
+            expected = 13 * k * 13 * 4 + 32 * k
+        else:
+            expected = 7 * k * 13 * 4 + 8 * k
+        assert r["speedup_vs_dense"] > 0 and r["bytes"] == expected
 
 
 # ------------------------------------------------------------------ the rows a training step touches

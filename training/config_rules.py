@@ -46,6 +46,20 @@ def _get(cfg: DictConfig, key: str) -> Any:
         raise ConfigError(f"{key}: cannot read value ({message})") from None
 
 
+def sparse_adam_mode(setting) -> str:
+    """``train.sparse_adam`` -> "off" | "masked" (true: untouched voxels keep value and moments) | "exact" (only
+    the touched voxels are stepped, the others replay dense Adam's zero-gradient steps when next read:
+    training.lazy_adam) | "occupied" (dense Adam on the voxels of occupied cells, empty space keeps value and
+    moments: training.optim.OccupiedRows) | "nonzero" (the coarse and fine grids' elements with a non-zero
+    gradient, found by the kernel: ``masked_adam_step``). ValueError naming the key otherwise."""
+    modes = {"false": "off", "true": "masked", "exact": "exact", "occupied": "occupied", "nonzero": "nonzero"}
+    if str(setting).lower() not in modes:
+        raise ValueError(
+            f"train.sparse_adam: expected false, true (masked), exact, occupied or nonzero, got {setting!r}"
+        )
+    return modes[str(setting).lower()]
+
+
 def _check_choice(cfg: DictConfig, key: str, choices: tuple[str, ...], noun: str) -> Any:
     value = _get(cfg, key)
     if value is not _ABSENT and value not in choices:
@@ -185,15 +199,18 @@ def _check_train(cfg: DictConfig) -> None:
     if shard is not _ABSENT and str(shard).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"train.shard_optimizer: expected auto, true or false, got {shard!r}")
     sparse = _get(cfg, "train.sparse_adam")
-    if sparse is not _ABSENT and str(sparse).lower() not in ("false", "true", "exact", "occupied"):
-        raise ConfigError(f"train.sparse_adam: expected false, true (masked), exact or occupied, got {sparse!r}")
+    if sparse is not _ABSENT:
+        try:
+            sparse_adam_mode(sparse)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     eps = _get(cfg, "train.adam_eps")
     if str(sparse).lower() == "exact" and isinstance(eps, (int, float)) and eps > 1e-12:
         raise ConfigError(
             f"train.sparse_adam: exact replays skipped steps without Adam's eps, so it needs train.adam_eps <= 1e-12 "
             f"(got {eps}; the blender and capture presets use 1e-15)"
         )
-    if str(shard).lower() == "true" and str(sparse).lower() in ("true", "exact", "occupied"):
+    if str(shard).lower() == "true" and sparse is not _ABSENT and sparse_adam_mode(sparse) != "off":
         raise ConfigError(f"train.shard_optimizer: true shards dense Adam; not with train.sparse_adam={sparse}")
     for key in (
         "train.batch_rays",

@@ -37,22 +37,41 @@ import torch
 WINDOW = 350  # steps a replay sums back: (0.9 / sqrt(0.999))^350 < 1e-16
 
 
-def adam_step_rows(state: dict, param: torch.Tensor, group: dict, step_fn: Callable, rows=None) -> None:
-    """One Adam step of ``param`` (seen as rows of its last dimension) through ``step_fn`` (sparse_adam_step) on
-    ``rows`` ((K,) int64; None: every row), its ``torch.optim.Adam``-keyed ``state`` created on first use."""
+def _advance(state: dict, param: torch.Tensor) -> int:
+    """The ``torch.optim.Adam``-keyed ``state`` of ``param`` (created on first use), one step further: its count."""
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     state["step"] += 1
+    return int(state["step"].item())  # a CPU tensor: no device sync
+
+
+def _as_rows(state: dict, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """param, its gradient and moments as (M, C) views over its last dimension (C = 1 for a 0-d parameter)."""
     columns = param.shape[-1] if param.dim() > 0 else 1
-    grad = param.grad.reshape(-1, columns)
+    return (param.view(-1, columns), param.grad.reshape(-1, columns).contiguous(),
+            state["exp_avg"].view(-1, columns), state["exp_avg_sq"].view(-1, columns))  # fmt: skip
+
+
+def adam_step_rows(state: dict, param: torch.Tensor, group: dict, step_fn: Callable, rows=None) -> None:
+    """One Adam step of ``param`` (seen as rows of its last dimension) through ``step_fn`` (sparse_adam_step) on
+    ``rows`` ((K,) int64; None: every row), its ``torch.optim.Adam``-keyed ``state`` created on first use."""
+    step = _advance(state, param)
+    values, grad, exp_avg, exp_avg_sq = _as_rows(state, param)
     rows = torch.arange(grad.shape[0], device=param.device) if rows is None else rows
     beta1, beta2 = group["betas"]
     # the rows are built in range here or by the optimisers (nonzero() of a mask): no range check, no device sync
-    step_fn(param.view(-1, columns), grad.contiguous(), state["exp_avg"].view(-1, columns),
-            state["exp_avg_sq"].view(-1, columns), rows, int(state["step"].item()), float(group["lr"]),
-            float(beta1), float(beta2), float(group["eps"]), check_rows=False)  # fmt: skip
+    step_fn(values, grad, exp_avg, exp_avg_sq, rows, step, float(group["lr"]), float(beta1), float(beta2),
+            float(group["eps"]), check_rows=False)  # fmt: skip
+
+
+def adam_step_nonzero(state: dict, param: torch.Tensor, group: dict, masked_fn: Callable) -> None:
+    """One Adam step of ``param``'s elements whose gradient is non-zero through ``masked_fn`` (masked_adam_step);
+    ``state`` as :func:`adam_step_rows`'s (the step count advances for the whole parameter, as the group's)."""
+    step = _advance(state, param)
+    beta1, beta2 = group["betas"]
+    masked_fn(*_as_rows(state, param), step, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]))
 
 
 class LazyGridAdam(torch.optim.Optimizer):

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from training.config import ConfigError
+from training.config_rules import sparse_adam_mode
 from training.distributed import Group, RowShard
-from training.lazy_adam import LazyGridAdam, adam_step_rows
+from training.lazy_adam import LazyGridAdam, adam_step_nonzero, adam_step_rows
 
 if TYPE_CHECKING:  # training.trainer imports this module
     from training.trainer import Trainer
@@ -35,6 +36,9 @@ class SparseGridAdam(torch.optim.Optimizer):
         rows_fn: optional ``() -> (K,) int64`` rows of the ``grids`` group to step this time, shared by its
             parameters (VoxelNeRF.take_touched_rows: the rows the step's lookups read); None: the rows whose
             gradient is non-zero, found by scanning each gradient (reads all of it).
+        masked_fn: optional ``masked_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)``:
+            then the ``grids`` and ``fine`` groups step only their elements with a non-zero gradient, found by the
+            kernel itself (no rows, no scan, no sync; ``rows_fn`` unused) (``train.sparse_adam=nonzero``).
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class SparseGridAdam(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         rows_fn: Callable[[], torch.Tensor] | None = None,
+        masked_fn: Callable | None = None,
     ):
         if not 0.0 <= lr:
             raise ValueError(f"lr: must be >= 0, got {lr}")
@@ -55,6 +60,7 @@ class SparseGridAdam(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
         self.step_fn = step_fn
         self.rows_fn = rows_fn
+        self.masked_fn = masked_fn
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -62,10 +68,14 @@ class SparseGridAdam(torch.optim.Optimizer):
             raise ValueError("closure: SparseGridAdam does not re-evaluate the loss")
         listed = None
         for group in self.param_groups:
-            if group.get("name") == "grids" and self.rows_fn is not None:
+            by_gradient = self.masked_fn is not None and group.get("name") in ("grids", "fine")
+            if group.get("name") == "grids" and self.rows_fn is not None and not by_gradient:
                 listed = self.rows_fn()
             for param in group["params"]:
                 if param.grad is None:
+                    continue
+                if by_gradient:
+                    adam_step_nonzero(self.state[param], param, group, self.masked_fn)
                     continue
                 rows = None  # every row (the other groups: dense Adam)
                 if group.get("name") == "grids":
@@ -256,17 +266,6 @@ def _rows_of(entry: dict | None, grid: torch.Tensor, start: int, stop: int | Non
     }
 
 
-def sparse_adam_mode(setting) -> str:
-    """``train.sparse_adam`` -> "off" | "masked" (true: untouched voxels keep value and moments) | "exact" (only
-    the touched voxels are stepped, the others replay dense Adam's zero-gradient steps when next read:
-    training.lazy_adam) | "occupied" (dense Adam on the voxels of occupied cells, empty space keeps value and
-    moments: :class:`OccupiedRows`)."""
-    modes = {"false": "off", "true": "masked", "exact": "exact", "occupied": "occupied"}  # as training.config_rules
-    if str(setting).lower() not in modes:
-        raise ValueError(f"train.sparse_adam: expected false, true (masked), exact or occupied, got {setting!r}")
-    return modes[str(setting).lower()]
-
-
 def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """The trainer's Adam over its model's param_groups: dense (``torch.optim.Adam``, fused on CUDA), sharded over
     torchrun's ranks (:class:`ShardedGridAdam`), masked or on the occupied voxels (:class:`SparseGridAdam`), exact
@@ -296,6 +295,9 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
         model.touched.reader, model.touched.flusher = optimizer.catch_up, optimizer.flush
         model.touched.union = group.union_ if group.active else None
         return optimizer
+    if mode == "nonzero":  # every rank holds the same averaged gradients, so steps the same elements
+        ops = trainer.ops
+        return SparseGridAdam(groups, ops.sparse_adam_step, betas=betas, eps=eps, masked_fn=ops.masked_adam_step)
     if mode == "occupied":  # the same rows on every rank: every rank holds the same occupancy grid
         rows_fn = OccupiedRows(model.occupancy)
         return SparseGridAdam(groups, trainer.ops.sparse_adam_step, betas=betas, eps=eps, rows_fn=rows_fn)

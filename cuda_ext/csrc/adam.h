@@ -1,6 +1,8 @@
 // The row-sparse Adam family, in place on a (M, C) parameter and its moments. Argument checks, constants and the
 // per-element math, shared by the CPU kernels (cpu/adam.cpp) and the CUDA kernels (cuda/adam.cu):
 // - sparse_adam_step: torch.optim.Adam's update (no weight decay, no amsgrad) on the listed rows only;
+// - masked_adam_step: the same update on the elements whose gradient is non-zero (a zero leaves the value and both
+//   moments as they were: DirectVoxGO's masked Adam), over the whole parameter, with no list of rows;
 // - adam_replay_rows: the masked rows brought to where dense Adam's zero-gradient steps since each row's last
 //   step would have left them (training/lazy_adam.py derives the closed form).
 #pragma once
@@ -31,6 +33,15 @@ inline void check_row_state(const at::Tensor& param,
   }
 }
 
+// step, lr, betas and eps of the Adam steps (sparse_adam_step, masked_adam_step).
+inline void check_adam_numbers(int64_t step, double lr, double beta1, double beta2, double eps, const char* op) {
+  TORCH_CHECK(step >= 1, op, ": step must be >= 1, got ", step);
+  TORCH_CHECK(lr >= 0 && std::isfinite(lr), op, ": lr must be in [0, inf), got ", lr);
+  TORCH_CHECK(beta1 >= 0 && beta1 < 1, op, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0 && beta2 < 1, op, ": beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK(eps > 0 && std::isfinite(eps), op, ": eps must be a number > 0, got ", eps);
+}
+
 // The backstop for direct torch.ops.cuda_ext calls (the Python wrapper checks the same, with the same words).
 // rows' values (range, uniqueness) are not read here: the CPU kernel checks the range as it goes, the CUDA
 // kernel skips rows out of range (the wrapper rejects them before the launch).
@@ -43,11 +54,15 @@ inline void check_adam_inputs(const at::Tensor& param, const at::Tensor& grad, c
   TORCH_CHECK(rows.scalar_type() == at::kLong, op, ": rows must be int64, got ", rows.scalar_type());
   TORCH_CHECK(rows.device() == param.device(), op, ": rows and param must be on the same device, got ", rows.device(),
               " and ", param.device());
-  TORCH_CHECK(step >= 1, op, ": step must be >= 1, got ", step);
-  TORCH_CHECK(lr >= 0 && std::isfinite(lr), op, ": lr must be in [0, inf), got ", lr);
-  TORCH_CHECK(beta1 >= 0 && beta1 < 1, op, ": beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 >= 0 && beta2 < 1, op, ": beta2 must be in [0, 1), got ", beta2);
-  TORCH_CHECK(eps > 0 && std::isfinite(eps), op, ": eps must be a number > 0, got ", eps);
+  check_adam_numbers(step, lr, beta1, beta2, eps, op);
+}
+
+inline void check_masked_adam_inputs(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                                     const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
+                                     double eps, at::DeviceType device) {
+  const char* op = "masked_adam_step";
+  check_row_state(param, {{&grad, "grad"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"}}, device, op);
+  check_adam_numbers(step, lr, beta1, beta2, eps, op);
 }
 
 // The step's constants in the element type, made as torch.optim.Adam's single-tensor path makes them: the bias
@@ -91,6 +106,13 @@ CUDA_EXT_HOST_DEVICE void adam_element(T& p, T g, T& m, T& v, const AdamCoeffici
   v = fma(k.one_minus_beta2 * g, g, v * k.beta2);
   const T denom = sqrt(v) / k.bias_correction2_sqrt + k.eps;
   p = p + (k.neg_step_size * m) / denom;
+}
+
+// masked_adam_step's element: adam_element where the gradient is non-zero (NaN counts: it spreads as in dense
+// Adam); an exact zero leaves p, m and v as they were.
+template <typename T>
+CUDA_EXT_HOST_DEVICE void masked_adam_element(T& p, T g, T& m, T& v, const AdamCoefficients<T>& k) {
+  if (g != T(0)) adam_element<T>(p, g, m, v, k);
 }
 
 // adam_replay_rows' backstop. Values of last are data: the CPU kernel checks them first, the CUDA kernel writes

@@ -66,6 +66,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
 void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                           const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
                           double beta2, double eps);
+// masked_adam_step: Adam on the elements of a (M, C) parameter whose gradient is non-zero, in place.
+void masked_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                          const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
+                          double eps);
 // adam_replay_rows: the masked rows of a (M, C) parameter and its moments replayed to step `done`, in place.
 void adam_replay_rows_cpu(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                           const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
@@ -92,6 +96,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
 void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
                            double beta2, double eps);
+void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                           const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
+                           double eps);
 void adam_replay_rows_cuda(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                            const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
                            double beta1, double beta2);

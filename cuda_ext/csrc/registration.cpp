@@ -56,6 +56,9 @@ TORCH_LIBRARY(cuda_ext, m) {
       "sparse_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
       "int step, float lr, float beta1, float beta2, float eps) -> ()");
   m.def(
+      "masked_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
+      "float lr, float beta1, float beta2, float eps) -> ()");
+  m.def(
       "adam_replay_rows(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor mask, Tensor last, "
       "Tensor replay, int done, float beta1, float beta2) -> ()");
   m.def(
@@ -82,6 +85,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cpu);
   m.impl("march_rays", &cuda_ext::march_rays_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
+  m.impl("masked_adam_step", &cuda_ext::masked_adam_step_cpu);
   m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cpu);
   m.impl("sampled_tv", &cuda_ext::sampled_tv_cpu);
 }
@@ -106,6 +110,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cuda);
   m.impl("march_rays", &cuda_ext::march_rays_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
+  m.impl("masked_adam_step", &cuda_ext::masked_adam_step_cuda);
   m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cuda);
   m.impl("sampled_tv", &cuda_ext::sampled_tv_cuda);
 }

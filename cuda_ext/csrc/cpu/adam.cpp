@@ -1,6 +1,7 @@
 // The row-sparse Adam family on the CPU (adam.h). sparse_adam_step: rows' range checked first (so a bad call
 // changes nothing), then the listed rows split across threads (at::parallel_for), each row's C contiguous
-// elements updated in place; work and memory traffic follow K, the rows listed, never M. adam_replay_rows: the
+// elements updated in place; work and memory traffic follow K, the rows listed, never M. masked_adam_step: the
+// M * C elements split across threads, each stepped where its gradient is non-zero. adam_replay_rows: the
 // stamps of the masked rows checked first, then every row's mask byte read and the masked ones replayed.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -33,6 +34,15 @@ CUDA_EXT_ADAM_CLONES void adam_rows(scalar_t* __restrict p, const scalar_t* __re
 #pragma omp simd
     for (int64_t c = base; c < base + channels; ++c) adam_element<scalar_t>(p[c], g[c], m[c], v[c], k);
   }
+}
+
+// Elements [begin, end) of the flat arrays, each stepped where its gradient is non-zero.
+template <typename scalar_t>
+CUDA_EXT_ADAM_CLONES void masked_elements(scalar_t* __restrict p, const scalar_t* __restrict g, scalar_t* __restrict m,
+                                          scalar_t* __restrict v, int64_t begin, int64_t end,
+                                          const AdamCoefficients<scalar_t>& k) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) masked_adam_element<scalar_t>(p[i], g[i], m[i], v[i], k);
 }
 
 // Rows [begin, end) of the (M, channels) arrays: each masked row whose stamp is behind ``done`` replayed in place.
@@ -98,6 +108,23 @@ void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const
     at::parallel_for(0, k_rows, grain, [&](int64_t begin, int64_t end) {
       adam_rows<scalar_t>(p, g, m, v, index, begin, end, channels, k);
     });
+  });
+}
+
+void masked_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                          const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
+                          double eps) {
+  check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, at::kCPU);
+  const int64_t elements = param.numel();
+  if (elements == 0) return;
+  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "masked_adam_step_cpu", [&] {
+    const auto k = AdamCoefficients<scalar_t>::make(step, lr, beta1, beta2, eps);
+    scalar_t* p = param.data_ptr<scalar_t>();
+    scalar_t* m = exp_avg.data_ptr<scalar_t>();
+    scalar_t* v = exp_avg_sq.data_ptr<scalar_t>();
+    const scalar_t* g = grad.const_data_ptr<scalar_t>();
+    at::parallel_for(0, elements, kGrainElements,
+                     [&](int64_t begin, int64_t end) { masked_elements<scalar_t>(p, g, m, v, begin, end, k); });
   });
 }
 

@@ -2,6 +2,9 @@
 //
 // sparse_adam_step. Bandwidth bound: per listed row it reads param, grad and both moments and writes
 // param and the moments, 7 * C elements, and nothing of the rows not listed, so the time follows K, not M.
+// masked_adam_step is the same kernel over every row with no list (row r is the r-th): a lane reads its pack of
+// the gradient first and reads and writes param and the moments only where that pack has a non-zero element, so
+// the traffic is M * C gradient elements plus 6 per element in the packs a step touched.
 //
 // Layout: a row is handled by kLanes neighbouring lanes (the smallest power of two that covers its C channels in
 // packs of kVec elements, at most a warp), so one warp-wide load covers 32 / kLanes whole rows, each a coalesced
@@ -52,7 +55,18 @@ __device__ __forceinline__ void store_plain(scalar_t* p, const Vec<scalar_t, kVe
   *reinterpret_cast<Vec<scalar_t, kVec>*>(p) = value;
 }
 
-template <typename scalar_t, int kVec, int kLanes>
+// True when any of the pack's gradient elements is non-zero (or NaN).
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ bool any_nonzero(const Vec<scalar_t, kVec>& g) {
+  bool any = false;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) any |= g.v[e] != scalar_t(0);
+  return any;
+}
+
+// rows: the K listed rows, or nullptr: rows 0..K-1 (K = M). kByGradient: step only the elements whose gradient is
+// non-zero (masked_adam_step), reading param and the moments only for the packs that have one.
+template <typename scalar_t, int kVec, int kLanes, bool kByGradient>
 __global__ void __launch_bounds__(kThreads)
     sparse_adam_kernel(AdamPointers<scalar_t> ptr, const int64_t* __restrict__ rows, int64_t k_rows, int64_t m_rows,
                        int64_t channels, AdamCoefficients<scalar_t> k) {
@@ -65,25 +79,36 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t r = r0 + u * stride;
-      const int64_t row = r < k_rows ? __ldg(rows + r) : -1;
+      const int64_t row = r >= k_rows ? -1 : rows == nullptr ? r : __ldg(rows + r);
       base[u] = row >= 0 && row < m_rows ? row * channels : -1;
     }
     for (int64_t c = int64_t(lane) * kVec; c < channels; c += int64_t(kLanes) * kVec) {
       Vec<scalar_t, kVec> p[kUnroll], g[kUnroll], m[kUnroll], v[kUnroll];
+      bool live[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (base[u] < 0) continue;
+        if (base[u] >= 0) g[u] = load_vec<scalar_t, kVec, /*kStreaming=*/false>(ptr.grad + base[u] + c);
+        live[u] = base[u] >= 0 && (!kByGradient || any_nonzero(g[u]));
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!live[u]) continue;
         const int64_t i = base[u] + c;
         p[u] = load_plain<scalar_t, kVec>(ptr.param + i);
-        g[u] = load_vec<scalar_t, kVec, /*kStreaming=*/false>(ptr.grad + i);
         m[u] = load_plain<scalar_t, kVec>(ptr.exp_avg + i);
         v[u] = load_plain<scalar_t, kVec>(ptr.exp_avg_sq + i);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (base[u] < 0) continue;
+        if (!live[u]) continue;
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
+        for (int e = 0; e < kVec; ++e) {
+          if constexpr (kByGradient) {
+            masked_adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
+          } else {
+            adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
+          }
+        }
         const int64_t i = base[u] + c;
         store_plain(ptr.param + i, p[u]);
         store_plain(ptr.exp_avg + i, m[u]);
@@ -93,10 +118,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename scalar_t, int kVec, int kLanes>
+template <typename scalar_t, int kVec, int kLanes, bool kByGradient>
 void launch(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_rows, int64_t m_rows, int64_t channels,
             const AdamCoefficients<scalar_t>& k) {
-  auto kernel = sparse_adam_kernel<scalar_t, kVec, kLanes>;
+  auto kernel = sparse_adam_kernel<scalar_t, kVec, kLanes, kByGradient>;
   constexpr int64_t kRowsPerBlockPass = int64_t(kThreads / kLanes) * kUnroll;
   const int64_t wanted = (k_rows + kRowsPerBlockPass - 1) / kRowsPerBlockPass;
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel, kThreads)));
@@ -106,16 +131,16 @@ void launch(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_ro
 }
 
 // kLanes: the smallest power of two >= the packs of a row, at most a warp.
-template <typename scalar_t, int kVec>
+template <typename scalar_t, int kVec, bool kByGradient>
 void launch_for_width(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_rows, int64_t m_rows,
                       int64_t channels, const AdamCoefficients<scalar_t>& k) {
   const int64_t packs = channels / kVec;
-  if (packs <= 1) return launch<scalar_t, kVec, 1>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 2) return launch<scalar_t, kVec, 2>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 4) return launch<scalar_t, kVec, 4>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 8) return launch<scalar_t, kVec, 8>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 16) return launch<scalar_t, kVec, 16>(ptr, rows, k_rows, m_rows, channels, k);
-  return launch<scalar_t, kVec, 32>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 1) return launch<scalar_t, kVec, 1, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 2) return launch<scalar_t, kVec, 2, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 4) return launch<scalar_t, kVec, 4, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 8) return launch<scalar_t, kVec, 8, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 16) return launch<scalar_t, kVec, 16, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
+  return launch<scalar_t, kVec, 32, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
 }
 
 // The widest pack (16, 8 or 4 bytes... down to one element) that divides C and every pointer's alignment.
@@ -193,28 +218,48 @@ void adam_replay_rows_cuda(const at::Tensor& param, const at::Tensor& exp_avg, c
   });
 }
 
+namespace {
+
+// Both steps: the widest pack (16, 8 or 4 bytes, else one element) that C and the pointers allow.
+template <bool kByGradient>
+void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, const int64_t* index, int64_t k_rows, int64_t step, double lr,
+                    double beta1, double beta2, double eps) {
+  const int64_t m_rows = param.size(0), channels = param.size(1);
+  if (k_rows == 0 || channels == 0) return;
+  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam_step_cuda", [&] {
+    const auto k = AdamCoefficients<scalar_t>::make(step, lr, beta1, beta2, eps);
+    const AdamPointers<scalar_t> ptr{param.data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(),
+                                     exp_avg.data_ptr<scalar_t>(), exp_avg_sq.data_ptr<scalar_t>()};
+    constexpr int kWide = 16 / sizeof(scalar_t);  // 4 floats or 2 doubles
+    if (packs_fit(ptr, channels, kWide)) {
+      launch_for_width<scalar_t, kWide, kByGradient>(ptr, index, k_rows, m_rows, channels, k);
+    } else if (kWide >= 4 && packs_fit(ptr, channels, 2)) {
+      launch_for_width<scalar_t, (kWide >= 4 ? 2 : 1), kByGradient>(ptr, index, k_rows, m_rows, channels, k);
+    } else {
+      launch_for_width<scalar_t, 1, kByGradient>(ptr, index, k_rows, m_rows, channels, k);
+    }
+  });
+}
+
+}  // namespace
+
 void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, const at::Tensor& rows_in, int64_t step, double lr,
                            double beta1, double beta2, double eps) {
   check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows_in, step, lr, beta1, beta2, eps, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(param.device());
   const at::Tensor rows = rows_in.contiguous();
-  const int64_t k_rows = rows.size(0), m_rows = param.size(0), channels = param.size(1);
-  if (k_rows == 0 || channels == 0) return;
-  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam_step_cuda", [&] {
-    const auto k = AdamCoefficients<scalar_t>::make(step, lr, beta1, beta2, eps);
-    const AdamPointers<scalar_t> ptr{param.data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(),
-                                     exp_avg.data_ptr<scalar_t>(), exp_avg_sq.data_ptr<scalar_t>()};
-    const int64_t* index = rows.const_data_ptr<int64_t>();
-    constexpr int kWide = 16 / sizeof(scalar_t);  // 4 floats or 2 doubles
-    if (packs_fit(ptr, channels, kWide)) {
-      launch_for_width<scalar_t, kWide>(ptr, index, k_rows, m_rows, channels, k);
-    } else if (kWide >= 4 && packs_fit(ptr, channels, 2)) {
-      launch_for_width<scalar_t, (kWide >= 4 ? 2 : 1)>(ptr, index, k_rows, m_rows, channels, k);
-    } else {
-      launch_for_width<scalar_t, 1>(ptr, index, k_rows, m_rows, channels, k);
-    }
-  });
+  adam_step_cuda<false>(param, grad, exp_avg, exp_avg_sq, rows.const_data_ptr<int64_t>(), rows.size(0), step, lr, beta1,
+                        beta2, eps);
+}
+
+void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                           const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
+                           double eps) {
+  check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, at::kCUDA);
+  const c10::cuda::CUDAGuard device_guard(param.device());
+  adam_step_cuda<true>(param, grad, exp_avg, exp_avg_sq, nullptr, param.size(0), step, lr, beta1, beta2, eps);
 }
 
 }  // namespace cuda_ext
