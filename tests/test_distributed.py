@@ -129,10 +129,12 @@ def test_sparse_adam_on_two_gloo_ranks_steps_the_union_one_process_steps(tmp_pat
     assert_same_model(one, two)
 
 
-def test_occupied_adam_on_two_gloo_ranks_trains_what_one_process_trains(tmp_path):
+@pytest.mark.parametrize("mode", ["occupied", "nonzero"])
+def test_row_sparse_adam_on_two_gloo_ranks_trains_what_one_process_trains(tmp_path, mode):
     # train.sparse_adam=occupied under torchrun: every rank holds the same occupancy grid, so every rank steps the
-    # same rows (no exchange of rows), with the gradients the touched-rows sync averaged
-    cache, occupied = tmp_path / "cache", ["train.sparse_adam=occupied"]
+    # same rows (no exchange of rows), with the gradients the touched-rows sync averaged; nonzero: every rank holds
+    # the same averaged gradients, so steps the same elements
+    cache, occupied = tmp_path / "cache", [f"train.sparse_adam={mode}"]
     result = single(tiny(cache, tmp_path / "one", 12) + occupied)
     assert result.returncode == 0, result.stderr[-2000:]
     pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + occupied)
