@@ -266,8 +266,36 @@ def test_training_with_nonzero_adam_runs_and_learns(tmp_path):
     runs = {}
     for mode in ("false", "nonzero"):
         args = tiny_overrides(cache, 16) + [f"hydra.run.dir={tmp_path / mode}", f"train.sparse_adam={mode}"]
+        args += ["ops.sparse_adam_step=custom"]  # the kernel, not the reference (tiny_overrides: ops=torch)
         result = run_train(args, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         runs[mode] = read_metrics(tmp_path / mode)
     assert runs["nonzero"]["psnr"] == pytest.approx(runs["false"]["psnr"], abs=0.5)
     assert runs["nonzero"]["psnr"] != runs["false"]["psnr"]  # a different optimiser did run
+
+
+def test_the_capture_preset_trains_on_the_cpu_through_its_ops(tmp_path):
+    """``+experiment=capture`` as shipped (contraction, fine grid, distortion loss, ``sparse_adam=nonzero``), made
+    small, trains a distorted nerfstudio capture end to end on the CPU through the custom ops."""
+    import json
+
+    from test_nerfstudio import write_capture
+    from test_train import run_train
+
+    write_capture(tmp_path / "capture", count=9, size=(24, 32))
+    small = ["model.resolution_start=16", "model.resolution_end=24", "model.grow_at=[0.25]", "model.decoder_hidden=16"]
+    small += ["model.fine.at=0.5", "model.fine.min_pixels=0.01", "model.fine.max_bricks=64", "model.fine.brick=4"]
+    small += ["model.max_samples=64", "model.tv_samples=256", "model.occupancy.warmup=4"]
+    run = ["device=cpu", "train.iters=12", "train.batch_rays=256", "train.eval_final_views=1", "train.log_every=4"]
+    args = [
+        "+experiment=capture",
+        f"data.root={tmp_path / 'capture'}",
+        *small,
+        *run,
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    result = run_train(args, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "fine grid: 64 bricks" in result.stdout and "'sparse_adam_step': 'custom'" in result.stdout
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["iters"] == 12 and 0 < metrics["psnr"] < 60
