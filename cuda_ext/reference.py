@@ -193,14 +193,7 @@ def sparse_adam_step(
         low, high = torch.stack(torch.aminmax(rows)).tolist()
         if low < 0 or high >= param.shape[0]:
             raise ValueError(f"sparse_adam_step: rows must lie in [0, {param.shape[0]}), got values in [{low}, {high}]")
-    with torch.no_grad():
-        g, m, v, p = grad[rows], exp_avg[rows], exp_avg_sq[rows], param[rows]
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias_correction1, bias_correction2 = 1 - beta1 ** float(step), 1 - beta2 ** float(step)
-        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-(lr / bias_correction1))
-        param[rows], exp_avg[rows], exp_avg_sq[rows] = p, m, v
+    _adam_at(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
 
 
 def masked_adam_step(
@@ -218,15 +211,20 @@ def masked_adam_step(
     elements with a zero gradient untouched (value and moments): :func:`sparse_adam_step`'s ops on the gathered
     elements, scattered back."""
     _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
-    with torch.no_grad():
-        on = grad != 0  # NaN != 0: stepped, as dense Adam would
-        g, m, v, p = grad[on], exp_avg[on], exp_avg_sq[on], param[on]
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bias_correction1, bias_correction2 = 1 - beta1 ** float(step), 1 - beta2 ** float(step)
-        denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-(lr / bias_correction1))
-        param[on], exp_avg[on], exp_avg_sq[on] = p, m, v
+    _adam_at(param, grad, exp_avg, exp_avg_sq, grad != 0, step, lr, beta1, beta2, eps)  # NaN != 0: stepped
+
+
+@torch.no_grad()
+def _adam_at(param, grad, exp_avg, exp_avg_sq, where: torch.Tensor, step, lr, beta1, beta2, eps) -> None:
+    """torch.optim.Adam's single-tensor ops on ``param[where]`` and its moments (``where``: rows or a mask),
+    gathered, stepped and scattered back."""
+    g, m, v, p = grad[where], exp_avg[where], exp_avg_sq[where], param[where]
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1, bias_correction2 = 1 - beta1 ** float(step), 1 - beta2 ** float(step)
+    denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / bias_correction1))
+    param[where], exp_avg[where], exp_avg_sq[where] = p, m, v
 
 
 def adam_replay_rows(
