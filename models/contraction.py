@@ -27,12 +27,17 @@ from models.config import CONTRACTIONS
 from models.field import grid_shape, voxel_size
 from models.render import num_samples_per_ray, ray_box_intersect
 
+Box = torch.Tensor | tuple[float, ...]  # a (2, 3) box tensor, or the host's (3,) extent of it (box_radius)
 HUGE_STEP = 1e30  # the world step of the cells at infinity (finite, so that 0 density times it stays 0)
 
 
-def box_radius(bbox: torch.Tensor) -> torch.Tensor:
-    """P: the (2, 3) box's smallest half size (0-dim), the disparity spacing's radius (as march_rays computes it)."""
-    return ((bbox[1] - bbox[0]) * 0.5).min()
+def box_radius(box: torch.Tensor | tuple[float, ...]) -> torch.Tensor | float:
+    """P: the box's smallest half size, the disparity spacing's radius (as march_rays computes it). A (2, 3) box
+    tensor gives a 0-dim tensor; the host's (3,) extent (``model.extent``, the stored box's float32 sides) gives the
+    same value as a float, with no device op (a training step asks for it three times)."""
+    if isinstance(box, torch.Tensor):
+        return ((box[1] - box[0]) * 0.5).min()
+    return min(box) * 0.5
 
 
 def split_distances(origins: torch.Tensor, directions: torch.Tensor, bbox: torch.Tensor, near: float) -> torch.Tensor:
@@ -86,24 +91,23 @@ class SceneSpace:
         return t_start, t_end, t_split, max(1, min(max_samples, linear + disparity))
 
     def sample_steps(
-        self, t: torch.Tensor, ray: torch.Tensor, t_split: torch.Tensor | None, step: float, bbox: torch.Tensor
+        self, t: torch.Tensor, ray: torch.Tensor, t_split: torch.Tensor | None, step: float, box: Box
     ) -> torch.Tensor | float:
         """World step of each sample, for its optical depth: ``step`` when bounded (a number), else the (N,) dt/dk
         of the march for samples at t (N,) on rays ``ray`` (N,) with the rays' t_split (B,): step before t_split,
-        step ((t - t_split + P) / P)^2 beyond (uniform disparity about t_split - P; P: :func:`box_radius`)."""
+        step ((t - t_split + P) / P)^2 beyond (uniform disparity about t_split - P; P: :func:`box_radius` of ``box``,
+        the (2, 3) box or the host's extent)."""
         if t_split is None:
             return step
-        return step * ((t - t_split[ray]) / box_radius(bbox) + 1.0).clamp(min=1.0).square()
+        return step * ((t - t_split[ray]) / box_radius(box) + 1.0).clamp(min=1.0).square()
 
-    def march_coordinate(
-        self, t: torch.Tensor, ray: torch.Tensor, t_split: torch.Tensor | None, bbox: torch.Tensor
-    ) -> torch.Tensor:
+    def march_coordinate(self, t: torch.Tensor, ray: torch.Tensor, t_split: torch.Tensor | None, box: Box) -> torch.Tensor:
         """(N,) where samples at t (N,) on rays ``ray`` (N,) sit in the march's own coordinate, in which consecutive
         samples are ``step`` apart: t when bounded (or before t_split), else t_split + P (1 - P / (t - t_split + P))
         (the integral of dk/dt = (P / (t - t_split + P))^2, see :meth:`sample_steps`; at most t_split + P)."""
         if t_split is None:
             return t
-        split, radius = t_split[ray], box_radius(bbox)
+        split, radius = t_split[ray], box_radius(box)
         beyond = (t - split).clamp(min=0.0)
         return torch.minimum(t, split) + radius * beyond / (beyond + radius)
 

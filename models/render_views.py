@@ -112,7 +112,8 @@ def march(
     samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
     if model.touched.enabled and torch.is_grad_enabled():  # an optimiser that replays skipped steps does so now
         model.touched.before_read(points, model.grid_shape)
-    step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, model.bbox) / model.base_voxel
+    # (N,) world step of each sample over the density unit (a number when bounded); kept with the samples below
+    step_scale = space.sample_steps(samples.t, samples.ray, t_split, step / model.base_voxel, model.extent)
     keep = None  # (N,) which samples are shaded (None: all)
     if (c.early_termination > 0 or c.weight_threshold > 0) and len(samples) > 0:
         # one no-grad pass: drop samples behind an opaque prefix (early termination; the survivors keep their
@@ -127,6 +128,7 @@ def march(
             if c.early_termination > 0:
                 index = compact(alive, alive_count)
                 samples, shows = samples.take(index), shows[index]
+                step_scale = step_scale[index] if isinstance(step_scale, torch.Tensor) else step_scale
                 offsets = ray_offsets(samples.ray, num_rays)
             keep = compact(shows, shown_count) if c.weight_threshold > 0 else None
     if model.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
@@ -134,7 +136,6 @@ def march(
     # refined poses: the points move with their rays (same values; the gradient of o + t d)
     moved = (samples.points, samples.ray, samples.t, origins, directions, model.bbox, space.contract)
     samples.points = points_with_ray_gradients(*moved)
-    step_scale = space.sample_steps(samples.t, samples.ray, t_split, step, model.bbox) / model.base_voxel
     sigma_delta = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
     shaded = samples if keep is None else samples.take(keep)
     feats = model.query_features(shaded.points)
@@ -145,7 +146,7 @@ def march(
     if keep is not None:  # skipped samples still attenuate the ray; their colour is zero
         values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
     colour, opacity, depth = model.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
-    march = partial(space.march_coordinate, samples.t, samples.ray, t_split, model.bbox)  # only if asked for
+    march = partial(space.march_coordinate, samples.t, samples.ray, t_split, model.extent)  # only if asked for
     return {
         "diffuse": colour[:, :DIFFUSE_CHANNELS],
         "features": colour[:, DIFFUSE_CHANNELS:],
@@ -174,7 +175,7 @@ def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tenso
     ray, t, points, offsets = model.ops.march_rays(
         origins, directions, t_start, t_end, offset, model.occupancy.mask, model.bbox, step, num_samples, t_split
     )
-    step_scale = space.sample_steps(t, ray, t_split, step, model.bbox) / model.base_voxel
+    step_scale = space.sample_steps(t, ray, t_split, step / model.base_voxel, model.extent)
     sigma_delta = optical_depth(model.query_density(points), c.density_shift, step_scale)
     alive, weights = survivors_and_weights(sigma_delta, ray, num_rays, c.early_termination)
     shows = alive & (weights > c.weight_threshold)  # the samples worth a colour

@@ -2,21 +2,25 @@
 //
 // sparse_adam_step. Bandwidth bound: per listed row it reads param, grad and both moments and writes
 // param and the moments, 7 * C elements, and nothing of the rows not listed, so the time follows K, not M.
-// masked_adam_step is the same kernel over every row with no list (row r is the r-th): a lane reads its pack of
-// the gradient first and reads and writes param and the moments only where that pack has a non-zero element, so
-// the traffic is M * C gradient elements plus 6 per element in the packs a step touched.
 //
 // Layout: a row is handled by kLanes neighbouring lanes (the smallest power of two that covers its C channels in
 // packs of kVec elements, at most a warp), so one warp-wide load covers 32 / kLanes whole rows, each a coalesced
 // run; packs are 16, 8 or 4 bytes when C and the pointers allow (C = 12 float32: 3 float4 per row), else single
 // elements (C = 13: 13 lanes of 16). A grid-stride loop over the rows, kUnroll rows per lane per pass whose loads
 // are all issued before any math, keeps enough bytes in flight per thread to cover DRAM latency.
+//
+// masked_adam_step. Adam is elementwise, so rows do not matter: the four arrays are one flat run of packs (16
+// bytes where the element count and the pointers allow, whatever C is: the C = 1 density grid too). A thread reads
+// its packs of the gradient and reads and writes param and the moments only for the packs with a non-zero element,
+// so the traffic is the whole gradient plus 6 elements per element of a touched pack. Those dependent loads wait
+// for the gradient's; the next pass's gradient loads are issued before them, so the two round trips overlap.
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "adam.h"
 #include "kernel_common.h"
@@ -64,9 +68,8 @@ __device__ __forceinline__ bool any_nonzero(const Vec<scalar_t, kVec>& g) {
   return any;
 }
 
-// rows: the K listed rows, or nullptr: rows 0..K-1 (K = M). kByGradient: step only the elements whose gradient is
-// non-zero (masked_adam_step), reading param and the moments only for the packs that have one.
-template <typename scalar_t, int kVec, int kLanes, bool kByGradient>
+// rows: the K listed rows of the (M, C) arrays.
+template <typename scalar_t, int kVec, int kLanes>
 __global__ void __launch_bounds__(kThreads)
     sparse_adam_kernel(AdamPointers<scalar_t> ptr, const int64_t* __restrict__ rows, int64_t k_rows, int64_t m_rows,
                        int64_t channels, AdamCoefficients<scalar_t> k) {
@@ -79,36 +82,25 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t r = r0 + u * stride;
-      const int64_t row = r >= k_rows ? -1 : rows == nullptr ? r : __ldg(rows + r);
+      const int64_t row = r >= k_rows ? -1 : __ldg(rows + r);
       base[u] = row >= 0 && row < m_rows ? row * channels : -1;
     }
     for (int64_t c = int64_t(lane) * kVec; c < channels; c += int64_t(kLanes) * kVec) {
       Vec<scalar_t, kVec> p[kUnroll], g[kUnroll], m[kUnroll], v[kUnroll];
-      bool live[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (base[u] >= 0) g[u] = load_vec<scalar_t, kVec, /*kStreaming=*/false>(ptr.grad + base[u] + c);
-        live[u] = base[u] >= 0 && (!kByGradient || any_nonzero(g[u]));
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (!live[u]) continue;
+        if (base[u] < 0) continue;
         const int64_t i = base[u] + c;
+        g[u] = load_vec<scalar_t, kVec, /*kStreaming=*/false>(ptr.grad + i);
         p[u] = load_plain<scalar_t, kVec>(ptr.param + i);
         m[u] = load_plain<scalar_t, kVec>(ptr.exp_avg + i);
         v[u] = load_plain<scalar_t, kVec>(ptr.exp_avg_sq + i);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (!live[u]) continue;
+        if (base[u] < 0) continue;
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          if constexpr (kByGradient) {
-            masked_adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
-          } else {
-            adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
-          }
-        }
+        for (int e = 0; e < kVec; ++e) adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
         const int64_t i = base[u] + c;
         store_plain(ptr.param + i, p[u]);
         store_plain(ptr.exp_avg + i, m[u]);
@@ -118,29 +110,81 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename scalar_t, int kVec, int kLanes, bool kByGradient>
+// masked_adam_step over `packs` packs of kVec elements (module comment). Pass j of a thread covers packs
+// first + (j kUnroll + u) stride, u < kUnroll: each of the kUnroll loads is one coalesced run across the warp.
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ void load_gradient_packs(const scalar_t* __restrict__ grad, int64_t first, int64_t stride,
+                                                    int64_t packs, Vec<scalar_t, kVec> (&g)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = first + u * stride;
+    if (i < packs) g[u] = load_vec<scalar_t, kVec, /*kStreaming=*/true>(grad + i * kVec);
+  }
+}
+
+template <typename scalar_t, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    masked_adam_kernel(AdamPointers<scalar_t> ptr, int64_t packs, AdamCoefficients<scalar_t> k) {
+  const int64_t stride = int64_t(gridDim.x) * kThreads, pass = stride * kUnroll;
+  int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  Vec<scalar_t, kVec> g[kUnroll];
+  load_gradient_packs(ptr.grad, first, stride, packs, g);
+  for (; first < packs; first += pass) {
+    Vec<scalar_t, kVec> next[kUnroll];  // in flight while this pass waits for param and the moments
+    load_gradient_packs(ptr.grad, first + pass, stride, packs, next);
+    Vec<scalar_t, kVec> p[kUnroll], m[kUnroll], v[kUnroll];
+    bool live[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = (first + u * stride) * kVec;
+      live[u] = first + u * stride < packs && any_nonzero(g[u]);
+      if (!live[u]) continue;
+      p[u] = load_plain<scalar_t, kVec>(ptr.param + i);
+      m[u] = load_plain<scalar_t, kVec>(ptr.exp_avg + i);
+      v[u] = load_plain<scalar_t, kVec>(ptr.exp_avg_sq + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (!live[u]) continue;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) masked_adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
+      const int64_t i = (first + u * stride) * kVec;
+      store_plain(ptr.param + i, p[u]);
+      store_plain(ptr.exp_avg + i, m[u]);
+      store_plain(ptr.exp_avg_sq + i, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) g[u] = next[u];
+  }
+}
+
+// As many blocks as the work needs (`items` over `per_block_pass` a block pass), at most as many as fit at once.
+template <typename Kernel>
+unsigned int grid_stride_blocks(Kernel kernel, int64_t items, int64_t per_block_pass) {
+  const int64_t wanted = (items + per_block_pass - 1) / per_block_pass;
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel, kThreads))));
+}
+
+template <typename scalar_t, int kVec, int kLanes>
 void launch(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_rows, int64_t m_rows, int64_t channels,
             const AdamCoefficients<scalar_t>& k) {
-  auto kernel = sparse_adam_kernel<scalar_t, kVec, kLanes, kByGradient>;
-  constexpr int64_t kRowsPerBlockPass = int64_t(kThreads / kLanes) * kUnroll;
-  const int64_t wanted = (k_rows + kRowsPerBlockPass - 1) / kRowsPerBlockPass;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel, kThreads)));
-  kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, rows, k_rows,
-                                                                                                m_rows, channels, k);
+  auto kernel = sparse_adam_kernel<scalar_t, kVec, kLanes>;
+  const unsigned int blocks = grid_stride_blocks(kernel, k_rows, int64_t(kThreads / kLanes) * kUnroll);
+  kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, rows, k_rows, m_rows, channels, k);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // kLanes: the smallest power of two >= the packs of a row, at most a warp.
-template <typename scalar_t, int kVec, bool kByGradient>
+template <typename scalar_t, int kVec>
 void launch_for_width(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_rows, int64_t m_rows,
                       int64_t channels, const AdamCoefficients<scalar_t>& k) {
   const int64_t packs = channels / kVec;
-  if (packs <= 1) return launch<scalar_t, kVec, 1, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 2) return launch<scalar_t, kVec, 2, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 4) return launch<scalar_t, kVec, 4, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 8) return launch<scalar_t, kVec, 8, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 16) return launch<scalar_t, kVec, 16, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
-  return launch<scalar_t, kVec, 32, kByGradient>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 1) return launch<scalar_t, kVec, 1>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 2) return launch<scalar_t, kVec, 2>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 4) return launch<scalar_t, kVec, 4>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 8) return launch<scalar_t, kVec, 8>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 16) return launch<scalar_t, kVec, 16>(ptr, rows, k_rows, m_rows, channels, k);
+  return launch<scalar_t, kVec, 32>(ptr, rows, k_rows, m_rows, channels, k);
 }
 
 // The widest pack (16, 8 or 4 bytes... down to one element) that divides C and every pointer's alignment.
@@ -209,10 +253,8 @@ void adam_replay_rows_cuda(const at::Tensor& param, const at::Tensor& exp_avg, c
                       aligned_to(ptr.exp_avg_sq, bytes);
     with_vector_width<kWide>(wide, [&](auto vec) {
       auto kernel = adam_replay_kernel<scalar_t, decltype(vec)::value>;
-      const int64_t wanted = (m_rows + kThreads - 1) / kThreads;
-      const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(wanted, resident_blocks(kernel, kThreads)));
-      kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          ptr, m_rows, channels, done, beta1, beta2);
+      const unsigned int blocks = grid_stride_blocks(kernel, m_rows, kThreads);
+      kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, m_rows, channels, done, beta1, beta2);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -220,26 +262,22 @@ void adam_replay_rows_cuda(const at::Tensor& param, const at::Tensor& exp_avg, c
 
 namespace {
 
-// Both steps: the widest pack (16, 8 or 4 bytes, else one element) that C and the pointers allow.
-template <bool kByGradient>
-void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                    const at::Tensor& exp_avg_sq, const int64_t* index, int64_t k_rows, int64_t step, double lr,
-                    double beta1, double beta2, double eps) {
-  const int64_t m_rows = param.size(0), channels = param.size(1);
-  if (k_rows == 0 || channels == 0) return;
-  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam_step_cuda", [&] {
-    const auto k = AdamCoefficients<scalar_t>::make(step, lr, beta1, beta2, eps);
-    const AdamPointers<scalar_t> ptr{param.data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(),
-                                     exp_avg.data_ptr<scalar_t>(), exp_avg_sq.data_ptr<scalar_t>()};
-    constexpr int kWide = 16 / sizeof(scalar_t);  // 4 floats or 2 doubles
-    if (packs_fit(ptr, channels, kWide)) {
-      launch_for_width<scalar_t, kWide, kByGradient>(ptr, index, k_rows, m_rows, channels, k);
-    } else if (kWide >= 4 && packs_fit(ptr, channels, 2)) {
-      launch_for_width<scalar_t, (kWide >= 4 ? 2 : 1), kByGradient>(ptr, index, k_rows, m_rows, channels, k);
-    } else {
-      launch_for_width<scalar_t, 1, kByGradient>(ptr, index, k_rows, m_rows, channels, k);
-    }
-  });
+// The widest pack (16, 8 or 4 bytes, else one element) that `channels` and the pointers allow: fn(vec), a
+// std::integral_constant (masked_adam_step passes the element count as `channels`: its arrays are flat).
+template <typename scalar_t, typename Fn>
+void with_widest_pack(const AdamPointers<scalar_t>& ptr, int64_t channels, Fn&& fn) {
+  constexpr int kWide = 16 / sizeof(scalar_t);  // 4 floats or 2 doubles
+  constexpr int kHalf = kWide >= 4 ? 2 : 1;
+  if (packs_fit(ptr, channels, kWide)) return fn(std::integral_constant<int, kWide>{});
+  if (kHalf > 1 && packs_fit(ptr, channels, kHalf)) return fn(std::integral_constant<int, kHalf>{});
+  fn(std::integral_constant<int, 1>{});
+}
+
+template <typename scalar_t>
+AdamPointers<scalar_t> adam_pointers(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                                     const at::Tensor& exp_avg_sq) {
+  return {param.data_ptr<scalar_t>(), grad.const_data_ptr<scalar_t>(), exp_avg.data_ptr<scalar_t>(),
+          exp_avg_sq.data_ptr<scalar_t>()};
 }
 
 }  // namespace
@@ -250,8 +288,16 @@ void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, cons
   check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows_in, step, lr, beta1, beta2, eps, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(param.device());
   const at::Tensor rows = rows_in.contiguous();
-  adam_step_cuda<false>(param, grad, exp_avg, exp_avg_sq, rows.const_data_ptr<int64_t>(), rows.size(0), step, lr, beta1,
-                        beta2, eps);
+  const int64_t m_rows = param.size(0), channels = param.size(1), k_rows = rows.size(0);
+  if (k_rows == 0 || channels == 0) return;
+  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam_step_cuda", [&] {
+    const auto k = AdamCoefficients<scalar_t>::make(step, lr, beta1, beta2, eps);
+    const auto ptr = adam_pointers<scalar_t>(param, grad, exp_avg, exp_avg_sq);
+    with_widest_pack(ptr, channels, [&](auto vec) {
+      launch_for_width<scalar_t, decltype(vec)::value>(ptr, rows.const_data_ptr<int64_t>(), k_rows, m_rows, channels,
+                                                       k);
+    });
+  });
 }
 
 void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -259,7 +305,20 @@ void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, cons
                            double eps) {
   check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(param.device());
-  adam_step_cuda<true>(param, grad, exp_avg, exp_avg_sq, nullptr, param.size(0), step, lr, beta1, beta2, eps);
+  const int64_t elements = param.numel();
+  if (elements == 0) return;
+  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "masked_adam_step_cuda", [&] {
+    const auto k = AdamCoefficients<scalar_t>::make(step, lr, beta1, beta2, eps);
+    const auto ptr = adam_pointers<scalar_t>(param, grad, exp_avg, exp_avg_sq);
+    with_widest_pack(ptr, elements, [&](auto vec) {
+      constexpr int kVec = decltype(vec)::value;
+      auto kernel = masked_adam_kernel<scalar_t, kVec>;
+      const int64_t packs = elements / kVec;
+      const unsigned int blocks = grid_stride_blocks(kernel, packs, int64_t(kThreads) * kUnroll);
+      kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, packs, k);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
 }
 
 }  // namespace cuda_ext
