@@ -101,7 +101,9 @@ class SceneSpace:
             return step
         return step * ((t - t_split[ray]) / box_radius(box) + 1.0).clamp(min=1.0).square()
 
-    def march_coordinate(self, t: torch.Tensor, ray: torch.Tensor, t_split: torch.Tensor | None, box: Box) -> torch.Tensor:
+    def march_coordinate(
+        self, t: torch.Tensor, ray: torch.Tensor, t_split: torch.Tensor | None, box: Box
+    ) -> torch.Tensor:
         """(N,) where samples at t (N,) on rays ``ray`` (N,) sit in the march's own coordinate, in which consecutive
         samples are ``step`` apart: t when bounded (or before t_split), else t_split + P (1 - P / (t - t_split + P))
         (the integral of dk/dt = (P / (t - t_split + P))^2, see :meth:`sample_steps`; at most t_split + P)."""
