@@ -50,8 +50,9 @@ def gelu_rows(x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, approxim
             out-of-range index makes its output row NaN instead of costing a host sync to check).
         approximate: ``"none"`` or ``"tanh"``.
     Returns:
-        (N, H), x's dtype. Differentiable in x and rows (first order): the gradient of rows sums its samples'
-        in float32 (``index_add_``), as models.decoder.gather_rows does.
+        (N, H), x's dtype. Differentiable in x and rows (first order): the backward op
+        (``gelu_rows_backward`` -> (grad_x (N, H), grad_rows (B, H))) sums each row's samples' grad_x in float32
+        (float64 for float64) in the same pass, as models.decoder.gather_rows sums its gathered rows.
     """
     check_gelu_rows_inputs(x, rows, index, approximate)
     return torch.ops.cuda_ext.gelu_rows(x, rows, index, approximate)
@@ -136,9 +137,15 @@ def _gelu_rows_fake(x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, ap
 
 
 @torch.library.register_fake("cuda_ext::gelu_rows_backward")
-def _gelu_rows_backward_fake(grad_out, x, rows, index, approximate: str) -> torch.Tensor:
+def _gelu_rows_backward_fake(grad_out, x, rows, index, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     check_gelu_rows_backward_inputs(grad_out, x, rows, index, approximate)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return grad_x, rows.new_empty(rows.shape, dtype=_summed_dtype(rows.dtype))
+
+
+def _summed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """gelu_rows_backward's rows gradient: float32 sums for float16/bfloat16/float32, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _setup_rows_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -151,13 +158,10 @@ def _rows_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     x, rows, index = ctx.saved_tensors
     if torch.is_grad_enabled() and any(t.requires_grad for t in (grad, x, rows)):  # fail loudly, not a silent zero
         raise RuntimeError("gelu_rows: double backward (create_graph=True through this op) is not supported")
-    grad_pre = torch.ops.cuda_ext.gelu_rows_backward(grad.contiguous(), x, rows, index, ctx.approximate)
-    grad_x = grad_pre if ctx.needs_input_grad[0] else None
-    grad_rows = None
-    if ctx.needs_input_grad[1]:  # each row's samples summed in float32 (float64 stays), rounded once
-        summed = rows.new_zeros(rows.shape, dtype=torch.promote_types(rows.dtype, torch.float32))
-        grad_rows = summed.index_add_(0, index, grad_pre.to(summed.dtype)).to(rows.dtype)
-    return grad_x, grad_rows, None, None
+    # the rows' gradient comes summed from the same pass: each row's samples in float32 (float64 stays), rounded once
+    grad_x, summed = torch.ops.cuda_ext.gelu_rows_backward(grad.contiguous(), x, rows, index, ctx.approximate)
+    grad_rows = summed.to(rows.dtype) if ctx.needs_input_grad[1] else None
+    return grad_x if ctx.needs_input_grad[0] else None, grad_rows, None, None
 
 
 torch.library.register_autograd("cuda_ext::gelu_rows", _rows_backward, setup_context=_setup_rows_context)

@@ -39,6 +39,59 @@ def test_forward_and_backward_match_the_reference_float64(device, mode, width):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+def summed_rows(grad_x: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """What the backward's second output must be: each row's samples' grad_x summed (float64 on the CPU)."""
+    sums = torch.zeros(count, grad_x.shape[1], dtype=torch.float64)
+    return sums.index_add_(0, index.cpu(), grad_x.double().cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("order", ["sorted", "shuffled", "one row"])
+@pytest.mark.parametrize("width", [16, 13])
+def test_backward_sums_each_rows_samples_in_the_same_pass(device, order, width):
+    """gelu_rows_backward -> (grad_x, grad_rows): grad_rows[r] is the sum of grad_x over the samples with index r,
+    whatever their order (the CUDA kernel sums runs of samples and flushes when the index changes), float64."""
+    x, rows, index = inputs(n=300, width=width, count=23, device=device, seed=3)
+    if order == "shuffled":
+        index = index[torch.randperm(300, generator=torch.Generator().manual_seed(1)).to(device)]
+    elif order == "one row":
+        index = torch.full_like(index, 7)
+    grad = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(2)).to(device)
+    grad_x, grad_rows = torch.ops.cuda_ext.gelu_rows_backward(grad, x, rows, index, "none")
+    assert grad_rows.dtype == torch.float64 and grad_rows.shape == rows.shape
+    torch.testing.assert_close(grad_rows.cpu(), summed_rows(grad_x, index, 23), rtol=1e-12, atol=1e-12)
+    assert float(grad_rows.abs().sum()) > 0 and (order != "one row" or int((grad_rows != 0).any(1).sum()) == 1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("width", [128, 24, 7])
+def test_cuda_backward_rows_sum_matches_the_cpu(dtype, tol, width):
+    """On CUDA at the decoder's sizes (128 wide, ~30 samples a ray, bf16): grad_rows (float32) is the float64 sum of
+    the op's own grad_x, and grad_x is the CPU kernel's on the same rounded inputs; every element written."""
+    x, rows, index = inputs(n=4000, width=width, count=130, dtype=torch.float32, seed=5)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(6))
+    args = [t.to(dtype).cuda() for t in (grad, x, rows)]
+    poisoned = torch.full((4000, width), float("nan"), dtype=dtype, device="cuda")
+    del poisoned  # the allocator hands its block back to grad_x
+    grad_x, grad_rows = torch.ops.cuda_ext.gelu_rows_backward(*args, index.cuda(), "none")
+    assert grad_rows.dtype == torch.float32 and bool(torch.isfinite(grad_x).all())
+    want_rows = summed_rows(grad_x, index, 130)
+    torch.testing.assert_close(grad_rows.double().cpu(), want_rows, rtol=1e-5, atol=1e-5 * float(want_rows.abs().max()))
+    cpu_x, _ = torch.ops.cuda_ext.gelu_rows_backward(*[t.to(dtype).float() for t in (grad, x, rows)], index, "none")
+    torch.testing.assert_close(grad_x.float().cpu(), cpu_x, rtol=4 * tol, atol=4 * tol)
+
+
+@requires_cuda
+def test_cuda_backward_out_of_range_index_gives_a_nan_row_and_no_sum():
+    x, rows, index = inputs(n=8, width=16, dtype=torch.float32, device="cuda")
+    index[3] = 99
+    grad_x, grad_rows = torch.ops.cuda_ext.gelu_rows_backward(torch.ones_like(x), x, rows, index, "none")
+    fine = torch.arange(8, device="cuda") != 3
+    assert torch.isnan(grad_x[3]).all() and torch.isfinite(grad_x[fine]).all() and torch.isfinite(grad_rows).all()
+    torch.testing.assert_close(grad_rows.cpu(), summed_rows(grad_x[fine], index[fine], 5).float())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gradcheck_x_and_rows(mode):
     x, rows, index = inputs(n=9, width=6, count=3)

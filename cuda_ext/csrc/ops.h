@@ -43,8 +43,9 @@ at::Tensor gelu_cpu(const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_rows_cpu(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
                          c10::string_view approximate);
-at::Tensor gelu_rows_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
-                                  const at::Tensor& index, c10::string_view approximate);
+std::tuple<at::Tensor, at::Tensor> gelu_rows_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
+                                                          const at::Tensor& rows, const at::Tensor& index,
+                                                          c10::string_view approximate);
 
 // volume_render: alpha compositing of packed samples, ray b's at [ray_offsets[b], ray_offsets[b + 1]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> volume_render_cpu(const at::Tensor& optical_depth,
@@ -131,8 +132,9 @@ at::Tensor gelu_cuda(const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, c10::string_view approximate);
 at::Tensor gelu_rows_cuda(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
                           c10::string_view approximate);
-at::Tensor gelu_rows_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
-                                   const at::Tensor& index, c10::string_view approximate);
+std::tuple<at::Tensor, at::Tensor> gelu_rows_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                                                           const at::Tensor& rows, const at::Tensor& index,
+                                                           c10::string_view approximate);
 at::Tensor distortion_loss_cuda(const at::Tensor& optical_depth, const at::Tensor& t_start, const at::Tensor& t_end,
                                 const at::Tensor& ray_offsets);
 at::Tensor distortion_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& optical_depth,

@@ -36,7 +36,8 @@ TORCH_LIBRARY(cuda_ext, m) {
   m.def("gelu(Tensor x, str approximate) -> Tensor");
   m.def("gelu_backward(Tensor grad_out, Tensor x, str approximate) -> Tensor");
   m.def("gelu_rows(Tensor x, Tensor rows, Tensor index, str approximate) -> Tensor");
-  m.def("gelu_rows_backward(Tensor grad_out, Tensor x, Tensor rows, Tensor index, str approximate) -> Tensor");
+  m.def(
+      "gelu_rows_backward(Tensor grad_out, Tensor x, Tensor rows, Tensor index, str approximate) -> (Tensor, Tensor)");
   m.def(
       "volume_render(Tensor optical_depth, Tensor values, Tensor t, Tensor ray_offsets, float early_stop) "
       "-> (Tensor, Tensor, Tensor)");

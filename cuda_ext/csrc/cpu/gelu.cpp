@@ -101,6 +101,19 @@ at::Tensor gelu_rows_cpu_impl(const at::Tensor* grad_out_in, const at::Tensor& x
   return out;
 }
 
+// sums[index[i]] += grad_x[i] for every sample i, in sample order; the columns are split across threads, so no two
+// threads add into one element and the result does not depend on the thread count.
+template <typename scalar_t>
+void sum_rows(const scalar_t* grad_x, const int64_t* index, scalar_t* sums, int64_t n, int64_t width) {
+  at::parallel_for(0, width, std::max<int64_t>(1, kGrain / n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t* gi = grad_x + i * width;
+      scalar_t* si = sums + index[i] * width;
+      for (int64_t j = begin; j < end; ++j) si[j] += gi[j];
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor gelu_rows_cpu(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
@@ -108,9 +121,20 @@ at::Tensor gelu_rows_cpu(const at::Tensor& x, const at::Tensor& rows, const at::
   return gelu_rows_cpu_impl<false>(nullptr, x, rows, index, approximate, "gelu_rows");
 }
 
-at::Tensor gelu_rows_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
-                                  const at::Tensor& index, c10::string_view approximate) {
-  return gelu_rows_cpu_impl<true>(&grad_out, x, rows, index, approximate, "gelu_rows_backward");
+std::tuple<at::Tensor, at::Tensor> gelu_rows_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x,
+                                                          const at::Tensor& rows, const at::Tensor& index,
+                                                          c10::string_view approximate) {
+  at::Tensor grad_x = gelu_rows_cpu_impl<true>(&grad_out, x, rows, index, approximate, "gelu_rows_backward");
+  // x's dtype is float or double here: the sums are kept in it (the CUDA kernel's float for half types)
+  at::Tensor grad_rows = at::zeros(rows.sizes(), rows.options());
+  const int64_t n = x.size(0), width = x.size(1);
+  if (n == 0 || width == 0) return {grad_x, grad_rows};
+  const at::Tensor idx = index.contiguous();  // its values were checked by the impl, before anything was written
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_rows_backward_cpu", [&] {
+    sum_rows<scalar_t>(grad_x.const_data_ptr<scalar_t>(), idx.const_data_ptr<int64_t>(), grad_rows.data_ptr<scalar_t>(),
+                       n, width);
+  });
+  return {grad_x, grad_rows};
 }
 
 at::Tensor gelu_cpu(const at::Tensor& x_in, c10::string_view approximate) {

@@ -7,9 +7,12 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <limits>
+#include <tuple>
 
 #include "gelu.h"
+#include "kernel_common.h"
 #include "ops.h"
 #include "vector_memory.cuh"
 
@@ -111,92 +114,173 @@ void launch_elementwise(int64_t n, const Op& op) {
   }
 }
 
-// The rows ops: element (i, j) of the pre-activation is x[i, j] + rows[index[i], j]. One thread per pack of
-// kVec along a row (16 bytes: 8 bf16 or 4 float), so x, grad_out and out move as in the elementwise kernel and
-// rows' packs, a few hundred rows reused by every sample of a ray, come from L2. An index outside [0, count)
-// (not checked on the host: that would cost a sync) turns its row into NaN rather than reading out of bounds.
-template <int kVec, bool kBackward, bool kTanh, typename scalar_t>
+// The rows ops: element (i, j) of the pre-activation is x[i, j] + rows[index[i], j], the sum rounded to scalar_t
+// first (as x + rows[index] is in the reference). An index outside [0, count) (not checked on the host: that would
+// cost a sync) turns its row into NaN rather than reading out of bounds.
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ at::opmath_type<scalar_t> pre_activation(const Vec<scalar_t, kVec>& xs,
+                                                                    const Vec<scalar_t, kVec>& bias, int e) {
+  return static_cast<at::opmath_type<scalar_t>>(static_cast<scalar_t>(xs.v[e] + bias.v[e]));
+}
+
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ Vec<scalar_t, kVec> nan_pack() {
+  Vec<scalar_t, kVec> result;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) result.v[e] = static_cast<scalar_t>(NAN);
+  return result;
+}
+
+// Forward: one thread per pack of kVec along a row (16 bytes: 8 bf16 or 4 float), so x and out move as in the
+// elementwise kernel and rows' packs, a few hundred rows reused by every sample of a ray, come from L2.
+template <int kVec, bool kTanh, typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
-    gelu_rows_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ x,
-                     const scalar_t* __restrict__ rows, const int64_t* __restrict__ index, scalar_t* __restrict__ out,
-                     int64_t packs, int64_t packs_per_row, int64_t count) {
-  using acc_t = at::opmath_type<scalar_t>;
+    gelu_rows_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ rows,
+                     const int64_t* __restrict__ index, scalar_t* __restrict__ out, int64_t packs,
+                     int64_t packs_per_row, int64_t count) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; p < packs; p += stride) {
     const int64_t i = p / packs_per_row, j = p - i * packs_per_row;
     const int64_t row = index[i];
-    Vec<scalar_t, kVec> result;
-    if (row < 0 || row >= count) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) result.v[e] = static_cast<scalar_t>(NAN);
-    } else {
+    Vec<scalar_t, kVec> result = nan_pack<scalar_t, kVec>();
+    if (row >= 0 && row < count) {
       const Vec<scalar_t, kVec> xs = load_vec<scalar_t, kVec, /*kStreaming=*/false>(x + p * kVec);
       const Vec<scalar_t, kVec> bias =
           load_vec<scalar_t, kVec, /*kStreaming=*/false>(rows + (row * packs_per_row + j) * kVec);
-      Vec<scalar_t, kVec> grads;
-      if constexpr (kBackward) grads = load_vec<scalar_t, kVec, /*kStreaming=*/false>(grad_out + p * kVec);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        // the sum rounded to scalar_t first, as x + rows[index] is in the reference
-        const acc_t pre = static_cast<acc_t>(static_cast<scalar_t>(xs.v[e] + bias.v[e]));
-        if constexpr (kBackward) {
-          result.v[e] = static_cast<scalar_t>(static_cast<acc_t>(grads.v[e]) * GeluMath<acc_t, kTanh>::derivative(pre));
-        } else {
-          result.v[e] = static_cast<scalar_t>(GeluMath<acc_t, kTanh>::value(pre));
-        }
+        result.v[e] =
+            static_cast<scalar_t>(GeluMath<at::opmath_type<scalar_t>, kTanh>::value(pre_activation(xs, bias, e)));
       }
     }
     store_vec(out + p * kVec, result);
   }
 }
 
-template <bool kBackward>
-at::Tensor gelu_rows_cuda_impl(const at::Tensor* grad_out_in, const at::Tensor& x_in, const at::Tensor& rows_in,
-                               const at::Tensor& index_in, c10::string_view approximate, const char* op) {
-  const GeluRowsArgs args =
-      prepare_gelu_rows(kBackward ? grad_out_in : nullptr, x_in, rows_in, index_in, approximate, at::kCUDA, op);
-  const at::Tensor &x = args.x, &rows = args.rows, &index = args.index, &grad_out = args.grad_out;
+// Backward: grad_x = grad_out * gelu'(pre) and grad_rows[r] = the sum of grad_x over the samples with index r, in
+// one pass (no (N, H) float32 copy of grad_x and no index_add). Thread (run, pack j) walks kRun consecutive samples
+// down one pack column: it writes grad_x and sums it (as rounded to scalar_t, in acc_t) in registers while the
+// index stays the same, and adds the sum into grad_rows when the index changes and at the run's end (atomics:
+// another run may hold samples of the same row). The decoder's samples come grouped by ray, so a run adds about
+// once per ray it touches; any order is summed correctly. The P threads of a run read one sample's row of P packs
+// at a time: coalesced.
+constexpr int kRun = 32;
+
+template <int kVec, bool kTanh, typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    gelu_rows_backward_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ x,
+                              const scalar_t* __restrict__ rows, const int64_t* __restrict__ index,
+                              scalar_t* __restrict__ grad_x, at::opmath_type<scalar_t>* __restrict__ grad_rows,
+                              int64_t n, int64_t packs_per_row, int64_t count) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t threads = (n + kRun - 1) / kRun * packs_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < threads; t += stride) {
+    const int64_t run = t / packs_per_row, j = t - run * packs_per_row;
+    const int64_t end = std::min(n, (run + 1) * kRun);
+    acc_t sum[kVec];
+    int64_t current = -1;  // the row being summed (-1: none yet)
+    for (int64_t i = run * kRun; i < end; ++i) {
+      const int64_t row = index[i], p = i * packs_per_row + j;
+      if (row != current) {
+        if (current >= 0) atomic_add_vec(grad_rows + (current * packs_per_row + j) * kVec, sum);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sum[e] = acc_t(0);
+        current = row >= 0 && row < count ? row : -1;
+      }
+      if (current < 0) {
+        store_vec(grad_x + p * kVec, nan_pack<scalar_t, kVec>());
+        continue;
+      }
+      const Vec<scalar_t, kVec> xs = load_vec<scalar_t, kVec, /*kStreaming=*/false>(x + p * kVec);
+      const Vec<scalar_t, kVec> grads = load_vec<scalar_t, kVec, /*kStreaming=*/false>(grad_out + p * kVec);
+      const Vec<scalar_t, kVec> bias =
+          load_vec<scalar_t, kVec, /*kStreaming=*/false>(rows + (row * packs_per_row + j) * kVec);
+      Vec<scalar_t, kVec> result;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        result.v[e] = static_cast<scalar_t>(static_cast<acc_t>(grads.v[e]) *
+                                            GeluMath<acc_t, kTanh>::derivative(pre_activation(xs, bias, e)));
+        sum[e] += static_cast<acc_t>(result.v[e]);
+      }
+      store_vec(grad_x + p * kVec, result);
+    }
+    if (current >= 0) atomic_add_vec(grad_rows + (current * packs_per_row + j) * kVec, sum);
+  }
+}
+
+// Packs of 16 bytes where the width and every pointer allow, else single elements: fn(integral_constant vec).
+template <typename scalar_t, typename Fn>
+void with_rows_pack(int64_t width, std::initializer_list<const void*> pointers, Fn&& fn) {
+  constexpr int kWide = kPackBytes / sizeof(scalar_t);
+  bool wide = width % kWide == 0;
+  for (const void* p : pointers) wide = wide && aligned_to(p, kPackBytes);
+  with_vector_width<kWide>(wide, fn);
+}
+
+unsigned int rows_blocks(int64_t threads) {
+  return static_cast<unsigned int>(
+      std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, int64_t(1) << 20)));
+}
+
+}  // namespace
+
+at::Tensor gelu_rows_cuda(const at::Tensor& x_in, const at::Tensor& rows_in, const at::Tensor& index_in,
+                          c10::string_view approximate) {
+  const GeluRowsArgs args = prepare_gelu_rows(nullptr, x_in, rows_in, index_in, approximate, at::kCUDA, "gelu_rows");
+  const at::Tensor &x = args.x, &rows = args.rows, &index = args.index;
   const c10::cuda::CUDAGuard device_guard(x.device());
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t n = x.size(0), width = x.size(1), count = rows.size(0);
   if (n == 0 || width == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gelu_rows_cuda", [&] {
-    const scalar_t* g = kBackward ? grad_out.const_data_ptr<scalar_t>() : nullptr;
-    constexpr int kWide = kPackBytes / sizeof(scalar_t);
-    bool wide = width % kWide == 0 && aligned_to(x.const_data_ptr<scalar_t>(), kPackBytes) &&
-                aligned_to(rows.const_data_ptr<scalar_t>(), kPackBytes) &&
-                aligned_to(out.data_ptr<scalar_t>(), kPackBytes);
-    if (kBackward) wide = wide && aligned_to(g, kPackBytes);
+    const scalar_t* xs = x.const_data_ptr<scalar_t>();
+    const scalar_t* rs = rows.const_data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
     dispatch_gelu_approximate(args.mode, [&](auto tanh_tag) {
-      auto launch = [&](auto kernel, int64_t vec) {
-        const int64_t packs = n * width / vec;
-        const int64_t blocks = std::min<int64_t>((packs + kThreads - 1) / kThreads, int64_t(1) << 20);
-        kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            g, x.const_data_ptr<scalar_t>(), rows.const_data_ptr<scalar_t>(), index.const_data_ptr<int64_t>(),
-            out.data_ptr<scalar_t>(), packs, width / vec, count);
+      with_rows_pack<scalar_t>(width, {xs, rs, dst}, [&](auto vec) {
+        constexpr int kVec = decltype(vec)::value;
+        const int64_t packs = n * width / kVec;
+        gelu_rows_kernel<kVec, decltype(tanh_tag)::value, scalar_t>
+            <<<rows_blocks(packs), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+                xs, rs, index.const_data_ptr<int64_t>(), dst, packs, width / kVec, count);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
-      constexpr bool kTanh = decltype(tanh_tag)::value;
-      if (wide) {
-        launch(gelu_rows_kernel<kWide, kBackward, kTanh, scalar_t>, kWide);
-      } else {
-        launch(gelu_rows_kernel<1, kBackward, kTanh, scalar_t>, 1);
-      }
+      });
     });
   });
   return out;
 }
 
-}  // namespace
-
-at::Tensor gelu_rows_cuda(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& index,
-                          c10::string_view approximate) {
-  return gelu_rows_cuda_impl<false>(nullptr, x, rows, index, approximate, "gelu_rows");
-}
-
-at::Tensor gelu_rows_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rows,
-                                   const at::Tensor& index, c10::string_view approximate) {
-  return gelu_rows_cuda_impl<true>(&grad_out, x, rows, index, approximate, "gelu_rows_backward");
+std::tuple<at::Tensor, at::Tensor> gelu_rows_backward_cuda(const at::Tensor& grad_out_in, const at::Tensor& x_in,
+                                                           const at::Tensor& rows_in, const at::Tensor& index_in,
+                                                           c10::string_view approximate) {
+  const GeluRowsArgs args =
+      prepare_gelu_rows(&grad_out_in, x_in, rows_in, index_in, approximate, at::kCUDA, "gelu_rows_backward");
+  const at::Tensor &x = args.x, &rows = args.rows, &index = args.index, &grad_out = args.grad_out;
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  at::Tensor grad_x = at::empty(x.sizes(), x.options());
+  at::Tensor grad_rows = at::zeros(rows.sizes(), rows.options().dtype(at::toOpMathType(rows.scalar_type())));
+  const int64_t n = x.size(0), width = x.size(1), count = rows.size(0);
+  if (n == 0 || width == 0) return {grad_x, grad_rows};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "gelu_rows_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* g = grad_out.const_data_ptr<scalar_t>();
+    const scalar_t* xs = x.const_data_ptr<scalar_t>();
+    const scalar_t* rs = rows.const_data_ptr<scalar_t>();
+    scalar_t* gx = grad_x.data_ptr<scalar_t>();
+    acc_t* sums = grad_rows.data_ptr<acc_t>();  // 16-byte aligned (a fresh allocation), kVec acc_t apart per pack
+    dispatch_gelu_approximate(args.mode, [&](auto tanh_tag) {
+      with_rows_pack<scalar_t>(width, {g, xs, rs, gx}, [&](auto vec) {
+        constexpr int kVec = decltype(vec)::value;
+        const int64_t threads = (n + kRun - 1) / kRun * (width / kVec);
+        gelu_rows_backward_kernel<kVec, decltype(tanh_tag)::value, scalar_t>
+            <<<rows_blocks(threads), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+                g, xs, rs, index.const_data_ptr<int64_t>(), gx, sums, n, width / kVec, count);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  });
+  return {grad_x, grad_rows};
 }
 
 at::Tensor gelu_cuda(const at::Tensor& x_in, c10::string_view approximate) {

@@ -77,13 +77,16 @@ __device__ __forceinline__ Vec<T, N> narrow(const acc_t (&in)[N]) {
   return v;
 }
 
-// dst[0..N) += value[0..N) atomically (dst aligned to N elements). Hopper (sm_90) has a 16-byte float4
-// atomic: one L2 transaction instead of four.
+// dst[0..N) += value[0..N) atomically (dst aligned to N elements; for float, N a multiple of 4: to 16 bytes).
+// Hopper (sm_90) has a 16-byte float4 atomic: one L2 transaction instead of four.
 template <typename acc_t, int N>
 __device__ __forceinline__ void atomic_add_vec(acc_t* dst, const acc_t (&value)[N]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (std::is_same<acc_t, float>::value && N == 4) {
-    atomicAdd(reinterpret_cast<float4*>(dst), make_float4(value[0], value[1], value[2], value[3]));
+  if constexpr (std::is_same<acc_t, float>::value && N % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < N; e += 4) {
+      atomicAdd(reinterpret_cast<float4*>(dst + e), make_float4(value[e], value[e + 1], value[e + 2], value[e + 3]));
+    }
   } else
 #endif
   {
