@@ -9,7 +9,7 @@ import torch
 from test_model import TORCH_OPS
 
 from models import build_ops
-from models.decoder import Decoder, SampleDecoder, gather_rows
+from models.decoder import Decoder, SampleDecoder, gather_rows, padded_rows
 
 GELU = "tanh"
 
@@ -79,6 +79,31 @@ def test_gather_rows_is_indexing_with_a_float32_sum_backward(gen):
     exact = grad.float().sum(0)
     assert half.grad.dtype == torch.bfloat16 and torch.equal(half.grad[0], exact.bfloat16())
     assert half.grad[1].abs().sum() == 0  # a row no sample read
+
+
+def test_padded_rows_takes_few_sizes_and_little_more():
+    sizes = [padded_rows(n) for n in range(1, 300_000)]
+    assert all(n <= m <= n * 1.016 for n, m in zip(range(1, 300_000), sizes)) and sizes[:64] == list(range(1, 65))
+    assert len(set(sizes[100_000:200_000])) <= 100  # one octave and a half: ~100 shapes for cuBLAS, not 100000
+
+
+def test_per_sample_decoder_pads_its_rows_and_drops_the_pad(gen):
+    """1001 samples run as 1008 rows (padded_rows); the output and every gradient are the unpadded MLP's."""
+    decoder = _decoder(SampleDecoder, 13, 2, "pe3", "none", gen)
+    rays, samples = 37, 1001
+    assert padded_rows(samples) == 1008
+    features = torch.randn(samples, 13, generator=gen, dtype=torch.float64, requires_grad=True)
+    directions = torch.nn.functional.normalize(torch.randn(rays, 3, generator=gen, dtype=torch.float64), dim=-1)
+    ray = torch.randint(0, rays, (samples,), generator=gen).sort().values
+    upstream = torch.randn(samples, 3, generator=gen, dtype=torch.float64)
+    grads = []
+    for run in (lambda: decoder(features, directions, ray), lambda: torch.sigmoid(
+            features[:, :3] + _concatenated(decoder, features, directions[ray], None))):  # fmt: skip
+        out = run()
+        assert out.shape == (samples, 3)
+        grads.append((out, *torch.autograd.grad(out, [features, *decoder.parameters()], upstream)))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
 
 
 def test_per_sample_decoder_gradients(gen):
