@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Union
 
 import torch
 
@@ -27,7 +28,7 @@ from models.config import CONTRACTIONS
 from models.field import grid_shape, voxel_size
 from models.render import num_samples_per_ray, ray_box_intersect
 
-Box = torch.Tensor | tuple[float, ...]  # a (2, 3) box tensor, or the host's (3,) extent of it (box_radius)
+Box = Union[torch.Tensor, tuple[float, ...]]  # a (2, 3) box tensor, or the host's (3,) extent of it (box_radius)
 HUGE_STEP = 1e30  # the world step of the cells at infinity (finite, so that 0 density times it stays 0)
 
 
