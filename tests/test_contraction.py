@@ -146,6 +146,19 @@ def test_split_distances():
     assert float(box_radius(box)) == 1.0
 
 
+def test_box_radius_from_the_host_extent_is_the_stored_box_s():
+    """The training march takes the disparity radius from the host's extent (no device op): bit for bit the float32
+    box's own, whatever the box (odd float32 corners, the smallest side on each axis)."""
+    generator = torch.Generator().manual_seed(9)
+    for axis in range(3):
+        low = torch.rand(3, generator=generator) * 3 - 2.7
+        size = torch.rand(3, generator=generator) + 0.3
+        size[axis] = 0.123456789  # the smallest side
+        box = torch.stack([low, low + size]).float()
+        extent = tuple(float(e) for e in (box[1] - box[0]).tolist())  # as models.model keeps it
+        assert box_radius(extent) == float(box_radius(box)) and isinstance(box_radius(extent), float)
+
+
 @pytest.mark.parametrize("contract", ["none", "inf"])
 def test_march_range_uses_the_host_extent(contract):
     """The samples per ray come from the extent the host keeps, not from the box (on CUDA: no sync); the ranges
