@@ -8,7 +8,10 @@ the profiler. ``--out`` gets both timings, the device time per step (the sum of 
 the profiler's annotation rows, which repeat their kernels' time), and the tables by device and by host time.
 A host time per step well above the device time means the step is bound by the Python side (op launches); the
 third table says which part of the step issues them: per section of the trainer's step (sampling, forward,
-loss_backward, ...), the top-level ATen calls and, on a GPU, the kernel launches.
+loss_backward, ...), the top-level ATen calls and, on a GPU, the kernel launches. The fourth (GPU only) says where
+the device waited for the host: every idle stretch between two kernels, charged to the section and top-level call
+that launched the kernel after it (the profiler slows the host, so the stretches are longer than in a plain step;
+their places are what to read).
 Pick ``first`` away from the periodic evaluations (``train.eval_every``) and the grids' growth. Without a GPU it
 profiles the host alone (the tests run it so on the CPU).
 """
@@ -18,6 +21,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import cProfile
+import io
+import pstats
 import runpy
 import sys
 import time
@@ -83,18 +89,81 @@ def calls_by_section(events, steps: int) -> str:
     return "\n".join(lines)
 
 
+def _top_level(event):
+    """(section, top-level call) of a host event: its outermost aten:: / cuda_ext:: ancestor below a section."""
+    call, parent = event, event.cpu_parent
+    while parent is not None and not parent.name.startswith(SECTION):
+        if parent.name.startswith(("aten::", "cuda_ext::", "autograd::", "Optimizer.")):
+            call = parent
+        parent = parent.cpu_parent
+    section = parent.name[len(SECTION) :] if parent is not None else "(no section)"
+    return section, call.name
+
+
+def idle_by_launcher(events, steps: int, rows: int = 25) -> str:
+    """Device idle time between consecutive kernels (ms a step), by the section and top-level call that launched the
+    kernel ending each idle stretch: the places where the device waits for the host (after a sync, or behind slow
+    launches)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    hosts = {e.id: e for e in events if e.device_type != cuda}
+    kernels = sorted(
+        (e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)),
+        key=lambda e: e.time_range.start,
+    )
+    idle: collections.Counter = collections.Counter()
+    by_section: collections.Counter = collections.Counter()
+    busy_until = None
+    for kernel in kernels:
+        start, end = kernel.time_range.start, kernel.time_range.end
+        if busy_until is not None and start > busy_until:
+            launcher = hosts.get(getattr(kernel, "linked_correlation_id", -1))
+            section, call = _top_level(launcher) if launcher is not None else ("?", "?")
+            idle[(section, call)] += start - busy_until
+            by_section[section] += start - busy_until
+        busy_until = end if busy_until is None else max(busy_until, end)
+    if not kernels:
+        return "(no kernels)"
+    span = (busy_until - kernels[0].time_range.start) / 1e3 / steps
+    total = sum(idle.values()) / 1e3 / steps
+    lines = [f"device span {span:.2f} ms a step, idle {total:.2f} ms a step between kernels"]
+    lines += [f"  {name:16s} {value / 1e3 / steps:6.3f} ms" for name, value in by_section.most_common()]
+    lines += [
+        f"{value / 1e3 / steps:7.3f} ms  {section:14s} {call}" for (section, call), value in idle.most_common(rows)
+    ]
+    return "\n".join(lines)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def install(out: Path, first: int, steps: int) -> None:
-    """Wrap Trainer.train_step: time steps [first - steps, first), profile [first, first + steps), write ``out``."""
+def python_tables(profile: cProfile.Profile, steps: int, rows: int = 35) -> str:
+    """cProfile's functions by own time and by cumulative time (seconds over ``steps`` steps)."""
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    text.write(f"(seconds over {steps} steps)\n")
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumtime").print_stats(rows)
+    return text.getvalue()
+
+
+def install(out: Path, first: int, steps: int, python: bool = False) -> None:
+    """Wrap Trainer.train_step: time steps [first - steps, first), profile [first, first + steps), write ``out``;
+    ``python``: then the next ``steps`` steps under cProfile (the host's Python functions), appended to ``out``."""
     plain_step = trainer.Trainer.train_step
     state: dict = {}
 
     def train_step(self):
         step = self.step
+        if python and step == first + steps:
+            state["python"] = cProfile.Profile()
+            state["python"].enable()
+        if python and step == first + 2 * steps:
+            state["python"].disable()
+            with out.open("a") as text:
+                text.write(f"\nPython functions, steps {first + steps}..{first + 2 * steps} under cProfile\n")
+                text.write(python_tables(state.pop("python"), steps))
         if step == first - steps:
             sync()
             state["start"] = time.perf_counter()
@@ -126,6 +195,7 @@ def install(out: Path, first: int, steps: int) -> None:
                 averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90),
             ]
             sections = calls_by_section(profiler.events(), steps)
+            idle = idle_by_launcher(profiler.events(), steps) if torch.cuda.is_available() else "(no CUDA device)"
             out.write_text(
                 head
                 + "\nby device time\n"
@@ -134,6 +204,8 @@ def install(out: Path, first: int, steps: int) -> None:
                 + tables[1]
                 + "\n\nby section of the step\n"
                 + sections
+                + "\n\nwhere the device waited for the host\n"
+                + idle
                 + "\n"
             )
             print(head, end="", flush=True)
@@ -147,12 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="where the timings and tables go (text)")
     parser.add_argument("--first", type=int, default=2800, help="first profiled step (0-based)")
     parser.add_argument("--steps", type=int, default=30, help="steps timed plain, then profiled")
+    parser.add_argument("--python", action="store_true", help="then as many steps again under cProfile")
     parser.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.first < args.steps:
         raise SystemExit(f"--first ({args.first}) must be >= --steps ({args.steps}) >= 1")
     mark_sections()
-    install(args.out, args.first, args.steps)
+    install(args.out, args.first, args.steps, args.python)
     sys.argv = [str(REPO / "train.py"), *args.overrides]
     runpy.run_path(str(REPO / "train.py"), run_name="__main__")
 

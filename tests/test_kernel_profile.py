@@ -3,14 +3,16 @@ cannot rot (on a GPU it also writes the kernels' table; no time is asserted here
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import torch
 from test_train import REPO, scene_cache, tiny_overrides  # noqa: F401 (scene_cache: the fixture)
 
 
 def test_tiny_run_writes_the_timings_and_tables(tmp_path, scene_cache):  # noqa: F811
     out = tmp_path / "profile.txt"
-    args = ["--out", str(out), "--first", "4", "--steps", "2", "--"]
-    args += tiny_overrides(scene_cache, 8) + [f"hydra.run.dir={tmp_path / 'run'}", "train.turntable_frames=0"]
+    args = ["--out", str(out), "--first", "4", "--steps", "2", "--python", "--"]
+    args += tiny_overrides(scene_cache, 9) + [f"hydra.run.dir={tmp_path / 'run'}", "train.turntable_frames=0"]
     result = subprocess.run(
         [sys.executable, "bench/kernel_profile.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
     )
@@ -18,10 +20,12 @@ def test_tiny_run_writes_the_timings_and_tables(tmp_path, scene_cache):  # noqa:
     text = out.read_text()
     assert text.startswith("steps 4..6: plain ") and "ms/step" in text.splitlines()[0]
     assert "by host time" in text and "aten::" in text  # the host table lists the step's ops
-    sections = text[text.index("by section of the step") :].splitlines()[1:]
+    sections = text[text.index("by section of the step") : text.index("where the device waited")].splitlines()[1:]
     named = {line.split()[0] for line in sections if line.strip()}
     assert {"sampling", "forward", "loss_backward", "optimizer"} <= named, sections
     assert all(" ATen calls, " in line for line in sections if line.strip())
+    python = text[text.index("Python functions, steps 6..8 under cProfile") :]
+    assert "tottime" in python and "train_step" in python  # the host's Python functions of steps 6 and 7
     assert (tmp_path / "run" / "metrics.json").exists()  # the run itself went on to its end
 
 
@@ -34,3 +38,30 @@ def test_rejects_a_window_before_the_plain_steps(tmp_path):
         timeout=60,
     )
     assert result.returncode != 0 and "--first (2) must be >= --steps (5)" in result.stderr
+
+
+def _event(id, name, parent=None, device=False, start=0.0, end=0.0, linked=-1):
+    device_type = torch.autograd.DeviceType.CUDA if device else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(id=id, name=name, cpu_parent=parent, device_type=device_type,
+                           time_range=SimpleNamespace(start=start, end=end), linked_correlation_id=linked)  # fmt: skip
+
+
+def test_idle_time_is_charged_to_the_launch_after_it():
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_profile import idle_by_launcher
+
+    forward, backward = _event(1, "section:forward"), _event(2, "section:loss_backward")
+    cumsum = _event(3, "aten::cumsum", forward)
+    launch = _event(4, "cudaLaunchKernel", _event(5, "aten::copy_", cumsum))  # charged to its top-level call
+    mm = _event(6, "aten::mm", backward)
+    kernels = [  # microseconds: busy 0-10, idle 10-25, busy 25-40 and 30-50 (overlapping), idle 50-90, busy 90-95
+        _event(10, "k0", device=True, start=0, end=10, linked=6),
+        _event(11, "k1", device=True, start=25, end=40, linked=4),
+        _event(12, "k2", device=True, start=30, end=50, linked=4),
+        _event(13, "k3", device=True, start=90, end=95, linked=6),
+    ]
+    text = idle_by_launcher([forward, backward, cumsum, launch, mm, *kernels], steps=1)
+    lines = text.splitlines()
+    assert lines[0] == "device span 0.10 ms a step, idle 0.06 ms a step between kernels"
+    assert "0.040 ms  loss_backward  aten::mm" in text and "0.015 ms  forward        aten::cumsum" in text
+    assert lines[1].split() == ["loss_backward", "0.040", "ms"] and lines[2].split() == ["forward", "0.015", "ms"]
