@@ -19,6 +19,7 @@ profiles the host alone (the tests run it so on the CPU).
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import contextlib
 import cProfile
@@ -103,9 +104,15 @@ def _top_level(event):
 def idle_by_launcher(events, steps: int, rows: int = 25) -> str:
     """Device idle time between consecutive kernels (ms a step), by the section and top-level call that launched the
     kernel ending each idle stretch: the places where the device waits for the host (after a sync, or behind slow
-    launches)."""
+    launches). On an idle device a kernel starts as soon as it is launched, so the launch charged is the last CUDA
+    runtime call (cudaLaunchKernel, cudaMemcpyAsync, ...) the host began before the kernel started."""
     cuda = torch.autograd.DeviceType.CUDA
-    hosts = {e.id: e for e in events if e.device_type != cuda}
+    launches = sorted(
+        (e for e in events if e.device_type != cuda and e.name.startswith(("cuda", "cu")) and "Launch" in e.name
+         or e.device_type != cuda and e.name.startswith(("cudaMemcpy", "cudaMemset"))),
+        key=lambda e: e.time_range.start,
+    )  # fmt: skip
+    starts = [e.time_range.start for e in launches]
     kernels = sorted(
         (e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)),
         key=lambda e: e.time_range.start,
@@ -116,8 +123,8 @@ def idle_by_launcher(events, steps: int, rows: int = 25) -> str:
     for kernel in kernels:
         start, end = kernel.time_range.start, kernel.time_range.end
         if busy_until is not None and start > busy_until:
-            launcher = hosts.get(getattr(kernel, "linked_correlation_id", -1))
-            section, call = _top_level(launcher) if launcher is not None else ("?", "?")
+            index = bisect.bisect_right(starts, start) - 1
+            section, call = _top_level(launches[index]) if index >= 0 else ("?", "?")
             idle[(section, call)] += start - busy_until
             by_section[section] += start - busy_until
         busy_until = end if busy_until is None else max(busy_until, end)
@@ -127,9 +134,8 @@ def idle_by_launcher(events, steps: int, rows: int = 25) -> str:
     total = sum(idle.values()) / 1e3 / steps
     lines = [f"device span {span:.2f} ms a step, idle {total:.2f} ms a step between kernels"]
     lines += [f"  {name:16s} {value / 1e3 / steps:6.3f} ms" for name, value in by_section.most_common()]
-    lines += [
-        f"{value / 1e3 / steps:7.3f} ms  {section:14s} {call}" for (section, call), value in idle.most_common(rows)
-    ]
+    top = idle.most_common(rows)
+    lines += [f"{value / 1e3 / steps:7.3f} ms  {section:14s} {call}" for (section, call), value in top]
     return "\n".join(lines)
 
 

@@ -40,27 +40,34 @@ def test_rejects_a_window_before_the_plain_steps(tmp_path):
     assert result.returncode != 0 and "--first (2) must be >= --steps (5)" in result.stderr
 
 
-def _event(id, name, parent=None, device=False, start=0.0, end=0.0, linked=-1):
+def _event(name, parent=None, device=False, start=0.0, end=0.0):
     device_type = torch.autograd.DeviceType.CUDA if device else torch.autograd.DeviceType.CPU
-    return SimpleNamespace(id=id, name=name, cpu_parent=parent, device_type=device_type,
-                           time_range=SimpleNamespace(start=start, end=end), linked_correlation_id=linked)  # fmt: skip
+    return SimpleNamespace(name=name, cpu_parent=parent, device_type=device_type,
+                           time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
 
 
-def test_idle_time_is_charged_to_the_launch_after_it():
+def test_idle_time_is_charged_to_the_launch_before_the_kernel_after_it():
     sys.path.insert(0, str(REPO / "bench"))
     from kernel_profile import idle_by_launcher
 
-    forward, backward = _event(1, "section:forward"), _event(2, "section:loss_backward")
-    cumsum = _event(3, "aten::cumsum", forward)
-    launch = _event(4, "cudaLaunchKernel", _event(5, "aten::copy_", cumsum))  # charged to its top-level call
-    mm = _event(6, "aten::mm", backward)
-    kernels = [  # microseconds: busy 0-10, idle 10-25, busy 25-40 and 30-50 (overlapping), idle 50-90, busy 90-95
-        _event(10, "k0", device=True, start=0, end=10, linked=6),
-        _event(11, "k1", device=True, start=25, end=40, linked=4),
-        _event(12, "k2", device=True, start=30, end=50, linked=4),
-        _event(13, "k3", device=True, start=90, end=95, linked=6),
+    forward, backward = _event("section:forward"), _event("section:loss_backward")
+    cumsum = _event("aten::cumsum", forward)
+    copy = _event("aten::copy_", cumsum)  # charged to its top-level call
+    mm = _event("aten::mm", backward)
+    host = [  # microseconds: the launches, and a host call that is no launch (never charged)
+        _event("cudaLaunchKernel", mm, start=-1, end=0),
+        _event("cudaLaunchKernel", copy, start=20, end=24),
+        _event("cudaMemsetAsync", copy, start=26, end=27),
+        _event("aten::empty", mm, start=60, end=61),
+        _event("cudaLaunchKernel", mm, start=85, end=88),
     ]
-    text = idle_by_launcher([forward, backward, cumsum, launch, mm, *kernels], steps=1)
+    kernels = [  # busy 0-10, idle 10-25, busy 25-40 and 30-50 (overlapping), idle 50-90, busy 90-95
+        _event("k0", device=True, start=0, end=10),
+        _event("k1", device=True, start=25, end=40),
+        _event("k2", device=True, start=30, end=50),
+        _event("k3", device=True, start=90, end=95),
+    ]
+    text = idle_by_launcher([forward, backward, cumsum, copy, mm, *host, *kernels], steps=1)
     lines = text.splitlines()
     assert lines[0] == "device span 0.10 ms a step, idle 0.06 ms a step between kernels"
     assert "0.040 ms  loss_backward  aten::mm" in text and "0.015 ms  forward        aten::cumsum" in text

@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from models.config import ModelConfig
 from training.config_rules import DATASETS, ConfigError, _one_of, validate_config
 
-__all__ = ["Config", "ConfigError", "DATA_SCHEMAS", "register_configs", "typed", "validate_config"]
+__all__ = ["Config", "ConfigError", "DATA_SCHEMAS", "Settings", "register_configs", "typed", "validate_config"]
 
 
 @dataclass
@@ -169,3 +169,20 @@ def typed(cfg: DictConfig | Mapping) -> DictConfig:
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "config"
         raise ConfigError(f"{key}: {str(error).strip().splitlines()[0]}") from None
+
+
+class Settings(dict):
+    """A plain snapshot of a config node (``Settings.of(cfg.train)``) with the node's reads: ``settings.key`` and
+    ``settings.get(key, default)``, nested nodes as Settings. For the training step's hot path: an OmegaConf read
+    costs ~50 us of host time (H100 host, cProfile), a dozen a step; a dict read, nanoseconds."""
+
+    @classmethod
+    def of(cls, node: DictConfig | Mapping) -> "Settings":
+        plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+        return cls({key: cls.of(value) if isinstance(value, Mapping) else value for key, value in plain.items()})
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(f"config has no key {key!r}") from None

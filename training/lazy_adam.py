@@ -23,7 +23,7 @@ Who calls what:
 - :meth:`step` runs Adam on the rows that can have a gradient (the model's marks) and stamps them with the step;
 - :meth:`flush` brings every row up to date: before a whole-grid reader (occupancy refresh, growth, evaluation,
   checkpoints), so a checkpoint holds exactly ``torch.optim.Adam``'s state and moves between optimisers.
-Other groups (the decoder, the fine grid's pool, poses) step densely through ``torch.optim.Adam``'s formula.
+Other groups (the decoder, the fine grid's pool, poses) step densely through torch's own functional Adam.
 The live viewer renders between flushes: voxels no recent step read show their last stepped values there.
 """
 
@@ -33,17 +33,23 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch.optim.adam import adam
 
 WINDOW = 350  # steps a replay sums back: (0.9 / sqrt(0.999))^350 < 1e-16
 
 
-def _advance(state: dict, param: torch.Tensor) -> int:
-    """The ``torch.optim.Adam``-keyed ``state`` of ``param`` (created on first use), one step further: its count."""
+def _state_of(state: dict, param: torch.Tensor) -> dict:
+    """The ``torch.optim.Adam``-keyed ``state`` of ``param`` (step, exp_avg, exp_avg_sq), created on first use."""
     if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU, as torch.optim.Adam's (not fused)
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    state["step"] += 1
+    return state
+
+
+def _advance(state: dict, param: torch.Tensor) -> int:
+    """``state`` (see :func:`_state_of`) one step further: its count."""
+    _state_of(state, param)["step"] += 1
     return int(state["step"].item())  # a CPU tensor: no device sync
 
 
@@ -54,16 +60,29 @@ def _as_rows(state: dict, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
             state["exp_avg"].view(-1, columns), state["exp_avg_sq"].view(-1, columns))  # fmt: skip
 
 
-def adam_step_rows(state: dict, param: torch.Tensor, group: dict, step_fn: Callable, rows=None) -> None:
+def adam_step_rows(state: dict, param: torch.Tensor, group: dict, step_fn: Callable, rows: torch.Tensor) -> None:
     """One Adam step of ``param`` (seen as rows of its last dimension) through ``step_fn`` (sparse_adam_step) on
-    ``rows`` ((K,) int64; None: every row), its ``torch.optim.Adam``-keyed ``state`` created on first use."""
+    its (K,) int64 ``rows``, its ``torch.optim.Adam``-keyed ``state`` created on first use."""
     step = _advance(state, param)
     values, grad, exp_avg, exp_avg_sq = _as_rows(state, param)
-    rows = torch.arange(grad.shape[0], device=param.device) if rows is None else rows
     beta1, beta2 = group["betas"]
-    # the rows are built in range here or by the optimisers (nonzero() of a mask): no range check, no device sync
+    # the rows are built in range by the optimisers (nonzero() of a mask): no range check, no device sync
     step_fn(values, grad, exp_avg, exp_avg_sq, rows, step, float(group["lr"]), float(beta1), float(beta2),
             float(group["eps"]), check_rows=False)  # fmt: skip
+
+
+def adam_step_dense(states, params: list[torch.Tensor], group: dict) -> None:
+    """One ``torch.optim.Adam`` step of those ``params`` that have a gradient, through torch's own functional Adam
+    (multi-tensor on CUDA: a few launches for the decoder's tensors together, where an op call each cost ~0.1 ms
+    of host time apiece); ``states``: the optimiser's per-parameter state, keyed as :func:`adam_step_rows`'."""
+    live = [param for param in params if param.grad is not None]
+    if not live:
+        return
+    state = [_state_of(states[param], param) for param in live]
+    beta1, beta2 = group["betas"]
+    adam(live, [param.grad for param in live], [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state], [],
+         [s["step"] for s in state], foreach=live[0].is_cuda, amsgrad=False, beta1=float(beta1), beta2=float(beta2),
+         lr=float(group["lr"]), weight_decay=0.0, eps=float(group["eps"]), maximize=False)  # fmt: skip
 
 
 def adam_step_nonzero(state: dict, param: torch.Tensor, group: dict, masked_fn: Callable) -> None:
@@ -171,9 +190,7 @@ class LazyGridAdam(torch.optim.Optimizer):
             raise ValueError("closure: LazyGridAdam does not re-evaluate the loss")
         for group in self.param_groups:
             if group is not self.grids:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        adam_step_rows(self.state[param], param, group, self.step_fn)
+                adam_step_dense(self.state, group["params"], group)
                 continue
             rows = self.rows_fn()
             if self.catch_up_stepped:
@@ -205,4 +222,4 @@ class LazyGridAdam(torch.optim.Optimizer):
         self._replay = torch.zeros(self._done + 1, dtype=torch.float64, device=self._replay.device)
 
 
-__all__ = ["LazyGridAdam", "WINDOW", "adam_step_rows"]
+__all__ = ["LazyGridAdam", "WINDOW", "adam_step_dense", "adam_step_nonzero", "adam_step_rows"]

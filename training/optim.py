@@ -6,7 +6,7 @@ gradient can be non-zero (the model's list of rows its lookups read, or a scan o
 those to a fused step (``ops.sparse_adam_step``: our kernel, or its PyTorch
 reference). Semantics, as DirectVoxGO's and Plenoxels' masked Adam: a voxel no ray touched this step keeps its
 value *and* its moments (momentum does not drift it, its moments do not decay); on a voxel touched at every step
-the result is dense Adam's. Other groups (the decoder) take every row: dense Adam.
+the result is dense Adam's. Other groups (the decoder) step through torch's own functional Adam.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
 from training.distributed import Group, RowShard
-from training.lazy_adam import LazyGridAdam, adam_step_nonzero, adam_step_rows
+from training.lazy_adam import LazyGridAdam, adam_step_dense, adam_step_nonzero, adam_step_rows
 
 if TYPE_CHECKING:  # training.trainer imports this module
     from training.trainer import Trainer
@@ -69,6 +69,9 @@ class SparseGridAdam(torch.optim.Optimizer):
         listed = None
         for group in self.param_groups:
             by_gradient = self.masked_fn is not None and group.get("name") in ("grids", "fine")
+            if not by_gradient and group.get("name") != "grids":  # the decoder, ...: dense Adam
+                adam_step_dense(self.state, group["params"], group)
+                continue
             if group.get("name") == "grids" and self.rows_fn is not None and not by_gradient:
                 listed = self.rows_fn()
             for param in group["params"]:
@@ -77,11 +80,9 @@ class SparseGridAdam(torch.optim.Optimizer):
                 if by_gradient:
                     adam_step_nonzero(self.state[param], param, group, self.masked_fn)
                     continue
-                rows = None  # every row (the other groups: dense Adam)
-                if group.get("name") == "grids":
-                    grad = param.grad.reshape(-1, param.shape[-1])
-                    scanned = listed is None  # one host sync: the count
-                    rows = grad.ne(0).any(dim=1).nonzero().squeeze(1) if scanned else listed
+                grad = param.grad.reshape(-1, param.shape[-1])
+                scanned = listed is None  # one host sync: the count
+                rows = grad.ne(0).any(dim=1).nonzero().squeeze(1) if scanned else listed
                 adam_step_rows(self.state[param], param, group, self.step_fn, rows)
         return None
 
