@@ -502,3 +502,18 @@ def test_a_periodic_evaluation_runs_before_the_checkpoint_of_its_step(tmp_path, 
     assert result.returncode == 0, result.stdout + result.stderr
     events = re.findall(r"EVENT (\w+) (\d+)", result.stdout)  # the progress bar shares the lines
     assert events == [("eval", "2"), ("eval", "4"), ("checkpoint", "4"), ("eval", "6")], result.stdout
+
+
+def test_settings_read_as_the_config_node_does():
+    """training.config.Settings (the step's plain snapshot of cfg.train) answers every read the node answers."""
+    from omegaconf import OmegaConf
+
+    from training.config import Settings
+
+    node = OmegaConf.create({"lr": 0.1, "loss": "mse", "nested": {"a": 1, "deeper": {"b": [1, 2]}}, "x": "${lr}"})
+    settings = Settings.of(node)
+    assert settings.lr == node.lr and settings.get("loss") == "mse" and settings.get("missing", 3) == 3
+    assert settings.nested.a == 1 and settings.nested.deeper.b == [1, 2] and settings.x == 0.1  # resolved
+    assert isinstance(settings.nested, Settings) and Settings.of(settings) == settings
+    with pytest.raises(AttributeError, match="config has no key 'lrr'"):
+        _ = settings.lrr

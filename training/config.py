@@ -173,8 +173,8 @@ def typed(cfg: DictConfig | Mapping) -> DictConfig:
 
 class Settings(dict):
     """A plain snapshot of a config node (``Settings.of(cfg.train)``) with the node's reads: ``settings.key`` and
-    ``settings.get(key, default)``, nested nodes as Settings. For the training step's hot path: an OmegaConf read
-    costs ~50 us of host time (H100 host, cProfile), a dozen a step; a dict read, nanoseconds."""
+    ``settings.get(key, default)``, nested nodes as Settings. For the training step's hot path, which reads a
+    dozen settings a step: an OmegaConf read took ~50 us under cProfile on an H100 host, a dict read takes ~0.1 us."""
 
     @classmethod
     def of(cls, node: DictConfig | Mapping) -> "Settings":

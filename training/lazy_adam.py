@@ -73,8 +73,8 @@ def adam_step_rows(state: dict, param: torch.Tensor, group: dict, step_fn: Calla
 
 def adam_step_dense(states, params: list[torch.Tensor], group: dict) -> None:
     """One ``torch.optim.Adam`` step of those ``params`` that have a gradient, through torch's own functional Adam
-    (multi-tensor on CUDA: a few launches for the decoder's tensors together, where an op call each cost ~0.1 ms
-    of host time apiece); ``states``: the optimiser's per-parameter state, keyed as :func:`adam_step_rows`'."""
+    (multi-tensor on CUDA: a few launches for all the group's tensors, not an op call and a row list each);
+    ``states``: the optimiser's per-parameter state, keyed as :func:`adam_step_rows`'."""
     live = [param for param in params if param.grad is not None]
     if not live:
         return
