@@ -1,6 +1,7 @@
 """Kernel-level profile of a training run: ``torch.profiler`` over steps [first, first + steps) of ``train.py``.
 
     python bench/kernel_profile.py --out prof.txt --first 2800 --steps 30 -- +experiment=capture data.root=PATH
+    (--python: then as many steps under cProfile)
 
 Runs train.py in this process with every override after ``--``. The ``steps`` steps just before ``first`` are timed
 plain (device-synchronised wall clock: what a step costs without the profiler), then the next ``steps`` under
@@ -101,17 +102,20 @@ def _top_level(event):
     return section, call.name
 
 
+def _is_launch(name: str) -> bool:
+    """A CUDA runtime or driver call that puts work on the device (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync,
+    cudaMemsetAsync, ...)."""
+    return name.startswith("cu") and ("Launch" in name or name.startswith(("cudaMemcpy", "cudaMemset")))
+
+
 def idle_by_launcher(events, steps: int, rows: int = 25) -> str:
     """Device idle time between consecutive kernels (ms a step), by the section and top-level call that launched the
     kernel ending each idle stretch: the places where the device waits for the host (after a sync, or behind slow
     launches). On an idle device a kernel starts as soon as it is launched, so the launch charged is the last CUDA
     runtime call (cudaLaunchKernel, cudaMemcpyAsync, ...) the host began before the kernel started."""
     cuda = torch.autograd.DeviceType.CUDA
-    launches = sorted(
-        (e for e in events if e.device_type != cuda and e.name.startswith(("cuda", "cu")) and "Launch" in e.name
-         or e.device_type != cuda and e.name.startswith(("cudaMemcpy", "cudaMemset"))),
-        key=lambda e: e.time_range.start,
-    )  # fmt: skip
+    launches = [e for e in events if e.device_type != cuda and _is_launch(e.name)]
+    launches.sort(key=lambda e: e.time_range.start)
     starts = [e.time_range.start for e in launches]
     kernels = sorted(
         (e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)),
@@ -225,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="where the timings and tables go (text)")
     parser.add_argument("--first", type=int, default=2800, help="first profiled step (0-based)")
     parser.add_argument("--steps", type=int, default=30, help="steps timed plain, then profiled")
-    parser.add_argument("--python", action="store_true", help="then as many steps again under cProfile")
+    parser.add_argument(
+        "--python", action="store_true", help="then as many steps again under cProfile (train.iters > first + 2 steps)"
+    )
     parser.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.first < args.steps:
