@@ -517,3 +517,5 @@ def test_settings_read_as_the_config_node_does():
     assert isinstance(settings.nested, Settings) and Settings.of(settings) == settings
     with pytest.raises(AttributeError, match="config has no key 'lrr'"):
         _ = settings.lrr
+    with pytest.raises(AttributeError, match="Settings is read-only"):
+        settings.lr = 0.2

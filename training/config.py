@@ -186,3 +186,6 @@ class Settings(dict):
             return self[key]
         except KeyError:
             raise AttributeError(f"config has no key {key!r}") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:  # a snapshot: a write would not reach the config
+        raise AttributeError(f"config key {key!r}: Settings is read-only")

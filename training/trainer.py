@@ -68,8 +68,8 @@ class Trainer:
         group: Group | None = None,
     ):
         self.group = group or Group()  # training.distributed: this process's rank among the job's
-        self.cfg, self.train_cfg = cfg, cfg.train
-        self.step_cfg = Settings.of(cfg.train)  # what the step reads, as a plain dict (no OmegaConf cost per read)
+        # cfg.train as a plain read-only dict: the step reads a dozen settings, without OmegaConf's cost per read
+        self.cfg, self.train_cfg = cfg, Settings.of(cfg.train)
         self.paths, self.device, self.seed = paths, device, seed
         self.train_scene, self.eval_scene = train_scene, eval_scene
         self.iters = int(cfg.train.iters)
@@ -150,7 +150,7 @@ class Trainer:
         self.optimizer = rebuilt_optimizer(self, ADAM_BETAS)
 
     def _set_learning_rates(self) -> None:
-        factor = learning_rate_factor(self.step, self.iters, float(self.step_cfg.lr_final_factor))
+        factor = learning_rate_factor(self.step, self.iters, float(self.train_cfg.lr_final_factor))
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
 
@@ -175,7 +175,7 @@ class Trainer:
                 else:
                     out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
             with profiler.section("loss_backward"):
-                loss, mse = step_loss(out, batch, target, regularization, self.step_cfg, self.model, self.scene_centre)
+                loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.model.row_grads.scatter()  # model.tv_sparse_grad: the TV rows' gradients onto the grids'
@@ -185,7 +185,7 @@ class Trainer:
             with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients averaged
                 grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
                 sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
-                sync_mode = "sharded" if sharded else self.step_cfg.get("dist_grad_sync", "touched")
+                sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
                 touched = self.group.active and self.model.touched.enabled  # the touched-rows sync reads the marks
                 marks = self.model.touched.mask(self.model.grid_shape) if touched else None
                 self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
@@ -208,7 +208,7 @@ class Trainer:
         """(background, target) for a batch: with ``train.random_background`` and a scene with alpha, a random
         colour per pixel and the ground truth composited on it (Instant-NGP's default: the model can no longer
         paint the background into the scene as haze); else (None, the images as loaded)."""
-        if not self.step_cfg.get("random_background", False) or batch.alpha is None:
+        if not self.train_cfg.get("random_background", False) or batch.alpha is None:
             return None, batch.rgb
         background = torch.rand(batch.rgb.shape, device=batch.rgb.device, generator=self.generator)
         scene_background = batch.rgb.new_tensor(self.train_scene.background)
