@@ -12,6 +12,8 @@ Public ops (each differentiable, dispatching on the input's device):
   :func:`adam_replay_rows` dense Adam's zero-gradient steps replayed on the masked rows (the exact lazy Adam).
 - :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets.
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
+- :func:`visible_samples` packed optical depths (N,) + (B+1,) offsets -> the samples a ray still sees and those
+  worth a colour (early termination, the weight threshold), as indices (no gradient).
 - :func:`distortion_loss` packed optical depths (N,), intervals (N,), (N,) + (B+1,) offsets -> (B,) mip-NeRF 360's
   distortion loss on the compositing weights.
 - :func:`sampled_tv` a grid's total variation on (S,) sampled cells -> () float64, its gradient added in place.
@@ -38,7 +40,7 @@ else:
     from cuda_ext.brick_grid import brick_grid_interpolate
     from cuda_ext.gelu import gelu, gelu_rows
     from cuda_ext.march import march_rays
-    from cuda_ext.render import distortion_loss, volume_render
+    from cuda_ext.render import distortion_loss, visible_samples, volume_render
     from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
     from cuda_ext.tv import sampled_tv
     from cuda_ext.upsample import upsample_bilinear2d
@@ -52,6 +54,7 @@ _CUSTOM_OPS = (
     "gelu_rows",
     "volume_render",
     "distortion_loss",
+    "visible_samples",
     "march_rays",
     "sparse_adam_step",
     "masked_adam_step",
@@ -138,6 +141,7 @@ __all__ = [
     "gelu_rows",
     "volume_render",
     "distortion_loss",
+    "visible_samples",
     "march_rays",
     "sparse_adam_step",
     "masked_adam_step",

@@ -1,13 +1,16 @@
-"""Pure-PyTorch references of the per-ray ops (cuda_ext.march_rays, volume_render, distortion_loss) and the scene
-contraction they share; :mod:`cuda_ext.reference` exports them with the others (import them from there)."""
+"""Pure-PyTorch references of the per-ray ops (cuda_ext.march_rays, volume_render, distortion_loss,
+visible_samples) and the scene contraction they share; :mod:`cuda_ext.reference` exports them with the others
+(import them from there)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from cuda_ext import _step_checks
 
-__all__ = ["OPAQUE_DEPTH", "march_rays", "contract_points", "volume_render", "distortion_loss"]
+__all__ = ["OPAQUE_DEPTH", "march_rays", "contract_points", "volume_render", "distortion_loss", "visible_samples"]
 
 # An optical depth past which light is gone (exp(-100) < 4e-44: what follows has T = 0 to any tolerance). Global
 # prefix sums clamp to it: a contracted march's last sample can have s ~ 1e11 (its step grows with the distance
@@ -109,6 +112,31 @@ def distortion_loss(
     weight_before, moment_before = (_ray_exclusive(x, ray_offsets, ray) for x in (weights, weights * mid))
     terms = 2.0 * weights * (mid * weight_before - moment_before) + weights.square() * (t_end - t_start) / 3.0
     return terms.new_zeros(ray_offsets.shape[0] - 1).index_add(0, ray, terms)
+
+
+def visible_samples(
+    optical_depth: torch.Tensor,
+    ray_offsets: torch.Tensor,
+    early_termination: float = 0.0,
+    weight_threshold: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cuda_ext.visible_samples with torch ops: each sample's exclusive per-ray sum S_i of clamped optical depths from
+    one float64 running sum (the difference at the ray's first sample, rounded to the input's type), alive where
+    S_i < -log(early_termination), shown where also exp(-S_i) (1 - exp(-s_i)) > weight_threshold; the alive samples
+    and the shown ones' positions among them by nonzero()."""
+    early_termination, weight_threshold = _step_checks.check_visibility_inputs(
+        optical_depth, ray_offsets, early_termination, weight_threshold
+    )
+    _step_checks.check_render_offsets(optical_depth, ray_offsets, "visible_samples")
+    n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
+    ray = torch.searchsorted(ray_offsets, torch.arange(n, device=optical_depth.device), right=True) - 1
+    running = torch.cumsum(torch.nn.functional.pad(optical_depth.clamp(max=OPAQUE_DEPTH).double(), (1, 0)), 0)
+    above = (running[:-1] - running[ray_offsets[ray.clamp(0, max(rays - 1, 0))]]).to(optical_depth.dtype)
+    alive = above < -math.log(early_termination) if early_termination > 0 else torch.ones_like(above, dtype=torch.bool)
+    shown = alive & (torch.exp(-above) * -torch.expm1(-optical_depth) > weight_threshold)
+    index = alive.nonzero()[:, 0]
+    per_ray = torch.bincount(ray[index], minlength=rays) if rays > 0 else ray_offsets.new_zeros(0)
+    return index, shown[index].nonzero()[:, 0], torch.nn.functional.pad(per_ray.cumsum(0), (1, 0))
 
 
 def _packed_weights(

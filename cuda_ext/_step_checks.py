@@ -24,6 +24,7 @@ __all__ = [
     "check_render_grads",
     "check_packed_samples",
     "check_distortion_inputs",
+    "check_visibility_inputs",
     "check_adam_inputs",
     "check_masked_adam_inputs",
     "check_adam_replay_inputs",
@@ -104,6 +105,18 @@ def check_distortion_inputs(
     check_render_offsets(optical_depth, ray_offsets, op)
     if t_start.requires_grad or t_end.requires_grad:
         raise ValueError(f"{op}: t_start and t_end are not differentiated; pass them detached")
+
+
+def check_visibility_inputs(
+    optical_depth: Any, ray_offsets: Any, early_termination: Any, weight_threshold: Any, op: str = "visible_samples"
+) -> tuple[float, float]:
+    """visible_samples' packed samples (optical_depth (N,), ray_offsets (B + 1,) int64) and its two thresholds, numbers
+    in [0, 1); returns the thresholds as floats."""
+    check_packed_samples(op, optical_depth, ray_offsets)
+    _check_numbers(
+        op, (("early_termination", early_termination, 0.0, 1.0), ("weight_threshold", weight_threshold, 0.0, 1.0))
+    )
+    return float(early_termination), float(weight_threshold)
 
 
 def check_render_offsets(optical_depth: torch.Tensor, ray_offsets: torch.Tensor, op: str = "volume_render") -> None:

@@ -3,7 +3,7 @@
 They define what the custom kernels compute, serve as the ``ops=torch`` backend of the model,
 and are what the tests compare against. Autograd differentiates them. They check their arguments with
 the wrappers' checks (``cuda_ext._checks``), so both backends reject a bad call with the same exception.
-The per-ray ops (march_rays, volume_render, distortion_loss) live in ``cuda_ext._reference_rays``.
+The per-ray ops (march_rays, volume_render, distortion_loss, visible_samples) live in ``cuda_ext._reference_rays``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ import torch.nn.functional as F
 
 from cuda_ext import _brick_checks, _checks, _step_checks
 from cuda_ext._gelu_rows_checks import check_gelu_rows_inputs
-from cuda_ext._reference_rays import OPAQUE_DEPTH, contract_points, distortion_loss, march_rays, volume_render
+from cuda_ext._reference_rays import (
+    OPAQUE_DEPTH,
+    contract_points,
+    distortion_loss,
+    march_rays,
+    visible_samples,
+    volume_render,
+)
 from cuda_ext._tv_checks import check_cell_range, check_sampled_tv_inputs
 
 __all__ = [
@@ -28,6 +35,7 @@ __all__ = [
     "gelu_rows",
     "volume_render",
     "distortion_loss",
+    "visible_samples",
     "march_rays",
     "contract_points",
     "sparse_adam_step",

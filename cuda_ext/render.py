@@ -1,7 +1,9 @@
-"""Per-ray scans of packed samples: the typed wrappers of ``torch.ops.cuda_ext.volume_render`` (compositing) and
-``torch.ops.cuda_ext.distortion_loss`` (mip-NeRF 360's regulariser on the same weights), their fake (meta) kernels,
-and their autograd through the hand-written backward kernels (csrc/render.h and csrc/distortion.h have the
-formulas; the kernels are csrc/cpu/{render,distortion}.cpp and csrc/cuda/{render,distortion}.cu).
+"""Per-ray scans of packed samples: the typed wrappers of ``torch.ops.cuda_ext.volume_render`` (compositing),
+``torch.ops.cuda_ext.distortion_loss`` (mip-NeRF 360's regulariser on the same weights) and
+``torch.ops.cuda_ext.visible_samples`` (which samples a ray still sees: the no-grad pass before compositing), their
+fake (meta) kernels, and the first two's autograd through the hand-written backward kernels (csrc/render.h,
+csrc/distortion.h and csrc/visibility.h have the formulas; the kernels are csrc/cpu/{render,distortion,visibility}.cpp
+and csrc/cuda/{render,distortion,visibility}.cu).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from cuda_ext import _step_checks
 
-__all__ = ["volume_render", "distortion_loss"]
+__all__ = ["volume_render", "distortion_loss", "visible_samples"]
 
 
 def volume_render(
@@ -129,3 +131,41 @@ def _distortion_backward(ctx: Any, grad: torch.Tensor) -> tuple:
 torch.library.register_autograd(
     "cuda_ext::distortion_loss", _distortion_backward, setup_context=_distortion_setup_context
 )
+
+
+def visible_samples(
+    optical_depth: torch.Tensor,
+    ray_offsets: torch.Tensor,
+    early_termination: float = 0.0,
+    weight_threshold: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed samples a ray still sees, and those worth a colour: early ray termination and the weight threshold
+    in one pass (the training march's no-grad pass; the survivors keep their transmittance and weight).
+
+    With S_i the sum of ``min(s_j, OPAQUE_DEPTH)`` over the samples j before i on its ray (in float64, rounded to the
+    input's dtype), sample i is alive when ``S_i < -log(early_termination)`` (always when it is 0) and shown when it
+    is alive and ``exp(-S_i) * (1 - exp(-s_i)) > weight_threshold``. A ray's alive samples are a prefix of it.
+
+    Args:
+        optical_depth: (N,) s_i >= 0 of each sample, float32 or float64.
+        ray_offsets: (B + 1,) int64, as for :func:`volume_render` (checked on the CPU; clamped on CUDA).
+        early_termination, weight_threshold: numbers in [0, 1).
+    Returns:
+        index (A,) int64: the alive samples, increasing; keep (K,) int64: the positions in ``index`` of the shown
+        samples, increasing; offsets (B + 1,) int64: ray b's alive samples are ``index[offsets[b]:offsets[b + 1]]``.
+        Not differentiable (indices). One device sync on CUDA (the outputs' sizes). Sums in another order than the
+        reference's: a sample within float rounding of a threshold may be decided the other way.
+    """
+    early_termination, weight_threshold = _step_checks.check_visibility_inputs(
+        optical_depth, ray_offsets, early_termination, weight_threshold
+    )
+    _step_checks.check_render_offsets(optical_depth, ray_offsets, "visible_samples")
+    return torch.ops.cuda_ext.visible_samples(optical_depth, ray_offsets, early_termination, weight_threshold)
+
+
+@torch.library.register_fake("cuda_ext::visible_samples")
+def _visible_samples_fake(optical_depth, ray_offsets, early_termination, weight_threshold):
+    _step_checks.check_visibility_inputs(optical_depth, ray_offsets, early_termination, weight_threshold)
+    ctx = torch.library.get_ctx()  # data-dependent: how many samples stay alive, how many are shown
+    alive, shown = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    return ray_offsets.new_empty((alive,)), ray_offsets.new_empty((shown,)), torch.empty_like(ray_offsets)

@@ -28,7 +28,7 @@ EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2
 FAMILIES = {  # swapped by the family's key
     "gelu": ("gelu_rows",),
     "sparse_adam_step": ("adam_replay_rows", "masked_adam_step"),
-    "volume_render": ("distortion_loss",),
+    "volume_render": ("distortion_loss", "visible_samples"),
 }
 
 
@@ -43,7 +43,9 @@ class OpSet:
       gelu(x + rows[index])`` (the same backend: ``ops.gelu``)
     - ``volume_render(optical_depth (N,), values (N,C), t (N,), ray_offsets (B+1,), early_stop) ->
       (values (B,C), opacity (B,), depth (B,))``; ``distortion_loss(optical_depth (N,), t_start (N,), t_end (N,),
-      ray_offsets (B+1,)) -> (B,)`` (the regulariser on the same weights; the same backend: ``ops.volume_render``)
+      ray_offsets (B+1,)) -> (B,)`` (the regulariser on the same weights); ``visible_samples(optical_depth (N,),
+      ray_offsets (B+1,), early_termination, weight_threshold) -> (index (A,), keep (K,), offsets (B+1,))`` (the
+      samples a ray still sees, and those worth a colour); the same backend: ``ops.volume_render``
     - ``march_rays(origins, directions (B,3), t_start, t_end, offset (B,), occupancy (R0,R1,R2) bool, box (2,3),
       step, max_samples) -> (ray (N,), t (N,), points (N,3) in [-1,1], ray_offsets (B+1,))``
     - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``,
@@ -64,6 +66,7 @@ class OpSet:
     gelu_rows: Callable[..., torch.Tensor]
     volume_render: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     distortion_loss: Callable[..., torch.Tensor]
+    visible_samples: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     march_rays: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     sparse_adam_step: Callable[..., None]
     masked_adam_step: Callable[..., None]

@@ -76,15 +76,6 @@ class PackedSamples:
         return self.ray.shape[0]
 
 
-def compact(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """The (count,) increasing indices of the True entries of the (N,) bool ``mask``, whose number ``count`` the
-    caller already has on the host: nonzero() without its device sync (a cumsum and a scatter; the unselected
-    entries all land in one spare slot that is dropped)."""
-    slot = torch.where(mask, torch.cumsum(mask, 0) - 1, count)
-    index = torch.empty(count + 1, dtype=torch.int64, device=mask.device)
-    return index.scatter_(0, slot, torch.arange(mask.shape[0], device=mask.device))[:count]
-
-
 def ray_offsets(ray: torch.Tensor, num_rays: int) -> torch.Tensor:
     """(B + 1,) int64 offsets of (N,) ray ids grouped contiguously (sorted): ray b owns samples
     [offsets[b], offsets[b + 1]) (march_rays' ``ray_offsets``). searchsorted, unlike bincount, needs no host sync."""
@@ -192,7 +183,6 @@ __all__ = [
     "ray_offsets",
     "segment_sum",
     "survivors_and_weights",
-    "compact",
     "compositing_weights",
     "transmittance_above",
     "accumulate",

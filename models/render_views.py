@@ -30,7 +30,7 @@ from models.decoder import DIFFUSE_CHANNELS
 from models.field import optical_depth
 from models.pose_refinement import points_with_ray_gradients
 from models.regularizers import RenderedSamples
-from models.render import PackedSamples, compact, ray_offsets, survivors_and_weights
+from models.render import PackedSamples, survivors_and_weights
 
 if TYPE_CHECKING:  # models.model imports this module
     from models.model import VoxelNeRF
@@ -120,17 +120,17 @@ def march(
         # transmittance) and skip the colour of samples that barely show (DVGO's fast_color_thres)
         with torch.no_grad():
             depth = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
-            alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
-            shows = (weights > c.weight_threshold) & alive
             if model.fine.collecting and model.training:  # where the fine grid's bricks will go
+                alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
                 model.fine.collect(samples.points[(weights >= c.fine.min_weight) & alive], model.grid_shape)
-            alive_count, shown_count = torch.stack([alive.sum(), shows.sum()]).tolist()  # the pass's one sync
+            # the pass's one sync: the survivors (a prefix of each ray) and the shown ones among them
+            index, shown, alive_offsets = model.ops.visible_samples(
+                depth, offsets, c.early_termination, c.weight_threshold
+            )
             if c.early_termination > 0:
-                index = compact(alive, alive_count)
-                samples, shows = samples.take(index), shows[index]
+                samples, offsets = samples.take(index), alive_offsets
                 step_scale = step_scale[index] if isinstance(step_scale, torch.Tensor) else step_scale
-                offsets = ray_offsets(samples.ray, num_rays)
-            keep = compact(shows, shown_count) if c.weight_threshold > 0 else None
+            keep = shown if c.weight_threshold > 0 else None
     if model.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
         model.touched.mark_points(samples.points, model.grid_shape)
     # refined poses: the points move with their rays (same values; the gradient of o + t d)
@@ -163,7 +163,7 @@ def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tenso
     dict(diffuse (B, 3), features (B, F-3) (B, 0) per sample, depth (B,) = sum w t, opacity (B,) = sum w).
 
     Samples at interval midpoints in occupied cells (``march_rays``), each sample's density looked up once, the
-    survivors of early termination and the weight threshold found in one scan (models.render), only those
+    survivors of early termination and the weight threshold found in one scan (``ops.visible_samples``), only those
     decoded (the decoder in the config's precision); the rest keep attenuating their ray with zero colour, as in
     ``march``. Equal to ``march`` up to float rounding (the same compositing op over the same optical depths)."""
     c, space = model.config, model.space
@@ -177,9 +177,9 @@ def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tenso
     )
     step_scale = space.sample_steps(t, ray, t_split, step / model.base_voxel, model.extent)
     sigma_delta = optical_depth(model.query_density(points), c.density_shift, step_scale)
-    alive, weights = survivors_and_weights(sigma_delta, ray, num_rays, c.early_termination)
-    shows = alive & (weights > c.weight_threshold)  # the samples worth a colour
-    keep = compact(shows, int(shows.sum()))  # the pass's one sync: how many samples the decoder gets
+    # the pass's one sync: the samples worth a colour (alive and above the weight threshold), how many
+    alive, shown, _ = model.ops.visible_samples(sigma_delta, offsets, c.early_termination, c.weight_threshold)
+    keep = alive[shown]
     shown = [_shade(model, points[part], directions, ray[part]) for part in keep.split(DECODE_SLICE)]
     shown = shown[0] if len(shown) == 1 else torch.cat(shown)  # one slice: no copy
     values = shown.new_zeros(len(t), shown.shape[1]).index_copy(0, keep, shown)

@@ -182,18 +182,6 @@ def test_the_model_marches_the_same_samples_with_either_backend():
         assert torch.equal(outs[0][key], outs[1][key]), key
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fraction", [0.0, 0.03, 0.5, 1.0])
-def test_compact_equals_nonzero_without_a_sync(device, fraction):
-    """models.render.compact: the model's sample selection after marching (early termination, shaded samples)."""
-    from models.render import compact
-
-    generator = torch.Generator().manual_seed(8)
-    mask = (torch.rand(10_001, generator=generator) < fraction).to(device)
-    count = int(mask.sum())
-    assert torch.equal(compact(mask, count), mask.nonzero().squeeze(1))
-
-
 @pytest.mark.parametrize("space", SPACES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -56,6 +56,12 @@ std::tuple<at::Tensor, at::Tensor> volume_render_backward_cpu(
     const at::Tensor& optical_depth, const at::Tensor& values, const at::Tensor& t, const at::Tensor& ray_offsets,
     const at::Tensor& out, const at::Tensor& opacity, const at::Tensor& depth, double early_stop);
 
+// visible_samples: the packed samples a ray still sees (early termination) and those worth a colour (weight
+// threshold) -> (index (A,), keep (K,) positions in index, offsets (B + 1,) of the alive samples per ray).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> visible_samples_cpu(const at::Tensor& optical_depth,
+                                                                   const at::Tensor& ray_offsets,
+                                                                   double early_termination, double weight_threshold);
+
 // march_rays: packed samples of (B, 3) rays where the (R0, R1, R2) occupancy grid is set -> (ray (N,),
 // t (N,), points (N, 3) in grid coordinates, ray_offsets (B + 1,)); t_split given: the contracted space.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
@@ -110,6 +116,9 @@ std::tuple<at::Tensor, at::Tensor> volume_render_backward_cuda(
     const at::Tensor& grad_values, const at::Tensor& grad_opacity, const at::Tensor& grad_depth,
     const at::Tensor& optical_depth, const at::Tensor& values, const at::Tensor& t, const at::Tensor& ray_offsets,
     const at::Tensor& out, const at::Tensor& opacity, const at::Tensor& depth, double early_stop);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> visible_samples_cuda(const at::Tensor& optical_depth,
+                                                                    const at::Tensor& ray_offsets,
+                                                                    double early_termination, double weight_threshold);
 at::Tensor trilinear_interpolate_cuda(const at::Tensor& feats, const at::Tensor& points);
 std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cuda(const at::Tensor& grad_out,
                                                                        const at::Tensor& feats,

@@ -50,6 +50,9 @@ TORCH_LIBRARY(cuda_ext, m) {
       "distortion_loss_backward(Tensor grad, Tensor optical_depth, Tensor t_start, Tensor t_end, "
       "Tensor ray_offsets) -> Tensor");
   m.def(
+      "visible_samples(Tensor optical_depth, Tensor ray_offsets, float early_termination, float weight_threshold) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
       "march_rays(Tensor origins, Tensor directions, Tensor t_start, Tensor t_end, Tensor offset, "
       "Tensor occupancy, Tensor box, float step, int max_samples, Tensor? t_split=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
@@ -84,6 +87,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cpu);
   m.impl("distortion_loss", &cuda_ext::distortion_loss_cpu);
   m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cpu);
+  m.impl("visible_samples", &cuda_ext::visible_samples_cpu);
   m.impl("march_rays", &cuda_ext::march_rays_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
   m.impl("masked_adam_step", &cuda_ext::masked_adam_step_cpu);
@@ -109,6 +113,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("volume_render_backward", &cuda_ext::volume_render_backward_cuda);
   m.impl("distortion_loss", &cuda_ext::distortion_loss_cuda);
   m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cuda);
+  m.impl("visible_samples", &cuda_ext::visible_samples_cuda);
   m.impl("march_rays", &cuda_ext::march_rays_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
   m.impl("masked_adam_step", &cuda_ext::masked_adam_step_cuda);
