@@ -9,7 +9,7 @@ import torch
 from test_model import TORCH_OPS
 
 from models import build_ops
-from models.decoder import Decoder, SampleDecoder, gather_rows, padded_rows
+from models.decoder import Decoder, SampleDecoder, gather_rows, linear_aligned, padded_rows
 
 GELU = "tanh"
 
@@ -37,13 +37,16 @@ def _concatenated(decoder, rows: torch.Tensor, directions: torch.Tensor, image_i
 @pytest.mark.parametrize("encoding", ["pe3", "sh2", "none"])
 @pytest.mark.parametrize("layers", [0, 2])
 @pytest.mark.parametrize("appearance", ["none", "embedding"])
-def test_per_sample_decoder_equals_the_mlp_on_concatenated_inputs(gen, encoding, layers, appearance):
-    decoder = _decoder(SampleDecoder, 13, layers, encoding, appearance, gen)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
+def test_per_sample_decoder_equals_the_mlp_on_concatenated_inputs(gen, encoding, layers, appearance, device):
+    """On CUDA the GEMMs' rows are padded to 16 bytes (linear_aligned): the same function."""
+    decoder = _decoder(SampleDecoder, 13, layers, encoding, appearance, gen).to(device)
     rays, samples = 7, 40
-    features = torch.randn(samples, 13, generator=gen, dtype=torch.float64)
+    features = torch.randn(samples, 13, generator=gen, dtype=torch.float64).to(device)
     directions = torch.nn.functional.normalize(torch.randn(rays, 3, generator=gen, dtype=torch.float64), dim=-1)
-    ray = torch.randint(0, rays, (samples,), generator=gen)
-    views = torch.randint(0, 4, (rays,), generator=gen) if appearance == "embedding" else None
+    directions = directions.to(device)
+    ray = torch.randint(0, rays, (samples,), generator=gen).to(device)
+    views = torch.randint(0, 4, (rays,), generator=gen).to(device) if appearance == "embedding" else None
     out = decoder(features, directions, ray, views)
     per_sample_views = None if views is None else views[ray]
     want = torch.sigmoid(features[:, :3] + _concatenated(decoder, features, directions[ray], per_sample_views))
@@ -65,6 +68,22 @@ def test_per_pixel_decoder_equals_the_mlp_on_concatenated_inputs(gen, encoding):
     residual = _concatenated(decoder, torch.cat([diffuse, features], dim=1), directions, views)
     want = diffuse + opacity[:, None] * residual
     torch.testing.assert_close(decoder(diffuse, features, opacity, directions, views), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("k, m", [(21, 256), (256, 3), (12, 5), (16, 8)])
+def test_linear_aligned_is_linear_on_cuda(gen, k, m):
+    """Zero-padded K and M (to multiples of 8) change no value and no gradient; the output has M columns."""
+    inputs = [torch.randn(*shape, generator=gen, dtype=torch.float64).cuda() for shape in ((37, k), (m, k), (m,))]
+    got_grads, want_grads = [], []
+    for fn, grads in ((linear_aligned, got_grads), (torch.nn.functional.linear, want_grads)):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = fn(*leaves)
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64, device="cuda").reshape(out.shape))
+        grads += [out.detach(), *(leaf.grad for leaf in leaves)]
+    assert got_grads[0].shape == (37, m)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_gather_rows_is_indexing_with_a_float32_sum_backward(gen):
