@@ -178,8 +178,8 @@ def infer_march(model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tenso
     step_scale = space.sample_steps(t, ray, t_split, step / model.base_voxel, model.extent)
     sigma_delta = optical_depth(model.query_density(points), c.density_shift, step_scale)
     # the pass's one sync: the samples worth a colour (alive and above the weight threshold), how many
-    alive, shown, _ = model.ops.visible_samples(sigma_delta, offsets, c.early_termination, c.weight_threshold)
-    keep = alive[shown]
+    alive, among, _ = model.ops.visible_samples(sigma_delta, offsets, c.early_termination, c.weight_threshold)
+    keep = alive[among]
     shown = [_shade(model, points[part], directions, ray[part]) for part in keep.split(DECODE_SLICE)]
     shown = shown[0] if len(shown) == 1 else torch.cat(shown)  # one slice: no copy
     values = shown.new_zeros(len(t), shown.shape[1]).index_copy(0, keep, shown)
