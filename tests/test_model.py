@@ -456,6 +456,28 @@ def test_weight_threshold_skips_only_faint_colours():
     assert 0 < changed <= threshold * model.config.max_samples  # each skipped sample adds < threshold * colour
 
 
+@pytest.mark.parametrize("early, threshold", [(1e-2, 1e-3), (0.0, 1e-3), (1e-2, 0.0)])
+def test_the_march_keeps_the_samples_the_reference_pass_keeps(early, threshold):
+    """Training's march through ``ops.visible_samples``' kernel keeps, shades and composites what it does through the
+    reference (the former Python pass), in float64: same sample count, same channels, same gradients."""
+    model = make_model(early_termination=early, weight_threshold=threshold).double()
+    randomize_density(model, mean=2.0, std=6.0)
+    kernel = copy.deepcopy(model)
+    kernel.ops = build_ops(TORCH_OPS | {"volume_render": "custom"})  # the family: visible_samples too
+    origins, directions = (x.double() for x in rays_towards_centre(200, seed=12))
+    outs, grads = [], []
+    for each in (model, kernel):
+        out = each.march(origins, directions, jitter=False)
+        (out["diffuse"].sum() + out["opacity"].sum()).backward()
+        outs.append(out)
+        grads.append(each.density.grid.grad)
+    assert int(outs[0]["samples"]) == int(outs[1]["samples"]) > 0
+    for key in ("diffuse", "features", "depth", "opacity"):
+        torch.testing.assert_close(outs[1][key], outs[0][key], rtol=1e-12, atol=1e-12, msg=key)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+    assert grads[0].abs().sum() > 0
+
+
 # ---------------------------------------------------------------------------------------------- growth and state
 def smooth_field(model: VoxelNeRF) -> None:
     """Smooth (low-frequency) values in both grids, so resampling them is nearly exact."""
