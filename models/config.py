@@ -141,6 +141,9 @@ def check_model_config(c: ModelConfig) -> None:
     _number_in("occupancy.threshold", c.occupancy.threshold, 0.0, 1.0)
     for key in ("early_termination", "weight_threshold", "tv_until", "shrink_threshold"):
         _number_in(key, getattr(c, key), 0.0, 1.0)
+    for key in ("early_termination", "weight_threshold"):  # at 1 no sample would be kept or shaded
+        if getattr(c, key) >= 1.0:
+            raise ValueError(f"model.{key}: must be in [0, 1), got {getattr(c, key)!r}")
     for key in ("tv_density", "tv_features", "tv_background"):
         _number_in(key, getattr(c, key), 0.0)
     if len(c.background) != 3 or not all(0.0 <= v <= 1.0 for v in c.background):

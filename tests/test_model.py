@@ -143,6 +143,8 @@ def test_build_ops_rejects_bad_config(ops_cfg, key):
         ("resolution_start", 64, "model.resolution_start"),
         ("background", [1.0, 1.0], "model.background"),
         ("step_ratio", "big", "model.step_ratio"),
+        ("early_termination", 1.0, r"model.early_termination: must be in \[0, 1\)"),
+        ("weight_threshold", 1.0, r"model.weight_threshold: must be in \[0, 1\)"),
     ],
 )
 def test_bad_model_config_names_the_key(key, value, message):
