@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model import TORCH_OPS
+from test_model import TORCH_OPS, make_model
 
 from models import build_ops
 from models.decoder import Decoder, SampleDecoder, gather_rows, linear_aligned, padded_rows
@@ -137,3 +137,47 @@ def test_per_sample_decoder_gradients(gen):
     out = decoder(features, directions, ray, views)
     out.square().sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in decoder.parameters())
+
+
+# ------------------------------------------------------------------ decoder precision
+def _decoders(device: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    from models.decoder import SampleDecoder
+
+    ops = build_ops(TORCH_OPS | {"gelu": "custom"})
+    torch.manual_seed(0)
+    full = SampleDecoder(12, 64, 2, "pe3", "none", ops, "float32").to(device)
+    torch.nn.init.normal_(full.out.weight, std=0.1)  # the last layer starts at zero: make it show
+    half = SampleDecoder(12, 64, 2, "pe3", "none", ops, "bfloat16").to(device)
+    half.load_state_dict(full.state_dict())
+    return full, half
+
+
+def _decode(decoder: torch.nn.Module, device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(500, 12, generator=generator).to(device).requires_grad_()
+    directions = torch.nn.functional.normalize(torch.randn(500, 3, generator=generator), dim=-1).to(device)
+    out = decoder(features, directions)
+    out.square().sum().backward()
+    return out, [features.grad, *(p.grad for p in decoder.parameters())]
+
+
+def test_bfloat16_decoder_is_float32_on_the_cpu():
+    full, half = _decoders("cpu")
+    (out_full, grads_full), (out_half, grads_half) = _decode(full, "cpu"), _decode(half, "cpu")
+    assert torch.equal(out_full, out_half)
+    assert all(torch.equal(a, b) for a, b in zip(grads_full, grads_half))
+
+
+@pytest.mark.requires_cuda
+def test_bfloat16_decoder_is_close_to_float32_on_cuda_with_float32_outputs_and_gradients():
+    full, half = _decoders("cuda")
+    (out_full, grads_full), (out_half, grads_half) = _decode(full, "cuda"), _decode(half, "cuda")
+    assert out_half.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads_half)
+    assert (out_half - out_full).abs().max() < 2e-2
+    for a, b in zip(grads_full, grads_half):
+        assert (a - b).norm() <= 0.05 * a.norm() + 1e-6
+
+
+def test_decoder_precision_is_checked():
+    with pytest.raises(ValueError, match="model.decoder_precision"):
+        make_model(decoder_precision="float16")
