@@ -246,7 +246,7 @@ def test_rng_capture_restore_reproduces_random_numbers(tmp_path, through_disk):
     assert _draw_numbers() == first
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires_cuda
 def test_rng_capture_restore_cuda():
     state = capture_rng_state()
     assert len(state["cuda"]) == torch.cuda.device_count()

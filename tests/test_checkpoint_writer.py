@@ -127,7 +127,7 @@ def test_an_exiting_interpreter_finishes_the_write_in_flight(tmp_path):
     assert load_checkpoint(tmp_path / "last.pt")["version"] == 7
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires_cuda
 def test_cuda_snapshot_is_copied_on_its_own_stream_and_isolated(tmp_path):
     weights = torch.randn(1 << 24, device="cuda")
     expected = weights.cpu()

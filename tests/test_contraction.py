@@ -175,7 +175,7 @@ def test_march_range_uses_the_host_extent(contract):
     assert first[3] != second[3]  # the count: from the extent given
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires_cuda
 @pytest.mark.parametrize("contract", ["none", "inf"])
 def test_march_range_makes_no_device_sync(contract):
     space = SceneSpace(contract)

@@ -31,7 +31,7 @@ from data.cameras import look_at
 from data.synthetic import CAMERA_ANGLE_X, intersect, scene_sdf
 
 SIZE = 24
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)]
 
 
 @pytest.fixture(scope="session")

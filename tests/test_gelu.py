@@ -6,7 +6,7 @@ import torch
 import cuda_ext
 from cuda_ext import reference
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+requires_cuda = pytest.mark.requires_cuda  # conftest: skipped without a GPU or without the CUDA kernels
 
 MODES = ["none", "tanh"]
 SHAPES = [(), (1,), (7,), (1023,), (33, 17), (2, 3, 4, 5)]

@@ -8,7 +8,7 @@ import torch
 import cuda_ext
 from cuda_ext import reference
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+requires_cuda = pytest.mark.requires_cuda  # conftest: skipped without a GPU or without the CUDA kernels
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 MODES = ["none", "tanh"]
 

@@ -110,7 +110,7 @@ def test_ssim_falls_as_noise_grows():
     assert scores[0] > scores[1] > scores[2]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.requires_cuda
 def test_ssim_and_psnr_on_cuda_match_cpu():
     rng = np.random.default_rng(5)
     a, b = torch.from_numpy(rng.random((32, 36, 3))), torch.from_numpy(rng.random((32, 36, 3)))
@@ -162,7 +162,7 @@ def test_window_filter_paths_agree(name, a, b):
     assert (banded[..., 0, 0] - (maps[..., :11, :11] * box[:, None] * box).sum((-1, -2))).abs().max() > 1e-4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.requires_cuda
 def test_ssim_on_cuda_equals_cpu():
     a, b = (torch.from_numpy(image) for image in list(_image_pairs())[1][1:])
     assert ssim(a.cuda(), b.cuda()) == pytest.approx(ssim(a, b), abs=1e-12)

@@ -8,7 +8,7 @@ import torch
 import cuda_ext
 from cuda_ext import reference
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+requires_cuda = pytest.mark.requires_cuda  # conftest: skipped without a GPU or without the CUDA kernels
 
 # (B, C, H, W): odd sizes, H != W, single rows/columns (the clamped edges), one plane.
 SHAPES = [(2, 3, 5, 7), (1, 2, 1, 1), (1, 1, 1, 9), (3, 2, 8, 3), (1, 4, 13, 6), (2, 1, 2, 2)]
