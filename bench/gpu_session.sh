@@ -28,6 +28,11 @@
 #                channels -> $OUT/grid_channels.json, .md
 # exchange:   bench/bench_grad_exchange.py on every GPU of the machine (torchrun): the grids' gradient exchange,
 #             dense / touched rows / occupied rows, -> $OUT/grad_exchange.json ($EXCHANGE_ARGS: e.g. --occupied 0.05)
+# ab:         the code against a baseline on one machine (times compare only within one call): each line of $AB_RUNS
+#             ("name|tree|scene|experiment|overrides", tree "new" = this checkout, "old" = the Python tree of
+#             $AB_OLD_TGZ, made with `git archive BASE | gzip > FILE`, run with this build's extension: the old Python
+#             must not need an op this build lacks) trains `+experiment=experiment data.root=scene`, alone, in order
+#             -> $OUT/ab/<name>/metrics.json; interleave old and new lines so drift on the host hits both
 # kernels:    bench/kernel_profile.py: torch.profiler over 30 steps from $KERNELS_FIRST (2800) of the
 #             +experiment=$KERNELS_EXPERIMENT (blender) run on $KERNELS_DATA (lego) -> $OUT/kernel_profile.txt
 # syncs:      bench/step_syncs.py: the device syncs of lego preset steps 300-319, by site -> $OUT/step_syncs.json
@@ -122,6 +127,16 @@ for s in "${stages[@]}"; do
     exchange) stage grad_exchange python3 -m torch.distributed.run --standalone \
       --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_grad_exchange.py --json "$OUT/grad_exchange.json" \
       ${EXCHANGE_ARGS:-} ;;
+    ab)
+      mkdir -p /tmp/ab_old && tar -xzf "${AB_OLD_TGZ:?ab: set AB_OLD_TGZ}" -C /tmp/ab_old
+      cp cuda_ext/_C*.so cuda_ext/_build_config.py /tmp/ab_old/cuda_ext/
+      while IFS='|' read -r name tree scene experiment overrides; do
+        [ -z "$name" ] && continue
+        dir=$PWD; [ "$tree" = old ] && dir=/tmp/ab_old
+        # shellcheck disable=SC2086  # the overrides are words
+        stage "ab_$name" env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH:-}" python3 train.py +experiment="$experiment" \
+          data.root="$(realpath "$scene")" hydra.run.dir="$OUT/ab/$name" train.turntable_frames=0 $overrides
+      done <"${AB_RUNS:?ab: set AB_RUNS}" ;;
     variants)
       args=(); IFS=';' read -ra specs <<<"${VARIANTS:-base=}"
       for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
