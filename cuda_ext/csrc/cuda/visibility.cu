@@ -1,11 +1,12 @@
 // visible_samples on CUDA: one warp per ray, two passes (visibility.h has the rule).
 //
 // Each pass walks the ray in chunks of 32 consecutive samples, one per lane, as volume_render does: a warp scan
-// of the clamped optical depths (in float64, as the reference's sums) gives each lane the depth before it. Its
-// alive samples are a prefix of the ray, so a chunk's alive lanes are its first ones; a ballot counts them and the
-// shown ones (first pass) and, through the lanes below, gives each shown sample its slot (second pass). The ray
-// stops at the first chunk that ends it or holds a dead sample. Between the passes an inclusive sum of the counts
-// gives the offsets, and one device-to-host copy of the two totals sizes the outputs (the op's one sync).
+// of the clamped optical depths (in float64, as the reference's sums) gives each lane the depth before it. A ray's
+// alive samples are those before its first dead one, so a chunk's alive lanes are its first ones; a ballot counts
+// them and the shown ones (first pass) and, through the lanes below, gives each shown sample its slot (second
+// pass). The ray stops at the first chunk that ends it or holds a dead sample. Between the passes an inclusive sum
+// of the counts gives the offsets, and one device-to-host copy of the two totals sizes the outputs (the op's one
+// sync).
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -38,16 +39,20 @@ __global__ void __launch_bounds__(kBlockThreads)
     const scalar_t s = valid ? sd[i] : scalar_t(0);
     const double inclusive = warp_inclusive_scan(valid ? fmin(double(s), kOpaqueDepth) : 0.0, lane);
     const scalar_t above = static_cast<scalar_t>(carry + warp_exclusive_from(inclusive, lane));
-    const bool is_alive = valid && above < limit;
+    // the lanes before the first dead one: the scan's tree sums can step back by an ulp where a term is ~0, so a
+    // lane past a dead one could test alive again; the ray ends at its first dead sample, as in the CPU loop
+    const unsigned dead_lanes = __ballot_sync(kAll, !(valid && above < limit));
+    const unsigned alive_lanes = dead_lanes ? (1u << (__ffs(dead_lanes) - 1)) - 1u : kAll;
+    const bool is_alive = (alive_lanes >> lane) & 1u;
     const bool is_shown = is_alive && exp_of(-above) * -expm1_of(-s) > threshold;
-    const unsigned alive_lanes = __ballot_sync(kAll, is_alive), shown_lanes = __ballot_sync(kAll, is_shown);
+    const unsigned shown_lanes = __ballot_sync(kAll, is_shown);
     if (kWrite) {
       if (is_alive) index[a + lane] = i;  // the alive lanes are the chunk's first
       if (is_shown) keep[k + __popc(shown_lanes & ((1u << lane) - 1u))] = a + lane;
     }
     a += __popc(alive_lanes);
     k += __popc(shown_lanes);
-    if (!(alive_lanes >> (kWarp - 1))) break;  // the ray ended in this chunk, or a sample died: the rest is dead
+    if (dead_lanes) break;  // the ray ended in this chunk, or a sample died: the rest is dead
     carry += __shfl_sync(kAll, inclusive, kWarp - 1);
   }
   if (!kWrite && lane == 0) {
