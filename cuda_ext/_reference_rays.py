@@ -120,23 +120,28 @@ def visible_samples(
     early_termination: float = 0.0,
     weight_threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """cuda_ext.visible_samples with torch ops: each sample's exclusive per-ray sum S_i of clamped optical depths from
-    one float64 running sum (the difference at the ray's first sample, rounded to the input's type), alive where
-    S_i < -log(early_termination), shown where also exp(-S_i) (1 - exp(-s_i)) > weight_threshold; the alive samples
-    and the shown ones' positions among them by nonzero()."""
+    """cuda_ext.visible_samples with torch ops: each sample's exclusive per-ray sum S_i of clamped optical depths
+    (:func:`_ray_exclusive`), alive where S_i < -log(early_termination), shown where also
+    exp(-S_i) (1 - exp(-s_i)) > weight_threshold; the alive samples and the shown ones' positions among them by
+    nonzero(). A sample in no ray (offsets not covering [0, N): CUDA does not check them) is never alive."""
     early_termination, weight_threshold = _step_checks.check_visibility_inputs(
         optical_depth, ray_offsets, early_termination, weight_threshold
     )
     _step_checks.check_render_offsets(optical_depth, ray_offsets, "visible_samples")
-    n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
-    ray = torch.searchsorted(ray_offsets, torch.arange(n, device=optical_depth.device), right=True) - 1
-    running = torch.cumsum(torch.nn.functional.pad(optical_depth.clamp(max=OPAQUE_DEPTH).double(), (1, 0)), 0)
-    above = (running[:-1] - running[ray_offsets[ray.clamp(0, max(rays - 1, 0))]]).to(optical_depth.dtype)
-    alive = above < -math.log(early_termination) if early_termination > 0 else torch.ones_like(above, dtype=torch.bool)
+    ray, inside = _sample_rays(optical_depth, ray_offsets)
+    above = _ray_exclusive(optical_depth.clamp(max=OPAQUE_DEPTH), ray_offsets, ray)
+    alive = inside & (above < -math.log(early_termination)) if early_termination > 0 else inside
     shown = alive & (torch.exp(-above) * -torch.expm1(-optical_depth) > weight_threshold)
     index = alive.nonzero()[:, 0]
-    per_ray = torch.bincount(ray[index], minlength=rays) if rays > 0 else ray_offsets.new_zeros(0)
+    per_ray = torch.bincount(ray[index], minlength=ray_offsets.shape[0] - 1)
     return index, shown[index].nonzero()[:, 0], torch.nn.functional.pad(per_ray.cumsum(0), (1, 0))
+
+
+def _sample_rays(optical_depth: torch.Tensor, ray_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) ray of each packed sample, clamped to [0, B), and (N,) bool: the sample is in a ray at all."""
+    n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
+    ray = torch.searchsorted(ray_offsets, torch.arange(n, device=optical_depth.device), right=True) - 1
+    return ray.clamp(0, max(rays - 1, 0)), (ray >= 0) & (ray < rays)
 
 
 def _packed_weights(
@@ -145,10 +150,7 @@ def _packed_weights(
     """(N,) ray of each sample (clamped to [0, B)) and (N,) compositing weights w_i = T_i (1 - exp(-s_i)), with
     T_i = exp(-sum of the ray's s_j before i) (each s_j clamped to :data:`OPAQUE_DEPTH`, where T is 0 already); zero
     where T_i < early_stop or the sample is in no ray."""
-    n, rays = optical_depth.shape[0], ray_offsets.shape[0] - 1
-    ray = torch.searchsorted(ray_offsets, torch.arange(n, device=optical_depth.device), right=True) - 1
-    inside = (ray >= 0) & (ray < rays)
-    ray = ray.clamp(0, max(rays - 1, 0))
+    ray, inside = _sample_rays(optical_depth, ray_offsets)
     s = torch.where(inside, optical_depth, torch.zeros_like(optical_depth))
     transmittance = torch.exp(-_ray_exclusive(s.clamp(max=OPAQUE_DEPTH), ray_offsets, ray))
     keep = inside & (transmittance >= early_stop) if early_stop > 0 else inside
