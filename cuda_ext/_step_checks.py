@@ -11,6 +11,7 @@ import torch
 from cuda_ext._checks import (
     _FULL_DTYPES,
     _shape,
+    check_bool,
     check_device,
     check_int,
     check_same_device_and_dtype,
@@ -195,11 +196,13 @@ def check_masked_adam_inputs(
     beta1: Any,
     beta2: Any,
     eps: Any,
+    clear_grad: Any = False,
     op: str = "masked_adam_step",
 ) -> None:
-    """param, grad, exp_avg, exp_avg_sq (M, C) as sparse_adam_step's; the numbers as its."""
+    """param, grad, exp_avg, exp_avg_sq (M, C) as sparse_adam_step's; the numbers as its; clear_grad a bool."""
     _check_row_state(op, param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     _check_adam_numbers(op, step, lr, beta1, beta2, eps)
+    check_bool(op, "clear_grad", clear_grad)
 
 
 def _check_adam_numbers(op: str, step: Any, lr: Any, beta1: Any, beta2: Any, eps: Any) -> None:

@@ -82,6 +82,7 @@ def masked_adam_step(
     beta1: float,
     beta2: float,
     eps: float,
+    clear_grad: bool = False,
 ) -> None:
     """One Adam step on the elements of ``param`` whose gradient is non-zero, in place (DirectVoxGO's masked Adam).
 
@@ -97,19 +98,21 @@ def masked_adam_step(
         grad: (M, C) contiguous, param's dtype and device.
         step: the step number after this update, an int >= 1 (bias correction); lr: a number >= 0;
             beta1, beta2: numbers in [0, 1); eps: a number > 0.
+        clear_grad: leave ``grad`` zero everywhere (written only where it was not: on CUDA the touched packs), so
+            the next step's lookups can add onto it (their ``grad_into``) instead of a freshly filled tensor.
     Raises:
         TypeError: an argument of the wrong type, a dtype other than float32/float64, mixed dtypes.
         ValueError: a shape, device or contiguity mismatch, a value out of its range.
     """
-    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
+    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
     torch.ops.cuda_ext.masked_adam_step(
-        param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps)
+        param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps), clear_grad
     )
 
 
 @torch.library.register_fake("cuda_ext::masked_adam_step")
-def _masked_adam_step_fake(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps) -> None:
-    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
+def _masked_adam_step_fake(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad=False) -> None:
+    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
 
 
 def adam_replay_rows(

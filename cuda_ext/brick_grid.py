@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from cuda_ext import _brick_checks
-from cuda_ext.trilinear import _backward_outputs, _refuse_double_backward
+from cuda_ext import _brick_checks, _checks
+from cuda_ext.kept_grad import is_kept
+from cuda_ext.trilinear import _backward_outputs, _refuse_double_backward, into_kept_grad
 
 __all__ = ["brick_grid_interpolate"]
 
@@ -73,9 +74,11 @@ def _brick_grid_backward_fake(
     brick: int,
     values_requires_grad: bool,
     points_requires_grad: bool,
+    grad_into: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _brick_checks.check_brick_grid_backward_inputs(grad_out, values, table, points, shape, brick)
-    return _backward_outputs(values, points, values_requires_grad, points_requires_grad)
+    _checks.check_grad_into("brick_grid_interpolate_backward", grad_into, values, "values", values_requires_grad)
+    return _backward_outputs(values, points, values_requires_grad, points_requires_grad, grad_into)
 
 
 # ----------------------------------------------------------------------------------------------- autograd
@@ -85,16 +88,19 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     values, table, points, shape, brick = inputs
     ctx.save_for_backward(values, table, points)
     ctx.shape, ctx.brick = shape, brick
+    ctx.kept = values if is_kept(values) else None  # its .grad is added onto in place (cuda_ext.kept_grad)
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
     values, table, points = ctx.saved_tensors
     _refuse_double_backward("brick_grid_interpolate", grad_out, values, points)
     needs_values, needs_points = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    into = into_kept_grad(ctx, needs_values)
     grad_values, grad_points = _OPS.brick_grid_interpolate_backward(
-        grad_out, values, table, points, ctx.shape, ctx.brick, needs_values, needs_points
+        grad_out, values, table, points, ctx.shape, ctx.brick, needs_values, needs_points, into
     )
-    return (grad_values if needs_values else None), None, (grad_points if needs_points else None), None, None
+    values_grad = grad_values if needs_values and into is None else None
+    return values_grad, None, (grad_points if needs_points else None), None, None
 
 
 torch.library.register_autograd("cuda_ext::brick_grid_interpolate", _backward, setup_context=_setup_context)

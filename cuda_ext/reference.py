@@ -214,12 +214,15 @@ def masked_adam_step(
     beta1: float,
     beta2: float,
     eps: float,
+    clear_grad: bool = False,
 ) -> None:
     """torch.optim.Adam's update on the elements of (M, C) ``param`` whose gradient is non-zero, in place; the
     elements with a zero gradient untouched (value and moments): :func:`sparse_adam_step`'s ops on the gathered
-    elements, scattered back."""
-    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)
+    elements, scattered back. ``clear_grad``: then ``grad`` zeroed."""
+    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
     _adam_at(param, grad, exp_avg, exp_avg_sq, grad != 0, step, lr, beta1, beta2, eps)  # NaN != 0: stepped
+    if clear_grad:
+        grad.zero_()
 
 
 @torch.no_grad()

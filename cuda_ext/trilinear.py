@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from cuda_ext import _checks
+from cuda_ext.kept_grad import grad_target, is_kept
 
 __all__ = ["trilinear_interpolate", "grid_interpolate"]
 
@@ -70,10 +71,16 @@ def grid_interpolate(grid: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_outputs(
-    values: torch.Tensor, points: torch.Tensor, values_requires_grad: bool, points_requires_grad: bool
+    values: torch.Tensor,
+    points: torch.Tensor,
+    values_requires_grad: bool,
+    points_requires_grad: bool,
+    grad_into: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both backward ops return a gradient shaped like each requested input, and (0,) for the other."""
-    grad_values = values.new_empty(values.shape if values_requires_grad else (0,))
+    """The backward ops return a gradient shaped like each requested input, and (0,) for the other; a lookup given
+    ``grad_into`` adds the values' gradient onto it and returns (0,) in its place."""
+    values_out = values_requires_grad and grad_into is None
+    grad_values = values.new_empty(values.shape if values_out else (0,))
     grad_points = points.new_empty(points.shape if points_requires_grad else (0,))
     return grad_values, grad_points
 
@@ -110,9 +117,11 @@ def _grid_backward_fake(
     points: torch.Tensor,
     grid_requires_grad: bool,
     points_requires_grad: bool,
+    grad_into: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _checks.check_grid_backward_inputs(grad_out, grid, points)
-    return _backward_outputs(grid, points, grid_requires_grad, points_requires_grad)
+    _checks.check_grad_into("grid_interpolate_backward", grad_into, grid, "grid", grid_requires_grad)
+    return _backward_outputs(grid, points, grid_requires_grad, points_requires_grad, grad_into)
 
 
 # ----------------------------------------------------------------------------------------------- autograd
@@ -120,6 +129,13 @@ def _grid_backward_fake(
 
 def _save_inputs(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.save_for_backward(*inputs)
+    ctx.kept = inputs[0] if is_kept(inputs[0]) else None  # its .grad is added onto in place (cuda_ext.kept_grad)
+
+
+def into_kept_grad(ctx: Any, needs_values: bool) -> Optional[torch.Tensor]:
+    """A lookup backward's ``grad_into``: the kept ``.grad`` of the looked-up table (cuda_ext.kept_grad), added onto
+    in place, or None (a fresh gradient, returned to autograd)."""
+    return grad_target(ctx.kept) if needs_values else None
 
 
 def _refuse_double_backward(name: str, *tensors: torch.Tensor) -> None:
@@ -128,24 +144,26 @@ def _refuse_double_backward(name: str, *tensors: torch.Tensor) -> None:
         raise RuntimeError(f"{name}: double backward (create_graph=True through this op) is not supported")
 
 
-def _make_backward(name: str, backward_op: Any):
+def _make_backward(name: str, backward_op: Any, adds_into_kept: bool):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         values, points = ctx.saved_tensors
         _refuse_double_backward(name, grad_out, values, points)
         needs_values, needs_points = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_values, grad_points = backward_op(grad_out, values, points, needs_values, needs_points)
-        return (grad_values if needs_values else None), (grad_points if needs_points else None)
+        into = into_kept_grad(ctx, needs_values) if adds_into_kept else None
+        extra = () if into is None else (into,)
+        grad_values, grad_points = backward_op(grad_out, values, points, needs_values, needs_points, *extra)
+        return (grad_values if needs_values and into is None else None), (grad_points if needs_points else None)
 
     return backward
 
 
 torch.library.register_autograd(
     "cuda_ext::trilinear_interpolate",
-    _make_backward("trilinear_interpolate", _OPS.trilinear_interpolate_backward),
+    _make_backward("trilinear_interpolate", _OPS.trilinear_interpolate_backward, adds_into_kept=False),
     setup_context=_save_inputs,
 )
 torch.library.register_autograd(
     "cuda_ext::grid_interpolate",
-    _make_backward("grid_interpolate", _OPS.grid_interpolate_backward),
+    _make_backward("grid_interpolate", _OPS.grid_interpolate_backward, adds_into_kept=True),
     setup_context=_save_inputs,
 )

@@ -85,12 +85,17 @@ def adam_step_dense(states, params: list[torch.Tensor], group: dict) -> None:
          lr=float(group["lr"]), weight_decay=0.0, eps=float(group["eps"]), maximize=False)  # fmt: skip
 
 
-def adam_step_nonzero(state: dict, param: torch.Tensor, group: dict, masked_fn: Callable) -> None:
+def adam_step_nonzero(state: dict, param: torch.Tensor, group: dict, masked_fn: Callable) -> bool:
     """One Adam step of ``param``'s elements whose gradient is non-zero through ``masked_fn`` (masked_adam_step);
-    ``state`` as :func:`adam_step_rows`'s (the step count advances for the whole parameter, as the group's)."""
+    ``state`` as :func:`adam_step_rows`'s (the step count advances for the whole parameter, as the group's).
+    A contiguous ``.grad`` is left zero (``clear_grad``: the next step's lookups add onto it, cuda_ext.kept_grad);
+    returns whether it was."""
     step = _advance(state, param)
     beta1, beta2 = group["betas"]
-    masked_fn(*_as_rows(state, param), step, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]))
+    clear = param.grad.is_contiguous()  # else _as_rows steps a copy, which clearing would not reach
+    masked_fn(*_as_rows(state, param), step, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+              clear_grad=clear)  # fmt: skip
+    return clear
 
 
 class LazyGridAdam(torch.optim.Optimizer):

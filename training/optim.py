@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from cuda_ext.kept_grad import keep_grad
 from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
 from training.distributed import Group, RowShard
@@ -36,9 +37,11 @@ class SparseGridAdam(torch.optim.Optimizer):
         rows_fn: optional ``() -> (K,) int64`` rows of the ``grids`` group to step this time, shared by its
             parameters (VoxelNeRF.take_touched_rows: the rows the step's lookups read); None: the rows whose
             gradient is non-zero, found by scanning each gradient (reads all of it).
-        masked_fn: optional ``masked_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps)``:
-            then the ``grids`` and ``fine`` groups step only their elements with a non-zero gradient, found by the
-            kernel itself (no rows, no scan, no sync; ``rows_fn`` unused) (``train.sparse_adam=nonzero``).
+        masked_fn: optional ``masked_adam_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps,
+            clear_grad)``: then the ``grids`` and ``fine`` groups step only their elements with a non-zero gradient,
+            found by the kernel itself (no rows, no scan, no sync; ``rows_fn`` unused) (``train.sparse_adam=nonzero``).
+            Their gradients are kept between steps: the step leaves them zero, :meth:`zero_grad` keeps them, and the
+            next step's lookups add onto them (cuda_ext.kept_grad: no zero fill of the grids' size a step).
     """
 
     def __init__(
@@ -61,6 +64,19 @@ class SparseGridAdam(torch.optim.Optimizer):
         self.step_fn = step_fn
         self.rows_fn = rows_fn
         self.masked_fn = masked_fn
+        self._cleared: set[int] = set()  # ids of the parameters whose .grad the last step left zero
+        for group in self.param_groups if masked_fn is not None else ():
+            for param in group["params"] if group.get("name") in ("grids", "fine") else ():
+                keep_grad(param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's, except that a gradient the last step left zero is kept (the lookups add onto it)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None or id(param) in self._cleared:
+                    continue
+                param.grad = None if set_to_none else param.grad.zero_()
+        self._cleared = set()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -78,7 +94,8 @@ class SparseGridAdam(torch.optim.Optimizer):
                 if param.grad is None:
                     continue
                 if by_gradient:
-                    adam_step_nonzero(self.state[param], param, group, self.masked_fn)
+                    if adam_step_nonzero(self.state[param], param, group, self.masked_fn):
+                        self._cleared.add(id(param))
                     continue
                 grad = param.grad.reshape(-1, param.shape[-1])
                 scanned = listed is None  # one host sync: the count

@@ -6,10 +6,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 #include "kernel_common.h"
 
@@ -31,6 +33,28 @@ inline void check_grad_out(const at::Tensor& grad_out, int64_t n, int64_t f, con
 
 // A gradient that was not requested comes back as an empty tensor (shape (0,)), as the schemas say.
 inline at::Tensor no_grad_placeholder(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+// Where a lookup's backward adds the gradient of its table `values`: a fresh zero tensor in the accumulation dtype
+// (float32 for half/bfloat16), or the caller's `grad_into`, which it adds onto in place (a training step's kept
+// gradient: no fill of a 1 GB tensor each step). `grad_into` must be shaped, typed and placed like `values`, be
+// contiguous and float32/float64 (the dtype the atomics add in), and comes only with `values_requires_grad`.
+inline at::Tensor lookup_grad_target(const at::Tensor& values, const std::optional<at::Tensor>& grad_into,
+                                     bool values_requires_grad, const char* values_name, const char* op) {
+  if (!grad_into.has_value()) {
+    const auto acc_dtype = at::toOpMathType(values.scalar_type());
+    return values_requires_grad ? at::zeros(values.sizes(), values.options().dtype(acc_dtype))
+                                : no_grad_placeholder(values);
+  }
+  const at::Tensor& into = *grad_into;
+  TORCH_CHECK(values_requires_grad, op, ": grad_into is given, so ", values_name, "_requires_grad must be true");
+  TORCH_CHECK(into.sizes() == values.sizes(), op, ": grad_into must have the shape of ", values_name, " ",
+              values.sizes(), ", got ", into.sizes());
+  check_same_device_and_dtype(into, values, op, "grad_into", values_name);
+  TORCH_CHECK(into.scalar_type() == at::kFloat || into.scalar_type() == at::kDouble, op,
+              ": grad_into must be float32 or float64 (the atomics' dtype), got ", into.scalar_type());
+  TORCH_CHECK(into.is_contiguous(), op, ": grad_into must be contiguous");
+  return into;
+}
 
 // CPU kernels: points per at::parallel_for task, so that a task touches roughly GRAIN_SIZE elements.
 inline int64_t grain_for(int64_t elements_per_point) {

@@ -23,7 +23,8 @@ std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cpu(const at::
 at::Tensor grid_interpolate_cpu(const at::Tensor& grid, const at::Tensor& points);
 std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cpu(const at::Tensor& grad_out, const at::Tensor& grid,
                                                                  const at::Tensor& points, bool grid_requires_grad,
-                                                                 bool points_requires_grad);
+                                                                 bool points_requires_grad,
+                                                                 const std::optional<at::Tensor>& grad_into);
 
 // brick_grid_interpolate: the lookup in a sparse grid of bricks, values (M, C) rows found through an
 // int32 (T0, T1, T2) brick table, at (N, 3) points of a virtual (V0, V1, V2) = shape vertex grid.
@@ -31,7 +32,8 @@ at::Tensor brick_grid_interpolate_cpu(const at::Tensor& values, const at::Tensor
                                       at::IntArrayRef shape, int64_t brick);
 std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& values, const at::Tensor& table, const at::Tensor& points,
-    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad);
+    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad,
+    const std::optional<at::Tensor>& grad_into);
 
 // bilinear upsampling by an integer factor.
 at::Tensor upsample_bilinear2d_cpu(const at::Tensor& x, int64_t scale_factor, bool align_corners);
@@ -73,10 +75,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
 void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                           const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
                           double beta2, double eps);
-// masked_adam_step: Adam on the elements of a (M, C) parameter whose gradient is non-zero, in place.
+// masked_adam_step: Adam on the elements of a (M, C) parameter whose gradient is non-zero, in place; with
+// clear_grad the gradient is left zero (written only where it was not: the next step's lookups add onto it).
 void masked_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                          const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-                          double eps);
+                          const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
+                          bool clear_grad);
 // adam_replay_rows: the masked rows of a (M, C) parameter and its moments replayed to step `done`, in place.
 void adam_replay_rows_cpu(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                           const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
@@ -105,7 +108,7 @@ void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, cons
                            double beta2, double eps);
 void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-                           double eps);
+                           double eps, bool clear_grad);
 void adam_replay_rows_cuda(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                            const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
                            double beta1, double beta2);
@@ -128,12 +131,14 @@ std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cuda(const at:
 at::Tensor grid_interpolate_cuda(const at::Tensor& grid, const at::Tensor& points);
 std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tensor& grad_out, const at::Tensor& grid,
                                                                   const at::Tensor& points, bool grid_requires_grad,
-                                                                  bool points_requires_grad);
+                                                                  bool points_requires_grad,
+                                                                  const std::optional<at::Tensor>& grad_into);
 at::Tensor brick_grid_interpolate_cuda(const at::Tensor& values, const at::Tensor& table, const at::Tensor& points,
                                        at::IntArrayRef shape, int64_t brick);
 std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& values, const at::Tensor& table, const at::Tensor& points,
-    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad);
+    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad,
+    const std::optional<at::Tensor>& grad_into);
 at::Tensor upsample_bilinear2d_cuda(const at::Tensor& x, int64_t scale_factor, bool align_corners);
 at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_out, int64_t input_height, int64_t input_width,
                                              int64_t scale_factor, bool align_corners);

@@ -17,18 +17,20 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(cuda_ext, m) {
   m.def("trilinear_interpolate(Tensor feats, Tensor points) -> Tensor");
-  // Gradients that were not requested come back as empty tensors (shape (0,)).
+  // Gradients that were not requested come back as empty tensors (shape (0,)). A lookup's backward given
+  // `grad_into` adds the table's gradient onto it instead and returns (0,) in its place.
   m.def(
       "trilinear_interpolate_backward(Tensor grad_out, Tensor feats, Tensor points, "
       "bool feats_requires_grad, bool points_requires_grad) -> (Tensor, Tensor)");
   m.def("grid_interpolate(Tensor grid, Tensor points) -> Tensor");
   m.def(
       "grid_interpolate_backward(Tensor grad_out, Tensor grid, Tensor points, "
-      "bool grid_requires_grad, bool points_requires_grad) -> (Tensor, Tensor)");
+      "bool grid_requires_grad, bool points_requires_grad, Tensor(a!)? grad_into=None) -> (Tensor, Tensor)");
   m.def("brick_grid_interpolate(Tensor values, Tensor table, Tensor points, int[] shape, int brick) -> Tensor");
   m.def(
       "brick_grid_interpolate_backward(Tensor grad_out, Tensor values, Tensor table, Tensor points, int[] shape, "
-      "int brick, bool values_requires_grad, bool points_requires_grad) -> (Tensor, Tensor)");
+      "int brick, bool values_requires_grad, bool points_requires_grad, Tensor(a!)? grad_into=None) "
+      "-> (Tensor, Tensor)");
   m.def("upsample_bilinear2d(Tensor x, int scale_factor, bool align_corners) -> Tensor");
   m.def(
       "upsample_bilinear2d_backward(Tensor grad_out, int input_height, int input_width, "
@@ -60,8 +62,8 @@ TORCH_LIBRARY(cuda_ext, m) {
       "sparse_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
       "int step, float lr, float beta1, float beta2, float eps) -> ()");
   m.def(
-      "masked_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
-      "float lr, float beta1, float beta2, float eps) -> ()");
+      "masked_adam_step(Tensor(a!) param, Tensor(d!) grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
+      "float lr, float beta1, float beta2, float eps, bool clear_grad=False) -> ()");
   m.def(
       "adam_replay_rows(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor mask, Tensor last, "
       "Tensor replay, int done, float beta1, float beta2) -> ()");

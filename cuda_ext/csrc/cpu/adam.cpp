@@ -1,7 +1,8 @@
 // The row-sparse Adam family on the CPU (adam.h). sparse_adam_step: rows' range checked first (so a bad call
 // changes nothing), then the listed rows split across threads (at::parallel_for), each row's C contiguous
 // elements updated in place; work and memory traffic follow K, the rows listed, never M. masked_adam_step: the
-// M * C elements split across threads, each stepped where its gradient is non-zero. adam_replay_rows: the
+// M * C elements split across threads, each stepped where its gradient is non-zero (then, with clear_grad, the
+// task's gradient elements set to zero). adam_replay_rows: the
 // stamps of the masked rows checked first, then every row's mask byte read and the masked ones replayed.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -112,8 +113,8 @@ void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const
 }
 
 void masked_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                          const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-                          double eps) {
+                          const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
+                          bool clear_grad) {
   check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, at::kCPU);
   const int64_t elements = param.numel();
   if (elements == 0) return;
@@ -122,9 +123,11 @@ void masked_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const
     scalar_t* p = param.data_ptr<scalar_t>();
     scalar_t* m = exp_avg.data_ptr<scalar_t>();
     scalar_t* v = exp_avg_sq.data_ptr<scalar_t>();
-    const scalar_t* g = grad.const_data_ptr<scalar_t>();
-    at::parallel_for(0, elements, kGrainElements,
-                     [&](int64_t begin, int64_t end) { masked_elements<scalar_t>(p, g, m, v, begin, end, k); });
+    scalar_t* g = grad.data_ptr<scalar_t>();
+    at::parallel_for(0, elements, kGrainElements, [&](int64_t begin, int64_t end) {
+      masked_elements<scalar_t>(p, g, m, v, begin, end, k);
+      if (clear_grad) std::fill(g + begin, g + end, scalar_t(0));
+    });
   });
 }
 

@@ -144,17 +144,20 @@ at::Tensor brick_grid_interpolate_cpu(const at::Tensor& values_in, const at::Ten
 
 std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cpu(
     const at::Tensor& grad_out_in, const at::Tensor& values_in, const at::Tensor& table_in, const at::Tensor& points_in,
-    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad) {
+    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad,
+    const std::optional<at::Tensor>& grad_into) {
   const char* op = "brick_grid_interpolate_backward";
   check_brick_grid_inputs(values_in, table_in, points_in, shape, brick, at::kCPU, op);
   const int64_t n = points_in.size(0);
   check_grad_out(grad_out_in, n, values_in.size(1), values_in, "values", op);
   const at::Tensor grad_out = grad_out_in.contiguous(), values = values_in.contiguous(), table = table_in.contiguous(),
                    points = points_in.contiguous();
-  at::Tensor grad_values =
-      values_requires_grad ? at::zeros(values.sizes(), values.options()) : no_grad_placeholder(values);
+  at::Tensor grad_values = lookup_grad_target(values, grad_into, values_requires_grad, "values", op);
   at::Tensor grad_points = points_requires_grad ? at::zeros({n, 3}, points.options()) : no_grad_placeholder(points);
-  if (grad_out.numel() == 0) return {grad_values, grad_points};
+  const auto outputs = [&] {
+    return std::make_tuple(grad_into ? no_grad_placeholder(values) : grad_values, grad_points);
+  };
+  if (grad_out.numel() == 0) return outputs();
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "brick_grid_interpolate_backward_cpu", [&] {
     const BrickShape s = brick_shape(values, table, shape, brick);
     if (values_requires_grad) {
@@ -166,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cpu(
                             points.data_ptr<scalar_t>(), grad_points.data_ptr<scalar_t>(), n, s);
     }
   });
-  return {grad_values, grad_points};
+  return outputs();
 }
 
 }  // namespace cuda_ext

@@ -128,15 +128,17 @@ at::Tensor grid_interpolate_cpu(const at::Tensor& grid_in, const at::Tensor& poi
 
 std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cpu(const at::Tensor& grad_out_in,
                                                                  const at::Tensor& grid_in, const at::Tensor& points_in,
-                                                                 bool grid_requires_grad, bool points_requires_grad) {
+                                                                 bool grid_requires_grad, bool points_requires_grad,
+                                                                 const std::optional<at::Tensor>& grad_into) {
   const char* op = "grid_interpolate_backward";
   check_grid_inputs(grid_in, points_in, at::kCPU, op);
   const int64_t n = points_in.size(0);
   check_grad_out(grad_out_in, n, grid_in.size(3), grid_in, "grid", op);
   const at::Tensor grad_out = grad_out_in.contiguous(), grid = grid_in.contiguous(), points = points_in.contiguous();
-  at::Tensor grad_grid = grid_requires_grad ? at::zeros(grid.sizes(), grid.options()) : no_grad_placeholder(grid);
+  at::Tensor grad_grid = lookup_grad_target(grid, grad_into, grid_requires_grad, "grid", op);  // the CPU adds in T
   at::Tensor grad_points = points_requires_grad ? at::zeros({n, 3}, points.options()) : no_grad_placeholder(points);
-  if (grad_out.numel() == 0) return {grad_grid, grad_points};
+  const auto outputs = [&] { return std::make_tuple(grad_into ? no_grad_placeholder(grid) : grad_grid, grad_points); };
+  if (grad_out.numel() == 0) return outputs();
   AT_DISPATCH_FLOATING_TYPES(grid.scalar_type(), "grid_interpolate_backward_cpu", [&] {
     const GridShape s = grid_shape(grid);
     if (grid_requires_grad) {
@@ -148,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cpu(const at::Tenso
                            grad_points.data_ptr<scalar_t>(), n, s);
     }
   });
-  return {grad_grid, grad_points};
+  return outputs();
 }
 
 }  // namespace cuda_ext

@@ -14,6 +14,8 @@
 // its packs of the gradient and reads and writes param and the moments only for the packs with a non-zero element,
 // so the traffic is the whole gradient plus 6 elements per element of a touched pack. Those dependent loads wait
 // for the gradient's; the next pass's gradient loads are issued before them, so the two round trips overlap.
+// With clear_grad a touched pack's gradient is stored back as zeros (16 more bytes per touched pack, where a
+// fresh zero gradient would cost a fill of the whole tensor before the next backward).
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -124,7 +126,8 @@ __device__ __forceinline__ void load_gradient_packs(const scalar_t* __restrict__
 
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
-    masked_adam_kernel(AdamPointers<scalar_t> ptr, int64_t packs, AdamCoefficients<scalar_t> k) {
+    masked_adam_kernel(AdamPointers<scalar_t> ptr, int64_t packs, AdamCoefficients<scalar_t> k,
+                       scalar_t* clear) {  // the gradient again (or null): each pack is read, then cleared, by one lane
   const int64_t stride = int64_t(gridDim.x) * kThreads, pass = stride * kUnroll;
   int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   Vec<scalar_t, kVec> g[kUnroll];
@@ -152,6 +155,7 @@ __global__ void __launch_bounds__(kThreads)
       store_plain(ptr.param + i, p[u]);
       store_plain(ptr.exp_avg + i, m[u]);
       store_plain(ptr.exp_avg_sq + i, v[u]);
+      if (clear != nullptr) store_plain(clear + i, Vec<scalar_t, kVec>{});  // a zero pack stays as it is
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) g[u] = next[u];
@@ -302,7 +306,7 @@ void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, cons
 
 void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
-                           double eps) {
+                           double eps, bool clear_grad) {
   check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(param.device());
   const int64_t elements = param.numel();
@@ -315,7 +319,8 @@ void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, cons
       auto kernel = masked_adam_kernel<scalar_t, kVec>;
       const int64_t packs = elements / kVec;
       const unsigned int blocks = grid_stride_blocks(kernel, packs, int64_t(kThreads) * kUnroll);
-      kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, packs, k);
+      scalar_t* clear = clear_grad ? grad.data_ptr<scalar_t>() : nullptr;
+      kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, packs, k, clear);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -173,7 +173,8 @@ at::Tensor brick_grid_interpolate_cuda(const at::Tensor& values_in, const at::Te
 
 std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cuda(
     const at::Tensor& grad_out_in, const at::Tensor& values_in, const at::Tensor& table_in, const at::Tensor& points_in,
-    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad) {
+    at::IntArrayRef shape, int64_t brick, bool values_requires_grad, bool points_requires_grad,
+    const std::optional<at::Tensor>& grad_into) {
   const char* op = "brick_grid_interpolate_backward";
   check_brick_grid_inputs(values_in, table_in, points_in, shape, brick, at::kCUDA, op);
   const int64_t n = points_in.size(0), channels = values_in.size(1);
@@ -183,8 +184,7 @@ std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cuda(
                    points = points_in.contiguous();
   // Atomics accumulate in float32 for half/bfloat16 (then cast), in place for float32/float64.
   const auto acc_dtype = at::toOpMathType(values.scalar_type());
-  at::Tensor grad_acc =
-      values_requires_grad ? at::zeros(values.sizes(), values.options().dtype(acc_dtype)) : no_grad_placeholder(values);
+  at::Tensor grad_acc = lookup_grad_target(values, grad_into, values_requires_grad, "values", op);
   at::Tensor grad_points = points_requires_grad ? at::zeros({n, 3}, points.options()) : no_grad_placeholder(points);
   if (grad_out.numel() > 0 && (values_requires_grad || points_requires_grad)) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -193,10 +193,10 @@ std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cuda(
           const scalar_t* grad_out_ptr = grad_out.data_ptr<scalar_t>();
           const scalar_t* values_ptr = values.data_ptr<scalar_t>();
           const int64_t vec_bytes = kGridVec * sizeof(scalar_t);
-          // grad_acc is a fresh allocation: aligned for any vector width.
-          const bool wide =
-              channels % kGridVec == 0 && aligned_to(grad_out_ptr, vec_bytes) && aligned_to(values_ptr, vec_bytes);
           acc_t* grad_acc_ptr = values_requires_grad ? grad_acc.data_ptr<acc_t>() : nullptr;
+          const bool wide = channels % kGridVec == 0 && aligned_to(grad_out_ptr, vec_bytes) &&
+                            aligned_to(values_ptr, vec_bytes) &&
+                            (grad_acc_ptr == nullptr || aligned_to(grad_acc_ptr, kGridVec * sizeof(acc_t)));
           scalar_t* grad_points_ptr = points_requires_grad ? grad_points.data_ptr<scalar_t>() : nullptr;
           with_vector_width<kGridVec>(wide, [&](auto vec) {
             with_gradient_flags(values_requires_grad, points_requires_grad, [&](auto values_grad, auto points_grad) {
@@ -210,6 +210,7 @@ std::tuple<at::Tensor, at::Tensor> brick_grid_interpolate_backward_cuda(
           });
         });
   }
+  if (grad_into) return {no_grad_placeholder(values), grad_points};  // added onto the caller's tensor
   at::Tensor grad_values =
       values_requires_grad && acc_dtype != values.scalar_type() ? grad_acc.to(values.scalar_type()) : grad_acc;
   return {grad_values, grad_points};

@@ -223,7 +223,8 @@ __global__ void __launch_bounds__(kThreads)
 std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tensor& grad_out_in,
                                                                   const at::Tensor& grid_in,
                                                                   const at::Tensor& points_in, bool grid_requires_grad,
-                                                                  bool points_requires_grad) {
+                                                                  bool points_requires_grad,
+                                                                  const std::optional<at::Tensor>& grad_into) {
   const char* op = "grid_interpolate_backward";
   check_grid_inputs(grid_in, points_in, at::kCUDA, op);
   const int64_t n = points_in.size(0), channels = grid_in.size(3);
@@ -232,8 +233,7 @@ std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tens
   const at::Tensor grad_out = grad_out_in.contiguous(), grid = grid_in.contiguous(), points = points_in.contiguous();
   // Atomics accumulate in float32 for half/bfloat16 (then cast), in place for float32/float64.
   const auto acc_dtype = at::toOpMathType(grid.scalar_type());
-  at::Tensor grad_acc =
-      grid_requires_grad ? at::zeros(grid.sizes(), grid.options().dtype(acc_dtype)) : no_grad_placeholder(grid);
+  at::Tensor grad_acc = lookup_grad_target(grid, grad_into, grid_requires_grad, "grid", op);
   at::Tensor grad_points = points_requires_grad ? at::zeros({n, 3}, points.options()) : no_grad_placeholder(points);
   if (grad_out.numel() > 0 && (grid_requires_grad || points_requires_grad)) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -242,10 +242,10 @@ std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tens
           const scalar_t* grad_out_ptr = grad_out.data_ptr<scalar_t>();
           const scalar_t* grid_ptr = grid.data_ptr<scalar_t>();
           const int64_t vec_bytes = kGridVec * sizeof(scalar_t);
-          // grad_acc is a fresh allocation: aligned for any vector width.
-          const bool wide =
-              channels % kGridVec == 0 && aligned_to(grad_out_ptr, vec_bytes) && aligned_to(grid_ptr, vec_bytes);
           acc_t* grad_acc_ptr = grid_requires_grad ? grad_acc.data_ptr<acc_t>() : nullptr;
+          const bool wide = channels % kGridVec == 0 && aligned_to(grad_out_ptr, vec_bytes) &&
+                            aligned_to(grid_ptr, vec_bytes) &&
+                            (grad_acc_ptr == nullptr || aligned_to(grad_acc_ptr, kGridVec * sizeof(acc_t)));
           scalar_t* grad_points_ptr = points_requires_grad ? grad_points.data_ptr<scalar_t>() : nullptr;
           with_vector_width<kGridVec>(wide, [&](auto vec) {
             constexpr int VEC = decltype(vec)::value;
@@ -262,6 +262,7 @@ std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cuda(const at::Tens
           });
         });
   }
+  if (grad_into) return {no_grad_placeholder(grid), grad_points};  // added onto the caller's tensor
   at::Tensor grad_grid =
       grid_requires_grad && acc_dtype != grid.scalar_type() ? grad_acc.to(grid.scalar_type()) : grad_acc;
   return {grad_grid, grad_points};
