@@ -147,26 +147,6 @@ def check_points(op: str, points: torch.Tensor) -> None:
     )
 
 
-def check_grad_into(op: str, grad_into: Any, values: torch.Tensor, values_name: str, requires_grad: bool) -> None:
-    """A lookup backward's optional ``grad_into``: shaped, typed and placed like ``values``, contiguous, float32 or
-    float64 (the atomics' dtype), and only with ``<values>_requires_grad`` (the C++ backstop says the same)."""
-    if grad_into is None:
-        return
-    check_tensor(op, "grad_into", grad_into)
-    if not requires_grad:
-        raise ValueError(f"{op}: grad_into is given, so {values_name}_requires_grad must be true")
-    require(
-        grad_into.shape == values.shape,
-        ValueError,
-        lambda: f"{op}: grad_into must have the shape of {values_name} {_shape(values)}, got {_shape(grad_into)}",
-    )
-    check_same_device_and_dtype(op, "grad_into", grad_into, values_name, values)
-    if grad_into.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{op}: grad_into must be float32 or float64 (the atomics' dtype), got {grad_into.dtype}")
-    if not grad_into.is_contiguous():
-        raise ValueError(f"{op}: grad_into must be contiguous")
-
-
 def _check_grad_out(op: str, grad_out: torch.Tensor, n: Any, f: Any, ref: torch.Tensor, ref_name: str) -> None:
     """grad_out is (N, F) like the forward's output, with ref's device and dtype."""
     check_tensor(op, "grad_out", grad_out)

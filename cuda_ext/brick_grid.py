@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from cuda_ext import _brick_checks, _checks
-from cuda_ext.kept_grad import is_kept
+from cuda_ext import _brick_checks
+from cuda_ext.kept_grad import check_grad_into, is_kept
 from cuda_ext.trilinear import _backward_outputs, _refuse_double_backward, into_kept_grad
 
 __all__ = ["brick_grid_interpolate"]
@@ -77,7 +77,7 @@ def _brick_grid_backward_fake(
     grad_into: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _brick_checks.check_brick_grid_backward_inputs(grad_out, values, table, points, shape, brick)
-    _checks.check_grad_into("brick_grid_interpolate_backward", grad_into, values, "values", values_requires_grad)
+    check_grad_into("brick_grid_interpolate_backward", grad_into, values, "values", values_requires_grad)
     return _backward_outputs(values, points, values_requires_grad, points_requires_grad, grad_into)
 
 

@@ -19,7 +19,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["keep_grad", "is_kept", "grad_target"]
+from cuda_ext._checks import _shape, check_same_device_and_dtype, check_tensor, require
+
+__all__ = ["keep_grad", "is_kept", "grad_target", "check_grad_into"]
 
 _ATTRIBUTE = "_cuda_ext_keep_grad"
 
@@ -50,3 +52,25 @@ def grad_target(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         and grad.is_contiguous()
     )
     return grad if usable else None
+
+
+def check_grad_into(
+    op: str, grad_into: Optional[torch.Tensor], values: torch.Tensor, values_name: str, requires_grad: bool
+) -> None:
+    """A lookup backward's optional ``grad_into``: shaped, typed and placed like ``values``, contiguous, float32 or
+    float64 (the atomics' dtype), and only with ``<values>_requires_grad`` (the C++ backstop says the same)."""
+    if grad_into is None:
+        return
+    check_tensor(op, "grad_into", grad_into)
+    if not requires_grad:
+        raise ValueError(f"{op}: grad_into is given, so {values_name}_requires_grad must be true")
+    require(
+        grad_into.shape == values.shape,
+        ValueError,
+        lambda: f"{op}: grad_into must have the shape of {values_name} {_shape(values)}, got {_shape(grad_into)}",
+    )
+    check_same_device_and_dtype(op, "grad_into", grad_into, values_name, values)
+    if grad_into.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{op}: grad_into must be float32 or float64 (the atomics' dtype), got {grad_into.dtype}")
+    if not grad_into.is_contiguous():
+        raise ValueError(f"{op}: grad_into must be contiguous")

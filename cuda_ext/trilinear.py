@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from cuda_ext import _checks
-from cuda_ext.kept_grad import grad_target, is_kept
+from cuda_ext.kept_grad import check_grad_into, grad_target, is_kept
 
 __all__ = ["trilinear_interpolate", "grid_interpolate"]
 
@@ -120,7 +120,7 @@ def _grid_backward_fake(
     grad_into: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _checks.check_grid_backward_inputs(grad_out, grid, points)
-    _checks.check_grad_into("grid_interpolate_backward", grad_into, grid, "grid", grid_requires_grad)
+    check_grad_into("grid_interpolate_backward", grad_into, grid, "grid", grid_requires_grad)
     return _backward_outputs(grid, points, grid_requires_grad, points_requires_grad, grad_into)
 
 
