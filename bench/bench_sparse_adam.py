@@ -12,7 +12,9 @@ write param, m, v) + 8*K (rows); dense M*C*4 * 7; exact (train.sparse_adam=exact
 steps, then the step) K*C*4 * 13 + 32*K; masked (train.sparse_adam=nonzero: the gradient zero outside the K rows,
 no list) M*C*4 + K*C*4 * 6 (the whole gradient read; param, m, v read and written on the K rows). Two sparse
 timings: the raw op (the kernel and its launch) and the wrapper, which also checks rows' range (one reduction and
-one host sync per call). Row sets rotate so that the touched rows of one call are not still in the cache at the
+one host sync per call). Two more masked timings leave the gradient zero for the next step, as training must: a
+fill of the whole gradient after the step (+ M*C*4: a fresh zero gradient each step) against ``clear_grad``
+(+ K*C*4: zeros written where the step read a non-zero pack; the kept gradient, cuda_ext.kept_grad). Row sets rotate so that the touched rows of one call are not still in the cache at the
 next (as bench_ops does).
 """
 
@@ -113,6 +115,11 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
         row = _row("masked by gradient", fraction, k, masked_bytes(m, k, channels), timing, copy["GBps"])
         row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
         rows.append(row)
+        for variant, clear in (("masked + zero fill", False), ("masked, clear_grad", True)):
+            timing = time_masked(param, grad, picks, timer, clear=clear)
+            row = _row(variant, fraction, k, masked_bytes(m, k, channels, clear=clear), timing, copy["GBps"])
+            row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
+            rows.append(row)
         timing = time_exact(param, grad, picks, timer)
         row = _row("exact (replay + step)", fraction, k, exact_bytes(k, channels), timing, copy["GBps"])
         row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
@@ -120,13 +127,20 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
     return {"copy": copy, "results": rows}
 
 
-def masked_bytes(m: int, k: int, channels: int, itemsize: int = 4) -> int:
-    return m * channels * itemsize + 6 * k * channels * itemsize
+def masked_bytes(m: int, k: int, channels: int, itemsize: int = 4, clear: Optional[bool] = None) -> int:
+    """The step's bytes; ``clear``: with the gradient left zero for the next step, by a fill of all of it (False)
+    or by zeros written on the K rows (True, ``clear_grad``)."""
+    zeroing = 0 if clear is None else (k if clear else m) * channels * itemsize
+    return m * channels * itemsize + 6 * k * channels * itemsize + zeroing
 
 
-def time_masked(param: torch.Tensor, grad: torch.Tensor, picks: list, timer: Timer) -> dict:
+def time_masked(
+    param: torch.Tensor, grad: torch.Tensor, picks: list, timer: Timer, clear: Optional[bool] = None
+) -> dict:
     """masked_adam_step over the whole grid, its gradient non-zero on one of the row sets only (each set its own
-    gradient tensor: the sets rotate through memory as the listed variants' do)."""
+    gradient tensor: the sets rotate through memory as the listed variants' do). ``clear``: also leave the gradient
+    zero for the next step, as training does: a fill of the whole gradient after the step (False, a fresh zero
+    gradient's cost) or ``clear_grad`` (True, the kept gradient's); its rows are written back untimed."""
     grads = []
     for rows in picks:
         sparse = torch.zeros_like(grad)
@@ -136,11 +150,19 @@ def time_masked(param: torch.Tensor, grad: torch.Tensor, picks: list, timer: Tim
 
     def run(i: int) -> None:
         step["n"] += 1
+        g = grads[i % len(grads)]
         torch.ops.cuda_ext.masked_adam_step(
-            param, grads[i % len(grads)], exp_avg, exp_avg_sq, step["n"], *HYPER.values()
+            param, g, exp_avg, exp_avg_sq, step["n"], *HYPER.values(), clear_grad=bool(clear)
         )
+        if clear is False:
+            g.zero_()
 
-    return timer(run, lambda i: None, len(picks))
+    def reset(i: int) -> None:
+        if clear is not None:
+            rows = picks[i % len(picks)]
+            grads[i % len(grads)][rows] = grad[rows]
+
+    return timer(run, reset, len(picks))
 
 
 def exact_bytes(k: int, channels: int, itemsize: int = 4) -> int:
@@ -213,7 +235,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "grid": {"size": args.size, "rows": args.size**3, "channels": args.channels, "dtype": "float32"},
         "hyper": HYPER,
         "bytes_rule": "sparse: 7*K*C*4 + 8*K (read param, grad, m, v; write param, m, v; rows); dense: 7*M*C*4; "
-        "masked: M*C*4 + 6*K*C*4 (the whole gradient; param, m, v on the K rows)",
+        "masked: M*C*4 + 6*K*C*4 (the whole gradient; param, m, v on the K rows); + zero fill: + M*C*4; "
+        "clear_grad: + K*C*4",
         **measured,
     }
     print_header(report, report["copy"]["GBps"])
