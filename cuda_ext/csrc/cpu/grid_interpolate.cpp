@@ -135,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> grid_interpolate_backward_cpu(const at::Tenso
   const int64_t n = points_in.size(0);
   check_grad_out(grad_out_in, n, grid_in.size(3), grid_in, "grid", op);
   const at::Tensor grad_out = grad_out_in.contiguous(), grid = grid_in.contiguous(), points = points_in.contiguous();
-  at::Tensor grad_grid = lookup_grad_target(grid, grad_into, grid_requires_grad, "grid", op);  // the CPU adds in T
+  at::Tensor grad_grid = lookup_grad_target(grid, grad_into, grid_requires_grad, "grid", op);  // float32/64: adds in T
   at::Tensor grad_points = points_requires_grad ? at::zeros({n, 3}, points.options()) : no_grad_placeholder(points);
   const auto outputs = [&] { return std::make_tuple(grad_into ? no_grad_placeholder(grid) : grad_grid, grad_points); };
   if (grad_out.numel() == 0) return outputs();
