@@ -18,6 +18,10 @@ Public ops (each differentiable, dispatching on the input's device):
   distortion loss on the compositing weights.
 - :func:`sampled_tv` a grid's total variation on (S,) sampled cells -> () float64, its gradient added in place.
 
+:mod:`cuda_ext.kept_grad` marks a grid whose existing ``.grad`` the lookups' backward adds onto in place (their
+``grad_into``) instead of filling a fresh zero gradient each step; ``masked_adam_step(clear_grad=True)`` leaves it
+zero for the next step.
+
 :mod:`cuda_ext.reference` holds pure-PyTorch versions with the same signatures; they need no compiled
 extension, so ``import cuda_ext.reference`` and ``ops=torch`` work without a build. The custom ops need
 ``cuda_ext._C``: without it, using one raises an ImportError that says how to build it.
