@@ -328,14 +328,17 @@ def test_bench_smoke_cpu(tmp_path, load_bench):
     assert out.exists() and report["grid"] == {"size": 8, "rows": 512, "channels": 13, "dtype": "float32"}
     variants = [(r["variant"], r["fraction"]) for r in report["results"]]
     assert variants[0] == ("dense Adam (foreach)", 1.0)
-    kinds = ("sparse op", "sparse wrapper", "masked by gradient", "exact (replay + step)")
+    kinds = ("sparse op", "sparse wrapper", "masked by gradient", "masked + zero fill", "masked, clear_grad")
+    kinds += ("exact (replay + step)",)
     assert {v for v in variants[1:]} == {(v, f) for v in kinds for f in (0.01, 0.1)}
     for r in report["results"]:
         assert r["ms"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0
+    # the gradient left zero for the next step: by a fill of all of it, or zeros on the K rows (clear_grad)
+    zeroing = {"masked + zero fill": lambda k: 512 * 13 * 4, "masked, clear_grad": lambda k: k * 13 * 4}
     for r in report["results"][1:]:
         k = r["rows"]
         if r["variant"].startswith("masked"):  # the whole gradient, then param, m, v on the K rows
-            expected = 512 * 13 * 4 + 6 * k * 13 * 4
+            expected = 512 * 13 * 4 + 6 * k * 13 * 4 + zeroing.get(r["variant"], lambda k: 0)(k)
         elif r["variant"].startswith("exact"):  # the replay reads and writes param, m, v too
             expected = 13 * k * 13 * 4 + 32 * k
         else:
