@@ -14,8 +14,8 @@ no list) M*C*4 + K*C*4 * 6 (the whole gradient read; param, m, v read and writte
 timings: the raw op (the kernel and its launch) and the wrapper, which also checks rows' range (one reduction and
 one host sync per call). Two more masked timings leave the gradient zero for the next step, as training must: a
 fill of the whole gradient after the step (+ M*C*4: a fresh zero gradient each step) against ``clear_grad``
-(+ K*C*4: zeros written where the step read a non-zero pack; the kept gradient, cuda_ext.kept_grad). Row sets rotate so that the touched rows of one call are not still in the cache at the
-next (as bench_ops does).
+(+ K*C*4: zeros written where the step read a non-zero pack; the kept gradient, cuda_ext.kept_grad). Row sets
+rotate so that the touched rows of one call are not still in the cache at the next (as bench_ops does).
 """
 
 from __future__ import annotations
