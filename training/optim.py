@@ -65,9 +65,13 @@ class SparseGridAdam(torch.optim.Optimizer):
         self.rows_fn = rows_fn
         self.masked_fn = masked_fn
         self._cleared: set[int] = set()  # ids of the parameters whose .grad the last step left zero
-        for group in self.param_groups if masked_fn is not None else ():
-            for param in group["params"] if group.get("name") in ("grids", "fine") else ():
+        for group in filter(self._by_gradient, self.param_groups):
+            for param in group["params"]:
                 keep_grad(param)
+
+    def _by_gradient(self, group: dict) -> bool:
+        """Whether ``group`` steps by its gradient's non-zero elements (masked_fn: the grids and the fine pool)."""
+        return self.masked_fn is not None and group.get("name") in ("grids", "fine")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's, except that a gradient the last step left zero is kept (the lookups add onto it)."""
@@ -84,7 +88,7 @@ class SparseGridAdam(torch.optim.Optimizer):
             raise ValueError("closure: SparseGridAdam does not re-evaluate the loss")
         listed = None
         for group in self.param_groups:
-            by_gradient = self.masked_fn is not None and group.get("name") in ("grids", "fine")
+            by_gradient = self._by_gradient(group)
             if not by_gradient and group.get("name") != "grids":  # the decoder, ...: dense Adam
                 adam_step_dense(self.state, group["params"], group)
                 continue
