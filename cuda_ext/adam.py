@@ -98,8 +98,8 @@ def masked_adam_step(
         grad: (M, C) contiguous, param's dtype and device.
         step: the step number after this update, an int >= 1 (bias correction); lr: a number >= 0;
             beta1, beta2: numbers in [0, 1); eps: a number > 0.
-        clear_grad: leave ``grad`` zero everywhere (written only where it was not: on CUDA the touched packs), so
-            the next step's lookups can add onto it (their ``grad_into``) instead of a freshly filled tensor.
+        clear_grad: leave ``grad`` zero everywhere (on CUDA written only on the 32-byte sectors of the touched
+            packs), so the next step's lookups can add onto it (their ``grad_into``) instead of a freshly filled tensor.
     Raises:
         TypeError: an argument of the wrong type, a dtype other than float32/float64, mixed dtypes.
         ValueError: a shape, device or contiguity mismatch, a value out of its range.

@@ -192,6 +192,32 @@ def test_opcheck_clear_grad(gen, device):
     torch.library.opcheck(OPS.masked_adam_step.default, args)
 
 
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels", [1, 13])
+@pytest.mark.parametrize("offset", [0, 1, 3])  # 16-byte packs, and the narrow ones of a misaligned view
+def test_cuda_clear_whole_sectors_writes_nothing_past_the_tensor(gen, dtype, channels, offset):
+    """Few, isolated non-zero elements, so most live packs have zero sector-mates, which the CUDA kernel clears too:
+    the gradient must end zero, the step be exactly the one without the clear, and the random guard elements on
+    both sides of the view (the same storage) be untouched. The row count leaves a tail of every pack and warp."""
+    rows, guard = 40_009, 37
+    size = rows * channels
+    storage = torch.randn(offset + size + guard, generator=gen, dtype=dtype).cuda()
+    grad = storage[offset : offset + size].view(rows, channels)
+    grad.mul_((torch.rand(rows, channels, generator=gen) < 0.01).to(grad))
+    assert 0 < int(grad.ne(0).sum()) < size // 50
+    param, exp_avg, exp_avg_sq = (torch.randn(rows, channels, generator=gen, dtype=dtype).cuda() for _ in range(3))
+    exp_avg_sq.abs_()
+    want = [x.clone() for x in (param, exp_avg, exp_avg_sq)]
+    cuda_ext.masked_adam_step(want[0], grad.clone(), want[1], want[2], 2, *HYPER)
+    before = storage.clone()
+    cuda_ext.masked_adam_step(param, grad, exp_avg, exp_avg_sq, 2, *HYPER, clear_grad=True)
+    assert bool((grad == 0).all())
+    assert torch.equal(storage[:offset], before[:offset]) and torch.equal(storage[-guard:], before[-guard:])
+    for got, w in zip((param, exp_avg, exp_avg_sq), want):
+        assert torch.equal(got, w)
+
+
 def test_clear_grad_must_be_a_bool(gen):
     param, grad, m, v = (torch.randn(8, 3, generator=gen, dtype=F64) for _ in range(4))
     with pytest.raises(TypeError, match="clear_grad"):

@@ -14,8 +14,10 @@
 // its packs of the gradient and reads and writes param and the moments only for the packs with a non-zero element,
 // so the traffic is the whole gradient plus 6 elements per element of a touched pack. Those dependent loads wait
 // for the gradient's; the next pass's gradient loads are issued before them, so the two round trips overlap.
-// With clear_grad a touched pack's gradient is stored back as zeros (16 more bytes per touched pack, where a
-// fresh zero gradient would cost a fill of the whole tensor before the next backward).
+// With clear_grad a touched pack's gradient is stored back as zeros (where a fresh zero gradient would cost a fill
+// of the whole tensor before the next backward), and so are the other packs of its 32-byte sector: the lanes of a
+// sector agree by shuffle, so every clear is a whole sector (HBM with ECC turns a partial one into a
+// read-modify-write). A zero pack cleared again stays zero; nothing past the tensor is written.
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -68,6 +70,14 @@ __device__ __forceinline__ bool any_nonzero(const Vec<scalar_t, kVec>& g) {
 #pragma unroll
   for (int e = 0; e < kVec; ++e) any |= g.v[e] != scalar_t(0);
   return any;
+}
+
+// Whether any of the kGroup neighbouring lanes (aligned groups of a warp) has `value`; every lane of the warp calls it.
+template <int kGroup>
+__device__ __forceinline__ bool any_in_lane_group(bool value) {
+#pragma unroll
+  for (int s = 1; s < kGroup; s <<= 1) value |= __shfl_xor_sync(0xffffffffu, value, s) != 0;
+  return value;
 }
 
 // rows: the K listed rows of the (M, C) arrays.
@@ -128,12 +138,15 @@ template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     masked_adam_kernel(AdamPointers<scalar_t> ptr, int64_t packs, AdamCoefficients<scalar_t> k,
                        scalar_t* clear) {  // the gradient again (or null): each pack is read, then cleared, by one lane
+  constexpr int kPackBytes = int(sizeof(scalar_t)) * kVec;
+  constexpr int kPacksPerSector = kPackBytes >= 32 ? 1 : 32 / kPackBytes;  // lane parity is pack parity (below)
   const int64_t stride = int64_t(gridDim.x) * kThreads, pass = stride * kUnroll;
+  const int warp_lane = threadIdx.x % 32;
   int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   Vec<scalar_t, kVec> g[kUnroll];
   load_gradient_packs(ptr.grad, first, stride, packs, g);
-  for (; first < packs; first += pass) {
-    Vec<scalar_t, kVec> next[kUnroll];  // in flight while this pass waits for param and the moments
+  for (; first - warp_lane < packs; first += pass) {  // warp-uniform: the whole warp takes part in the shuffles
+    Vec<scalar_t, kVec> next[kUnroll];                // in flight while this pass waits for param and the moments
     load_gradient_packs(ptr.grad, first + pass, stride, packs, next);
     Vec<scalar_t, kVec> p[kUnroll], m[kUnroll], v[kUnroll];
     bool live[kUnroll];
@@ -148,14 +161,16 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      const int64_t pack = first + u * stride, i = pack * kVec;
+      if (clear != nullptr && any_in_lane_group<kPacksPerSector>(live[u]) && pack < packs) {
+        store_plain(clear + i, Vec<scalar_t, kVec>{});  // the gradient is in registers already
+      }
       if (!live[u]) continue;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) masked_adam_element<scalar_t>(p[u].v[e], g[u].v[e], m[u].v[e], v[u].v[e], k);
-      const int64_t i = (first + u * stride) * kVec;
       store_plain(ptr.param + i, p[u]);
       store_plain(ptr.exp_avg + i, m[u]);
       store_plain(ptr.exp_avg_sq + i, v[u]);
-      if (clear != nullptr) store_plain(clear + i, Vec<scalar_t, kVec>{});  // a zero pack stays as it is
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) g[u] = next[u];
