@@ -137,11 +137,11 @@ __device__ __forceinline__ void load_gradient_packs(const scalar_t* __restrict__
 template <typename scalar_t, int kVec>
 __global__ void __launch_bounds__(kThreads)
     masked_adam_kernel(AdamPointers<scalar_t> ptr, int64_t packs, AdamCoefficients<scalar_t> k,
-                       scalar_t* clear) {  // the gradient again (or null): each pack is read, then cleared, by one lane
+                       scalar_t* clear) {  // the gradient again (or null), cleared by the lanes that read it
   constexpr int kPackBytes = int(sizeof(scalar_t)) * kVec;
-  constexpr int kPacksPerSector = kPackBytes >= 32 ? 1 : 32 / kPackBytes;  // lane parity is pack parity (below)
+  constexpr int kPacksPerSector = kPackBytes >= 32 ? 1 : 32 / kPackBytes;  // lane % group = pack % group:
   const int64_t stride = int64_t(gridDim.x) * kThreads, pass = stride * kUnroll;
-  const int warp_lane = threadIdx.x % 32;
+  const int warp_lane = threadIdx.x % 32;  // kThreads and the stride are multiples of 32
   int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   Vec<scalar_t, kVec> g[kUnroll];
   load_gradient_packs(ptr.grad, first, stride, packs, g);
