@@ -275,7 +275,7 @@ class VoxelNeRF(nn.Module):
             {"params": [self.density.grid, self.features.grid], "lr": lr_grid, "name": "grids"},
             {"params": list(self.decoder.parameters()), "lr": lr_decoder, "name": "decoder"},
         ]
-        if self.fine.active:  # dense Adam over the pool: it holds only the bricks near surfaces
+        if self.fine.active:  # the pool holds only the bricks near surfaces
             fine = [self.fine.density, self.fine.features]
             groups.append({"params": fine, "lr": lr_grid * self.config.fine.lr, "name": "fine"})
         if self.poses.enabled:

@@ -204,3 +204,56 @@ def test_a_dense_adam_checkpoint_resumes_with_occupied_adam(tmp_path):
         counts[first, then] = [float(entry["step"]) for entry in state["optimizer"]["state"].values()]
     assert counts["false", "occupied"] == counts["false", "false"] == counts["occupied", "false"]
     assert max(counts["false", "false"]) == 16
+
+
+def test_the_trainers_occupied_adam_steps_the_fine_pool_by_gradient_and_keeps_its_gradient():
+    """``train.sparse_adam=occupied`` (training.optim.new_optimizer): the grids by the occupied rows, as above; the
+    fine pool only on its elements with a gradient (``masked_adam_step``), its gradient left zero and kept for
+    the next backward; the decoder densely."""
+    from types import SimpleNamespace
+
+    from training.distributed import Group
+    from training.optim import new_optimizer
+
+    occupancy = random_occupancy((6, 5, 7), 0.2, seed=4)
+    inside = torch.zeros(7 * 6 * 8, dtype=torch.bool)
+    inside[occupancy.vertex_rows()] = True
+    generator = torch.Generator().manual_seed(5)
+    grid = torch.nn.Parameter(torch.randn(inside.numel(), 12, generator=generator, dtype=torch.float64))
+    fine = torch.nn.Parameter(torch.randn(300, 13, generator=generator, dtype=torch.float64))
+    decoder = torch.nn.Parameter(torch.randn(4, 3, generator=generator, dtype=torch.float64))
+    groups = [
+        {"params": [grid], "lr": 0.05, "name": "grids"},
+        {"params": [decoder], "lr": 0.01, "name": "decoder"},
+        {"params": [fine], "lr": 0.02, "name": "fine"},
+    ]
+    model = SimpleNamespace(param_groups=lambda *rates: groups, occupancy=occupancy, touched=SimpleNamespace())
+    ops = SimpleNamespace(sparse_adam_step=cuda_ext.sparse_adam_step, masked_adam_step=cuda_ext.masked_adam_step)
+    cfg = {"lr": 0.05, "lr_decoder": 0.01, "sparse_adam": "occupied", "adam_eps": 1e-15}
+    trainer = SimpleNamespace(train_cfg=SimpleNamespace(get=cfg.get, **cfg), model=model, group=Group(), ops=ops)
+    optimizer = new_optimizer(trainer, BETAS)
+    grid_copy = torch.nn.Parameter(grid.detach().clone())
+    dense = torch.optim.Adam([grid_copy], lr=0.05, betas=BETAS, eps=1e-15)
+    values, exp_avg, exp_avg_sq = fine.detach().clone(), torch.zeros_like(fine), torch.zeros_like(fine)
+    fine.grad = torch.randn(fine.shape, generator=generator, dtype=torch.float64)  # a backward never stepped
+    kept = None
+    for step in range(1, 4):
+        optimizer.zero_grad(set_to_none=True)
+        if kept is None:
+            assert fine.grad is None  # no step left it zero: dropped
+            fine.grad = kept = torch.zeros_like(fine)  # the first backward's
+        assert fine.grad is kept and bool(kept.eq(0).all())  # left zero by the last step, not dropped
+        assert grid.grad is None and decoder.grad is None
+        live = torch.rand(fine.shape, generator=generator) < 0.3
+        kept.add_(torch.randn(fine.shape, generator=generator, dtype=torch.float64) * live)  # what a backward adds
+        reference.masked_adam_step(values, kept.clone(), exp_avg, exp_avg_sq, step, 0.02, *BETAS, 1e-15)
+        grid.grad = torch.randn(grid.shape, generator=generator, dtype=torch.float64)
+        grid_copy.grad = grid.grad.clone()
+        decoder.grad = torch.randn(decoder.shape, generator=generator, dtype=torch.float64)
+        optimizer.step()
+        dense.step()
+        assert bool(kept.eq(0).all())
+    torch.testing.assert_close(fine.detach(), values, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(optimizer.state[fine]["exp_avg_sq"], exp_avg_sq, rtol=1e-13, atol=0)
+    torch.testing.assert_close(grid.detach()[inside], grid_copy.detach()[inside], rtol=1e-12, atol=1e-12)
+    assert bool(optimizer.state[grid]["exp_avg_sq"][~inside].eq(0).all())

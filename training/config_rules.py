@@ -50,8 +50,9 @@ def sparse_adam_mode(setting) -> str:
     """``train.sparse_adam`` -> "off" | "masked" (true: untouched voxels keep value and moments) | "exact" (only
     the touched voxels are stepped, the others replay dense Adam's zero-gradient steps when next read:
     training.lazy_adam) | "occupied" (dense Adam on the voxels of occupied cells, empty space keeps value and
-    moments: training.optim.OccupiedRows) | "nonzero" (the coarse and fine grids' elements with a non-zero
-    gradient, found by the kernel: ``masked_adam_step``). ValueError naming the key otherwise."""
+    moments: training.optim.OccupiedRows; the fine pool as nonzero's) | "nonzero" (the coarse and fine grids'
+    elements with a non-zero gradient, found by the kernel: ``masked_adam_step``). ValueError naming the key
+    otherwise."""
     modes = {"false": "off", "true": "masked", "exact": "exact", "occupied": "occupied", "nonzero": "nonzero"}
     if str(setting).lower() not in modes:
         raise ValueError(
