@@ -12,10 +12,11 @@ write param, m, v) + 8*K (rows); dense M*C*4 * 7; exact (train.sparse_adam=exact
 steps, then the step) K*C*4 * 13 + 32*K; masked (train.sparse_adam=nonzero: the gradient zero outside the K rows,
 no list) M*C*4 + K*C*4 * 6 (the whole gradient read; param, m, v read and written on the K rows). Two sparse
 timings: the raw op (the kernel and its launch) and the wrapper, which also checks rows' range (one reduction and
-one host sync per call). Two more masked timings leave the gradient zero for the next step, as training must: a
-fill of the whole gradient after the step (+ M*C*4: a fresh zero gradient each step) against ``clear_grad``
-(+ K*C*4: zeros written where the step read a non-zero pack; the kept gradient, cuda_ext.kept_grad). Row sets
-rotate so that the touched rows of one call are not still in the cache at the next (as bench_ops does).
+one host sync per call); a third, the op with ``clear_grad`` (+ K*C*4: the rows' gradient left zero, as
+``train.sparse_adam=occupied`` keeps it). Two more masked timings leave the gradient zero for the next step, as
+training must: a fill of the whole gradient after the step (+ M*C*4: a fresh zero gradient each step) against
+``clear_grad`` (+ K*C*4: zeros written where the step read a non-zero pack; the kept gradient, cuda_ext.kept_grad).
+Row sets rotate so that the touched rows of one call are not still in the cache at the next (as bench_ops does).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ import cuda_ext  # noqa: E402
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-15}
 
 
-def sparse_bytes(k: int, channels: int, itemsize: int = 4) -> int:
-    return 7 * k * channels * itemsize + 8 * k
+def sparse_bytes(k: int, channels: int, itemsize: int = 4, clear: bool = False) -> int:
+    """Read param, grad, m, v and write param, m, v on the K rows, and the rows; ``clear``: the rows' zeros too."""
+    return (8 if clear else 7) * k * channels * itemsize + 8 * k
 
 
 def dense_bytes(m: int, channels: int, itemsize: int = 4) -> int:
@@ -92,22 +94,36 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    def run_op(picks, wrapper: bool):
+    saved = grad.clone()  # the rows a clearing step zeroed are written back untimed
+
+    def run_op(picks, wrapper: bool, clear: bool):
         fn = cuda_ext.sparse_adam_step if wrapper else torch.ops.cuda_ext.sparse_adam_step
 
         def run(i: int) -> None:
             step["n"] += 1
-            fn(param, grad, exp_avg, exp_avg_sq, picks[i % len(picks)], step["n"], *HYPER.values())
+            fn(param, grad, exp_avg, exp_avg_sq, picks[i % len(picks)], step["n"], *HYPER.values(), clear_grad=clear)
 
         return run
+
+    def restore(picks, clear: bool):
+        def reset(i: int) -> None:
+            if clear:
+                rows = picks[i % len(picks)]
+                grad[rows] = saved[rows]
+
+        return reset
 
     for fraction in fractions:
         k = max(1, int(m * fraction))
         sets = rotation_sets(4 * k * channels * 4, cache_bytes(device))
         picks = [torch.randperm(m, device=device, generator=generator)[:k].sort().values for _ in range(sets)]
-        for variant, wrapper in (("sparse op", False), ("sparse wrapper", True)):
-            timing = timer(run_op(picks, wrapper), lambda i: None, sets)
-            row = _row(variant, fraction, k, sparse_bytes(k, channels), timing, copy["GBps"])
+        for variant, wrapper, clear in (
+            ("sparse op", False, False),
+            ("sparse wrapper", True, False),
+            ("sparse op, clear_grad", False, True),
+        ):
+            timing = timer(run_op(picks, wrapper, clear), restore(picks, clear), sets)
+            row = _row(variant, fraction, k, sparse_bytes(k, channels, clear=clear), timing, copy["GBps"])
             row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
             row["row_sets"] = sets
             rows.append(row)
@@ -236,7 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "hyper": HYPER,
         "bytes_rule": "sparse: 7*K*C*4 + 8*K (read param, grad, m, v; write param, m, v; rows); dense: 7*M*C*4; "
         "masked: M*C*4 + 6*K*C*4 (the whole gradient; param, m, v on the K rows); + zero fill: + M*C*4; "
-        "clear_grad: + K*C*4",
+        "clear_grad (sparse and masked): + K*C*4",
         **measured,
     }
     print_header(report, report["copy"]["GBps"])

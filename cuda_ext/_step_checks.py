@@ -172,8 +172,11 @@ def check_adam_inputs(
     beta1: Any,
     beta2: Any,
     eps: Any,
+    clear_grad: Any = False,
     op: str = "sparse_adam_step",
 ) -> None:
+    """param, grad, exp_avg, exp_avg_sq (M, C) of one dtype and device; rows (K,) int64 there; step an int >= 1,
+    lr >= 0, beta1 and beta2 in [0, 1), eps > 0; clear_grad a bool."""
     check_tensor(op, "rows", rows)
     _check_row_state(op, param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     require(rows.dim() == 1, ValueError, lambda: f"{op}: rows must have shape (K,), got {_shape(rows)}")
@@ -184,6 +187,7 @@ def check_adam_inputs(
         lambda: f"{op}: rows and param must be on the same device, got {rows.device} and {param.device}",
     )
     _check_adam_numbers(op, step, lr, beta1, beta2, eps)
+    check_bool(op, "clear_grad", clear_grad)
 
 
 def check_masked_adam_inputs(

@@ -29,6 +29,7 @@ def sparse_adam_step(
     beta2: float,
     eps: float,
     check_rows: bool = True,
+    clear_grad: bool = False,
 ) -> None:
     """One Adam step (no weight decay, no amsgrad) on ``rows`` of ``param``, in place ("masked Adam").
 
@@ -46,30 +47,33 @@ def sparse_adam_step(
 
     Args:
         param, exp_avg, exp_avg_sq: (M, C) contiguous, float32 or float64, on one device; updated in place.
-        grad: (M, C) contiguous, param's dtype and device; only its listed rows are read.
+        grad: (M, C) contiguous, param's dtype and device; only its listed rows are read (and, with
+            ``clear_grad``, then set to zero).
         rows: (K,) int64 on param's device: distinct row indices in [0, M) (K = 0 is a no-op). A repeated row
             is undefined (stepped twice on the CPU; a race on CUDA); the range is checked (one device sync)
             unless ``check_rows`` is False (rows the caller built in range, e.g. from ``nonzero()`` of a mask).
         step: the step number after this update, an int >= 1 (bias correction); lr: a number >= 0;
             beta1, beta2: numbers in [0, 1); eps: a number > 0.
+        clear_grad: leave the listed rows of ``grad`` zero, so the next step's lookups can add onto it (their
+            ``grad_into``) where no other row has a gradient (training.optim.SparseGridAdam on occupied rows).
     Raises:
         TypeError: an argument of the wrong type, a dtype other than float32/float64, mixed dtypes, rows not int64.
         ValueError: a shape, device or contiguity mismatch, a value out of its range, rows outside [0, M).
     """
-    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
+    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
     if check_rows and rows.numel():  # a data check: one small reduction and one sync
         low, high = torch.stack(torch.aminmax(rows)).tolist()
         if low < 0 or high >= param.shape[0]:
             raise ValueError(f"sparse_adam_step: rows must lie in [0, {param.shape[0]}), got values in [{low}, {high}]")
     torch.ops.cuda_ext.sparse_adam_step(
-        param, grad, exp_avg, exp_avg_sq, rows, int(step), float(lr), float(beta1), float(beta2), float(eps)
+        param, grad, exp_avg, exp_avg_sq, rows, int(step), float(lr), float(beta1), float(beta2), float(eps), clear_grad
     )
 
 
 @torch.library.register_fake("cuda_ext::sparse_adam_step")
-def _sparse_adam_step_fake(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps) -> None:
+def _sparse_adam_step_fake(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad=False):
     # In place, no output: the fake kernel only checks the metadata (rows' values are data, not checked here).
-    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
+    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
 
 
 def masked_adam_step(

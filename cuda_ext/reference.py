@@ -189,19 +189,23 @@ def sparse_adam_step(
     beta2: float,
     eps: float,
     check_rows: bool = True,
+    clear_grad: bool = False,
 ) -> None:
     """torch.optim.Adam's update on ``rows`` of (M, C) ``param`` (and its moments), in place; the rest untouched.
 
     The rows are gathered, stepped with the tensor ops of torch.optim.Adam's single-tensor path (lerp_, mul_ +
     addcmul_, sqrt / bias_correction2 ** 0.5 + eps, addcdiv_), and scattered back: on the CPU, with every row
     listed, bit for bit torch.optim.Adam. Rows not listed are neither read nor written (masked Adam).
+    ``clear_grad``: then ``grad``'s listed rows zeroed.
     """
-    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
+    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
     if check_rows and rows.numel():
         low, high = torch.stack(torch.aminmax(rows)).tolist()
         if low < 0 or high >= param.shape[0]:
             raise ValueError(f"sparse_adam_step: rows must lie in [0, {param.shape[0]}), got values in [{low}, {high}]")
     _adam_at(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps)
+    if clear_grad:
+        grad[rows] = 0
 
 
 def masked_adam_step(

@@ -276,7 +276,7 @@ def _gradients(step: int, rank: int, shapes: list[tuple[int, ...]]) -> list[torc
 def _sharded_adam_against_adam(rank: int, world: int, init_file: str, results: str) -> None:
     import torch.distributed as dist
 
-    from training.optim import ShardedGridAdam
+    from training.sharded_adam import ShardedGridAdam
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -356,7 +356,7 @@ def test_sharded_adam_on_two_ranks_is_one_process_adam_and_checkpoints_whole(tmp
 
 
 def test_shard_optimizer_setting():
-    from training.optim import shard_optimizer
+    from training.sharded_adam import shard_optimizer
 
     two = Group(0, 2, 0)
     assert shard_optimizer("auto", two) and not shard_optimizer("auto", Group())

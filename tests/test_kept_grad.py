@@ -218,10 +218,42 @@ def test_cuda_clear_whole_sectors_writes_nothing_past_the_tensor(gen, dtype, cha
         assert torch.equal(got, w)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("channels", [1, 12, 13])  # a float per row, 16-byte packs, single elements
+@pytest.mark.parametrize("step_fn", [cuda_ext.sparse_adam_step, reference.sparse_adam_step], ids=["op", "reference"])
+def test_sparse_adam_clear_grad_zeroes_the_listed_rows_only(gen, device, dtype, channels, step_fn):
+    """Random gradient on every row: the listed rows end zero, every other row keeps its gradient bit for bit, and
+    param and moments are exactly the step without the clear."""
+    m = 2000
+    param, grad, exp_avg = (torch.randn(m, channels, generator=gen, dtype=dtype).to(device) for _ in range(3))
+    exp_avg_sq = torch.rand(m, channels, generator=gen, dtype=dtype).to(device)
+    rows = torch.randperm(m, generator=gen)[: m // 3].to(device)
+    want = [x.clone() for x in (param, exp_avg, exp_avg_sq)]
+    step_fn(want[0], grad.clone(), want[1], want[2], rows, 3, *HYPER)
+    cleared = grad.clone()
+    step_fn(param, cleared, exp_avg, exp_avg_sq, rows, 3, *HYPER, clear_grad=True)
+    listed = torch.zeros(m, dtype=torch.bool, device=device)
+    listed[rows] = True
+    assert bool((cleared[listed] == 0).all()) and torch.equal(cleared[~listed], grad[~listed])
+    for got, w in zip((param, exp_avg, exp_avg_sq), want):
+        assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_sparse_adam_clear_grad(gen, device):
+    param, grad, m, v = (torch.randn(64, 12, generator=gen, dtype=F64).to(device) for _ in range(4))
+    rows = torch.randperm(64, generator=gen)[:20].to(device)
+    torch.library.opcheck(OPS.sparse_adam_step.default, (param, grad, m, v.abs(), rows, 2, *HYPER, True))
+
+
 def test_clear_grad_must_be_a_bool(gen):
     param, grad, m, v = (torch.randn(8, 3, generator=gen, dtype=F64) for _ in range(4))
-    with pytest.raises(TypeError, match="clear_grad"):
+    with pytest.raises(TypeError, match="masked_adam_step: clear_grad"):
         cuda_ext.masked_adam_step(param, grad, m, v.abs(), 1, *HYPER, clear_grad=1)
+    rows = torch.arange(3)
+    with pytest.raises(TypeError, match="sparse_adam_step: clear_grad"):
+        cuda_ext.sparse_adam_step(param, grad, m, v.abs(), rows, 1, *HYPER, clear_grad="yes")
 
 
 # ----------------------------------------------------------------------------------------- the optimiser

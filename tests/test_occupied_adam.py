@@ -243,7 +243,7 @@ def test_the_trainers_occupied_adam_steps_the_fine_pool_by_gradient_and_keeps_it
             assert fine.grad is None  # no step left it zero: dropped
             fine.grad = kept = torch.zeros_like(fine)  # the first backward's
         assert fine.grad is kept and bool(kept.eq(0).all())  # left zero by the last step, not dropped
-        assert grid.grad is None and decoder.grad is None
+        assert decoder.grad is None and (grid.grad is None) == (step == 1)  # the grids' kept too (test below)
         live = torch.rand(fine.shape, generator=generator) < 0.3
         kept.add_(torch.randn(fine.shape, generator=generator, dtype=torch.float64) * live)  # what a backward adds
         reference.masked_adam_step(values, kept.clone(), exp_avg, exp_avg_sq, step, 0.02, *BETAS, 1e-15)
@@ -257,3 +257,44 @@ def test_the_trainers_occupied_adam_steps_the_fine_pool_by_gradient_and_keeps_it
     torch.testing.assert_close(optimizer.state[fine]["exp_avg_sq"], exp_avg_sq, rtol=1e-13, atol=0)
     torch.testing.assert_close(grid.detach()[inside], grid_copy.detach()[inside], rtol=1e-12, atol=1e-12)
     assert bool(optimizer.state[grid]["exp_avg_sq"][~inside].eq(0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_occupied_adam_keeps_the_grids_gradient_while_the_rows_hold(device):
+    """``keep_listed``: one gradient tensor per grid while the occupied rows hold, its listed rows left zero by each
+    step, the values exactly those of fresh gradients each step; lookups also reach rows outside the list (as the
+    TV estimate does), whose sums stay unstepped, so after an occupancy refresh the kept gradient must be dropped."""
+    from test_grid_interpolate import random_points
+
+    def train(kept: bool):
+        occupancy = random_occupancy((6, 5, 7), 0.3, seed=6).to(device)
+        draws = torch.Generator().manual_seed(8)
+        grid = torch.nn.Parameter(torch.randn(7, 6, 8, 12, generator=draws, dtype=torch.float64).to(device))
+        rows_fn = OccupiedRows(occupancy)
+        groups = [{"params": [grid], "lr": 0.05, "name": "grids"}]
+        optimizer = SparseGridAdam(groups, cuda_ext.sparse_adam_step, betas=BETAS, eps=1e-15, rows_fn=rows_fn,
+                                   keep_listed=kept)  # fmt: skip
+        pointers = []
+        for step in range(6):
+            if step == 3:  # a refresh replaces the mask
+                occupancy.mask = random_occupancy((6, 5, 7), 0.3, seed=9).mask.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            assert (grid.grad is not None) == (kept and step not in (0, 3))
+            points = random_points(400, draws, device=device, dtype=torch.float64)
+            (cuda_ext.grid_interpolate(grid, points) ** 2).sum().backward()
+            pointers.append(grid.grad.data_ptr())
+            optimizer.step()
+            listed = grid.grad.view(-1, 12)[rows_fn()]
+            assert bool(listed.eq(0).all()) == kept
+        return grid.detach(), pointers
+
+    kept, pointers = train(True)
+    fresh, _ = train(False)
+    torch.testing.assert_close(kept, fresh, rtol=0, atol=1e-14)  # float64: the same sums (atomics' order on CUDA)
+    assert pointers[0] == pointers[1] == pointers[2] and pointers[3] == pointers[4] == pointers[5]
+
+
+def test_keep_listed_needs_rows():
+    grid = torch.nn.Parameter(torch.randn(3, 3, 3, 2))
+    with pytest.raises(ValueError, match="keep_listed: needs rows_fn"):
+        SparseGridAdam([{"params": [grid], "name": "grids"}], cuda_ext.sparse_adam_step, keep_listed=True)

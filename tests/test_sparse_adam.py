@@ -328,8 +328,8 @@ def test_bench_smoke_cpu(tmp_path, load_bench):
     assert out.exists() and report["grid"] == {"size": 8, "rows": 512, "channels": 13, "dtype": "float32"}
     variants = [(r["variant"], r["fraction"]) for r in report["results"]]
     assert variants[0] == ("dense Adam (foreach)", 1.0)
-    kinds = ("sparse op", "sparse wrapper", "masked by gradient", "masked + zero fill", "masked, clear_grad")
-    kinds += ("exact (replay + step)",)
+    kinds = ("sparse op", "sparse wrapper", "sparse op, clear_grad", "masked by gradient", "masked + zero fill")
+    kinds += ("masked, clear_grad", "exact (replay + step)")
     assert {v for v in variants[1:]} == {(v, f) for v in kinds for f in (0.01, 0.1)}
     for r in report["results"]:
         assert r["ms"] > 0 and r["GBps"] > 0 and r["pct_copy"] > 0
@@ -341,8 +341,8 @@ def test_bench_smoke_cpu(tmp_path, load_bench):
             expected = 512 * 13 * 4 + 6 * k * 13 * 4 + zeroing.get(r["variant"], lambda k: 0)(k)
         elif r["variant"].startswith("exact"):  # the replay reads and writes param, m, v too
             expected = 13 * k * 13 * 4 + 32 * k
-        else:
-            expected = 7 * k * 13 * 4 + 8 * k
+        else:  # the clear writes the K rows' gradient too
+            expected = (8 if "clear_grad" in r["variant"] else 7) * k * 13 * 4 + 8 * k
         assert r["speedup_vs_dense"] > 0 and r["bytes"] == expected
 
 

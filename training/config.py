@@ -119,7 +119,7 @@ class TrainConfig:
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0
     dist_grad_sync: str = "touched"  # touched | dense (training.distributed)
-    shard_optimizer: Any = "auto"  # auto | true | false: the grids' Adam sharded over the ranks (training.optim)
+    shard_optimizer: Any = "auto"  # auto | true | false: the grids' Adam sharded over the ranks (training.sharded_adam)
     random_background: bool = False
     pixel_jitter: bool = False  # training rays through a random point of their pixel, not its centre
     overwrite: bool = False

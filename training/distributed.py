@@ -105,7 +105,7 @@ class Group:
         """Average all of ``module``'s gradients: ``row_sparse`` (its voxel grids) on their touched rows with
         ``mode="touched"`` (``marks``: see :meth:`average_gradients`; returns the union's rows), everything whole
         with ``mode="dense"`` (``train.dist_grad_sync``); with ``mode="sharded"`` everything but ``row_sparse``,
-        whose gradients training.optim.ShardedGridAdam reduce-scatters itself."""
+        whose gradients training.sharded_adam.ShardedGridAdam reduce-scatters itself."""
         if not self.active:
             return None
         if mode == "dense":
@@ -147,7 +147,7 @@ class Group:
         _collective("all_reduce", dist.all_reduce, mask, dist.ReduceOp.MAX)
 
     def shard_of(self, rows: int) -> RowShard:
-        """This rank's part of a (rows, C) tensor split by rows (training.optim.ShardedGridAdam)."""
+        """This rank's part of a (rows, C) tensor split by rows (training.sharded_adam.ShardedGridAdam)."""
         return RowShard(rows, self.world, self.rank)
 
     def reduce_scatter_rows(self, rows: torch.Tensor, shard: RowShard) -> tuple[torch.Tensor, torch.Tensor]:

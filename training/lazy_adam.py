@@ -60,15 +60,20 @@ def _as_rows(state: dict, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
             state["exp_avg"].view(-1, columns), state["exp_avg_sq"].view(-1, columns))  # fmt: skip
 
 
-def adam_step_rows(state: dict, param: torch.Tensor, group: dict, step_fn: Callable, rows: torch.Tensor) -> None:
+def adam_step_rows(
+    state: dict, param: torch.Tensor, group: dict, step_fn: Callable, rows: torch.Tensor, clear: bool = False
+) -> bool:
     """One Adam step of ``param`` (seen as rows of its last dimension) through ``step_fn`` (sparse_adam_step) on
-    its (K,) int64 ``rows``, its ``torch.optim.Adam``-keyed ``state`` created on first use."""
+    its (K,) int64 ``rows``, its ``torch.optim.Adam``-keyed ``state`` created on first use. ``clear``: the listed
+    rows of a contiguous ``.grad`` left zero (``clear_grad``); returns whether they were."""
     step = _advance(state, param)
     values, grad, exp_avg, exp_avg_sq = _as_rows(state, param)
     beta1, beta2 = group["betas"]
+    clear = clear and param.grad.is_contiguous()  # else _as_rows steps a copy, which clearing would not reach
     # the rows are built in range by the optimisers (nonzero() of a mask): no range check, no device sync
     step_fn(values, grad, exp_avg, exp_avg_sq, rows, step, float(group["lr"]), float(beta1), float(beta2),
-            float(group["eps"]), check_rows=False)  # fmt: skip
+            float(group["eps"]), check_rows=False, **({"clear_grad": True} if clear else {}))  # fmt: skip
+    return clear
 
 
 def adam_step_dense(states, params: list[torch.Tensor], group: dict) -> None:

@@ -18,8 +18,8 @@ import torch
 from cuda_ext.kept_grad import keep_grad
 from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
-from training.distributed import Group, RowShard
 from training.lazy_adam import LazyGridAdam, adam_step_dense, adam_step_nonzero, adam_step_rows
+from training.sharded_adam import ShardedGridAdam, shard_optimizer
 
 if TYPE_CHECKING:  # training.trainer imports this module
     from training.trainer import Trainer
@@ -44,6 +44,10 @@ class SparseGridAdam(torch.optim.Optimizer):
             are kept between steps: the step leaves them zero, :meth:`zero_grad` keeps them, and the next step's
             lookups add onto them (cuda_ext.kept_grad: no zero fill of the grids' size a step).
         by_gradient: the names of the groups ``masked_fn`` steps.
+        keep_listed: keep the ``grids`` group's gradients too, for a ``rows_fn`` that returns the same tensor while
+            its rows hold (:class:`OccupiedRows`, whose rows cover every row a lookup reads): the step leaves the
+            listed rows zero (``clear_grad``); outside them the gradient (the TV estimate's, in empty space) is never
+            stepped, and :meth:`zero_grad` drops the whole gradient once ``rows_fn``'s rows change.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class SparseGridAdam(torch.optim.Optimizer):
         rows_fn: Callable[[], torch.Tensor] | None = None,
         masked_fn: Callable | None = None,
         by_gradient: tuple[str, ...] = ("grids", "fine"),
+        keep_listed: bool = False,
     ):
         if not 0.0 <= lr:
             raise ValueError(f"lr: must be >= 0, got {lr}")
@@ -68,23 +73,32 @@ class SparseGridAdam(torch.optim.Optimizer):
         self.rows_fn = rows_fn
         self.masked_fn = masked_fn
         self.by_gradient = tuple(by_gradient)
+        if keep_listed and rows_fn is None:
+            raise ValueError("keep_listed: needs rows_fn (the rows that hold every gradient a lookup writes)")
+        self.keep_listed = keep_listed
         self._cleared: set[int] = set()  # ids of the parameters whose .grad the last step left zero
-        for group in filter(self._by_gradient, self.param_groups):
-            for param in group["params"]:
-                keep_grad(param)
+        self._cleared_rows: set[int] = set()  # ... left zero on the rows of self._kept_rows
+        self._kept_rows: torch.Tensor | None = None
+        for group in self.param_groups:
+            if self._by_gradient(group) or (keep_listed and group.get("name") == "grids"):
+                for param in group["params"]:
+                    keep_grad(param)
 
     def _by_gradient(self, group: dict) -> bool:
         """Whether ``group`` steps by its gradient's non-zero elements (masked_fn, a group named in by_gradient)."""
         return self.masked_fn is not None and group.get("name") in self.by_gradient
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch.optim's, except that a gradient the last step left zero is kept (the lookups add onto it)."""
+        """torch.optim's, except that a gradient the last step left zero is kept (the lookups add onto it), and one
+        left zero on the listed rows while those rows hold (``keep_listed``)."""
+        rows_hold = self._kept_rows is not None and self.rows_fn() is self._kept_rows
         for group in self.param_groups:
             for param in group["params"]:
-                if param.grad is None or id(param) in self._cleared:
+                kept = id(param) in self._cleared or (rows_hold and id(param) in self._cleared_rows)
+                if param.grad is None or kept:
                     continue
                 param.grad = None if set_to_none else param.grad.zero_()
-        self._cleared = set()
+        self._cleared, self._cleared_rows, self._kept_rows = set(), set(), None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -108,7 +122,10 @@ class SparseGridAdam(torch.optim.Optimizer):
                 grad = param.grad.reshape(-1, param.shape[-1])
                 scanned = listed is None  # one host sync: the count
                 rows = grad.ne(0).any(dim=1).nonzero().squeeze(1) if scanned else listed
-                adam_step_rows(self.state[param], param, group, self.step_fn, rows)
+                clear = self.keep_listed and not scanned
+                if adam_step_rows(self.state[param], param, group, self.step_fn, rows, clear=clear):
+                    self._cleared_rows.add(id(param))
+                    self._kept_rows = listed
         return None
 
 
@@ -130,166 +147,6 @@ class OccupiedRows:
             self._rows = self.occupancy.vertex_rows()
             self._mask, self._version = mask, mask._version
         return self._rows
-
-
-def shard_optimizer(setting, group: Group) -> bool:
-    """``train.shard_optimizer`` (auto | true | false) for this job: auto shards when it runs on several ranks."""
-    return group.active if str(setting).lower() == "auto" else bool(setting) and str(setting).lower() != "false"
-
-
-class ShardedGridAdam:
-    """Adam for data-parallel training whose ``grids`` group is sharded over the ranks (ZeRO stage 2): each rank
-    owns a contiguous slice of the grid rows (voxels), holds Adam's moments for that slice only, and updates only
-    it; the other groups (the decoder) are stepped whole on every rank, as ``torch.optim.Adam``.
-
-    ``step`` (call it on every rank after the other groups' gradients were averaged: Group.average_model_gradients
-    with mode="sharded") averages each grid's gradient into the rank's slice with one reduce-scatter, steps
-    ``torch.optim.Adam`` (fused on CUDA) on views of the slice's rows, and all-gathers the updated rows, so every
-    rank holds the whole grid again and forwards the next batch as one process would: the result is one
-    process's dense Adam, to float tolerance. The dense optimiser work and the moments' memory per rank fall by N.
-
-    Checkpoints: :meth:`state_dict` is a collective (every rank calls it): it gathers the moments into whole-grid
-    tensors, the format of ``torch.optim.Adam.state_dict`` over the full parameters, so a checkpoint loads into
-    one process, another world size, or this optimiser (:meth:`load_state_dict` slices this rank's rows).
-
-    Args:
-        params: parameter groups (VoxelNeRF.param_groups); the one named ``grids`` holds channels-last grids, seen
-            as rows of their last dimension.
-        group: the job (training.distributed.Group); world 1 works (one slice: plain Adam).
-        betas, eps, fused: torch.optim.Adam's.
-    """
-
-    def __init__(self, params, group: Group, betas: tuple[float, float], eps: float, fused: bool):
-        self.group, self.fused = group, fused
-        self.full_groups = [dict(g, params=list(g["params"])) for g in params]
-        self.grids: list[tuple[torch.nn.Parameter, RowShard, list[torch.nn.Parameter]]] = []  # (grid, shard, views)
-        inner_groups = []
-        for full in self.full_groups:
-            if full.get("name") != "grids":
-                inner_groups.append(dict(full))
-                continue
-            views = []
-            for grid in full["params"]:
-                rows = grid.detach().view(-1, grid.shape[-1])
-                shard = group.shard_of(rows.shape[0])
-                # Parameters over views of the grid's storage: Adam's in-place update writes the grid itself
-                # (the tail: rows % world rows past the equal slices, stepped by every rank; usually none)
-                parts = [torch.nn.Parameter(rows[shard.start : shard.stop])]
-                parts += [torch.nn.Parameter(rows[shard.body :])] if shard.body < shard.rows else []
-                self.grids.append((grid, shard, parts))
-                views += parts
-            inner_groups.append(dict(full, params=views))
-        self.inner = torch.optim.Adam(inner_groups, betas=betas, eps=eps, fused=fused)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups  # the trainer's schedule sets their lr
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
-        for grid, _, _ in self.grids:
-            grid.grad = None if set_to_none else (grid.grad.zero_() if grid.grad is not None else None)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for grid, shard, parts in self.grids:
-            grad = grid.grad if grid.grad is not None else torch.zeros_like(grid)  # no rows read on this rank
-            for part, averaged in zip(parts, self.group.reduce_scatter_rows(grad.reshape(-1, grid.shape[-1]), shard)):
-                part.grad = averaged
-        self.inner.step()
-        for grid, shard, _ in self.grids:
-            self.group.all_gather_rows(grid.detach().view(-1, grid.shape[-1]), shard)
-
-    # ------------------------------------------------------------------ checkpoints: whole-grid Adam state
-    def gather(self) -> None:
-        """A collective, on every rank before a checkpoint: gathers the whole-grid state that rank 0's next
-        :meth:`state_dict` returns (the other ranks drop their copy at once)."""
-        gathered = self._whole_state()
-        self._gathered = (self._steps(), gathered) if self.group.is_main else None
-
-    def state_dict(self) -> dict:
-        """``torch.optim.Adam``'s state dict over the full parameters. Several ranks: rank 0, after every rank
-        called :meth:`gather` at this step (a checkpoint's state is gathered once, then handed over)."""
-        if not self.group.active:
-            return self._whole_state()
-        gathered = getattr(self, "_gathered", None)
-        if gathered is None or gathered[0] != self._steps():
-            raise RuntimeError("ShardedGridAdam.state_dict: call gather() on every rank at this step first")
-        self._gathered = None
-        return gathered[1]
-
-    def _steps(self) -> int:
-        states = [self.inner.state.get(parts[0]) for _, _, parts in self.grids]
-        return max((int(state["step"]) for state in states if state), default=0)
-
-    def _whole_state(self) -> dict:
-        views = {id(grid): (shard, parts) for grid, shard, parts in self.grids}
-        state, groups, index = {}, [], 0
-        for full, inner in zip(self.full_groups, self.inner.param_groups):
-            groups.append({**{k: v for k, v in inner.items() if k != "params"}, "params": []})
-            for parameter in full["params"]:
-                if id(parameter) in views:
-                    entry = self._whole_entry(parameter, *views[id(parameter)])
-                else:
-                    entry = self.inner.state.get(parameter)
-                if entry:
-                    state[index] = entry
-                groups[-1]["params"].append(index)
-                index += 1
-        return {"state": state, "param_groups": groups}
-
-    def _whole_entry(self, grid: torch.nn.Parameter, shard, parts: list[torch.nn.Parameter]) -> dict | None:
-        part_state = self.inner.state.get(parts[0])
-        tail_state = self.inner.state.get(parts[1]) if len(parts) > 1 else None
-        if not part_state:
-            return None  # not stepped yet
-        entry = {"step": part_state["step"].clone()}
-        for key in ("exp_avg", "exp_avg_sq"):
-            whole = torch.empty_like(grid).view(-1, grid.shape[-1])
-            whole[shard.start : shard.stop] = part_state[key]
-            if tail_state:
-                whole[shard.body :] = tail_state[key]
-            self.group.all_gather_rows(whole, shard)
-            entry[key] = whole.view_as(grid)
-        return entry
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a whole-parameter Adam state dict (this optimiser's, or ``torch.optim.Adam``'s): each rank keeps its
-        rows of the grids' moments."""
-        views = {id(grid): (shard, parts) for grid, shard, parts in self.grids}
-        inner_state, inner_groups, inner_index = {}, [], 0
-        for full, saved in zip(self.full_groups, state_dict["param_groups"]):
-            inner_groups.append({**saved, "params": []})
-            for position, parameter in enumerate(full["params"]):
-                entry = state_dict["state"].get(saved["params"][position])
-                pieces = [{k: v.clone() for k, v in entry.items()} if entry else None]  # never step the caller's
-                if id(parameter) in views:
-                    shard, parts = views[id(parameter)]
-                    pieces = [_rows_of(entry, parameter, shard.start, shard.stop)]
-                    pieces += [_rows_of(entry, parameter, shard.body)] if len(parts) > 1 else []
-                for piece in pieces:
-                    if piece:
-                        inner_state[inner_index] = piece
-                    inner_groups[-1]["params"].append(inner_index)
-                    inner_index += 1
-        self.inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-        for group in self.inner.param_groups:  # the checkpoint may come from another device type
-            group["fused"] = self.fused
-
-
-def _rows_of(entry: dict | None, grid: torch.Tensor, start: int, stop: int | None = None) -> dict | None:
-    """Rows [start, stop) of a whole grid's Adam state entry, as (rows, C) (copies: the whole moments are not kept)."""
-    if not entry:
-        return None
-    columns = grid.shape[-1]
-    return {
-        key: value.clone() if key == "step" else value.reshape(-1, columns)[start:stop].clone()
-        for key, value in entry.items()
-    }
 
 
 def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
@@ -326,10 +183,11 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
         return SparseGridAdam(groups, ops.sparse_adam_step, betas=betas, eps=eps, masked_fn=ops.masked_adam_step)
     if mode == "occupied":  # the same rows on every rank: every rank holds the same occupancy grid
         # the fine pool (bricks on the surfaces seen) by gradient: stepped whole, it cost mic 800 more than its rays
+        # and every grid's gradient kept between steps (no fill of the grids' size a step)
         ops, rows_fn = trainer.ops, OccupiedRows(model.occupancy)
         return SparseGridAdam(
             groups, ops.sparse_adam_step, betas=betas, eps=eps, rows_fn=rows_fn,
-            masked_fn=ops.masked_adam_step, by_gradient=("fine",),
+            masked_fn=ops.masked_adam_step, by_gradient=("fine",), keep_listed=True,
         )  # fmt: skip
     if mode == "masked":  # under torchrun: the union the sync moved, or (dense sync) a scan of the gradients
         if not group.active:

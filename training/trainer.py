@@ -23,11 +23,12 @@ from training.evaluation import sync
 from training.floors import adam_bytes
 from training.lazy_adam import LazyGridAdam
 from training.losses import step_loss
-from training.optim import ShardedGridAdam, SparseGridAdam, new_optimizer, prepare_for_whole_reads, rebuilt_optimizer
+from training.optim import SparseGridAdam, new_optimizer, prepare_for_whole_reads, rebuilt_optimizer
 from training.profiler import StepProfiler
 from training.resume import restore_trainer
 from training.run_checkpoints import RunCheckpoints
 from training.run_dir import RunPaths, write_json
+from training.sharded_adam import ShardedGridAdam
 from training.tensorboard import TensorBoardLogger
 from training.timing import process_seconds
 

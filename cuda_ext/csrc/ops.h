@@ -71,10 +71,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
     const std::optional<at::Tensor>& t_split);
 
-// sparse_adam_step: Adam on the listed rows of a (M, C) parameter, in place.
+// sparse_adam_step: Adam on the listed rows of a (M, C) parameter, in place; with clear_grad the listed rows of
+// the gradient are left zero.
 void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                           const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
-                          double beta2, double eps);
+                          double beta2, double eps, bool clear_grad);
 // masked_adam_step: Adam on the elements of a (M, C) parameter whose gradient is non-zero, in place; with
 // clear_grad the gradient is left zero (written only where it was not: the next step's lookups add onto it).
 void masked_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -105,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
     const std::optional<at::Tensor>& t_split);
 void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
-                           double beta2, double eps);
+                           double beta2, double eps, bool clear_grad);
 void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
                            double eps, bool clear_grad);

@@ -59,8 +59,8 @@ TORCH_LIBRARY(cuda_ext, m) {
       "Tensor occupancy, Tensor box, float step, int max_samples, Tensor? t_split=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
-      "sparse_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
-      "int step, float lr, float beta1, float beta2, float eps) -> ()");
+      "sparse_adam_step(Tensor(a!) param, Tensor(d!) grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
+      "int step, float lr, float beta1, float beta2, float eps, bool clear_grad=False) -> ()");
   m.def(
       "masked_adam_step(Tensor(a!) param, Tensor(d!) grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
       "float lr, float beta1, float beta2, float eps, bool clear_grad=False) -> ()");

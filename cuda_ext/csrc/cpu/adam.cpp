@@ -1,6 +1,7 @@
 // The row-sparse Adam family on the CPU (adam.h). sparse_adam_step: rows' range checked first (so a bad call
 // changes nothing), then the listed rows split across threads (at::parallel_for), each row's C contiguous
-// elements updated in place; work and memory traffic follow K, the rows listed, never M. masked_adam_step: the
+// elements updated in place (then, with clear_grad, the row's gradient set to zero); work and memory traffic
+// follow K, the rows listed, never M. masked_adam_step: the
 // M * C elements split across threads, each stepped where its gradient is non-zero (then, with clear_grad, the
 // task's gradient elements set to zero). adam_replay_rows: the
 // stamps of the masked rows checked first, then every row's mask byte read and the masked ones replayed.
@@ -25,15 +26,16 @@ namespace {
 
 constexpr int64_t kGrainElements = 16384;  // elements per task: enough to amortise scheduling
 
-// Rows index[begin..end) of the (M, channels) arrays, updated in place.
+// Rows index[begin..end) of the (M, channels) arrays, updated in place; with `clear` their gradient zeroed after.
 template <typename scalar_t>
-CUDA_EXT_ADAM_CLONES void adam_rows(scalar_t* __restrict p, const scalar_t* __restrict g, scalar_t* __restrict m,
+CUDA_EXT_ADAM_CLONES void adam_rows(scalar_t* __restrict p, scalar_t* __restrict g, scalar_t* __restrict m,
                                     scalar_t* __restrict v, const int64_t* __restrict index, int64_t begin, int64_t end,
-                                    int64_t channels, const AdamCoefficients<scalar_t>& k) {
+                                    int64_t channels, const AdamCoefficients<scalar_t>& k, bool clear) {
   for (int64_t r = begin; r < end; ++r) {
     const int64_t base = index[r] * channels;
 #pragma omp simd
     for (int64_t c = base; c < base + channels; ++c) adam_element<scalar_t>(p[c], g[c], m[c], v[c], k);
+    if (clear) std::fill(g + base, g + base + channels, scalar_t(0));
   }
 }
 
@@ -89,7 +91,7 @@ void adam_replay_rows_cpu(const at::Tensor& param, const at::Tensor& exp_avg, co
 
 void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                           const at::Tensor& exp_avg_sq, const at::Tensor& rows_in, int64_t step, double lr,
-                          double beta1, double beta2, double eps) {
+                          double beta1, double beta2, double eps, bool clear_grad) {
   check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows_in, step, lr, beta1, beta2, eps, at::kCPU);
   const at::Tensor rows = rows_in.contiguous();
   const int64_t k_rows = rows.size(0), m_rows = param.size(0), channels = param.size(1);
@@ -105,9 +107,9 @@ void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const
     scalar_t* p = param.data_ptr<scalar_t>();
     scalar_t* m = exp_avg.data_ptr<scalar_t>();
     scalar_t* v = exp_avg_sq.data_ptr<scalar_t>();
-    const scalar_t* g = grad.const_data_ptr<scalar_t>();
+    scalar_t* g = grad.data_ptr<scalar_t>();
     at::parallel_for(0, k_rows, grain, [&](int64_t begin, int64_t end) {
-      adam_rows<scalar_t>(p, g, m, v, index, begin, end, channels, k);
+      adam_rows<scalar_t>(p, g, m, v, index, begin, end, channels, k, clear_grad);
     });
   });
 }

@@ -1,7 +1,8 @@
 // The row-sparse Adam family on CUDA (adam.h).
 //
 // sparse_adam_step. Bandwidth bound: per listed row it reads param, grad and both moments and writes
-// param and the moments, 7 * C elements, and nothing of the rows not listed, so the time follows K, not M.
+// param and the moments, 7 * C elements (8 with clear_grad: the row's gradient stored back as zeros), and nothing
+// of the rows not listed, so the time follows K, not M.
 //
 // Layout: a row is handled by kLanes neighbouring lanes (the smallest power of two that covers its C channels in
 // packs of kVec elements, at most a warp), so one warp-wide load covers 32 / kLanes whole rows, each a coalesced
@@ -47,7 +48,7 @@ constexpr int kUnroll = 4;
 template <typename scalar_t>
 struct AdamPointers {
   scalar_t* __restrict__ param;
-  const scalar_t* __restrict__ grad;
+  const scalar_t* grad;  // not __restrict__: with clear_grad the kernels write it through another pointer
   scalar_t* __restrict__ exp_avg;
   scalar_t* __restrict__ exp_avg_sq;
 };
@@ -84,7 +85,8 @@ __device__ __forceinline__ bool any_in_lane_group(bool value) {
 template <typename scalar_t, int kVec, int kLanes>
 __global__ void __launch_bounds__(kThreads)
     sparse_adam_kernel(AdamPointers<scalar_t> ptr, const int64_t* __restrict__ rows, int64_t k_rows, int64_t m_rows,
-                       int64_t channels, AdamCoefficients<scalar_t> k) {
+                       int64_t channels, AdamCoefficients<scalar_t> k,
+                       scalar_t* clear) {  // the gradient again (or null): its listed rows zeroed after the step
   constexpr int kSlotsPerBlock = kThreads / kLanes;
   const int lane = threadIdx.x % kLanes;
   const int64_t first = int64_t(blockIdx.x) * kSlotsPerBlock + threadIdx.x / kLanes;
@@ -103,7 +105,9 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         if (base[u] < 0) continue;
         const int64_t i = base[u] + c;
-        g[u] = load_vec<scalar_t, kVec, /*kStreaming=*/false>(ptr.grad + i);
+        // read-only path unless this kernel writes the gradient (then a coherent load)
+        g[u] = clear != nullptr ? load_plain<scalar_t, kVec>(ptr.grad + i)
+                                : load_vec<scalar_t, kVec, /*kStreaming=*/false>(ptr.grad + i);
         p[u] = load_plain<scalar_t, kVec>(ptr.param + i);
         m[u] = load_plain<scalar_t, kVec>(ptr.exp_avg + i);
         v[u] = load_plain<scalar_t, kVec>(ptr.exp_avg_sq + i);
@@ -117,6 +121,7 @@ __global__ void __launch_bounds__(kThreads)
         store_plain(ptr.param + i, p[u]);
         store_plain(ptr.exp_avg + i, m[u]);
         store_plain(ptr.exp_avg_sq + i, v[u]);
+        if (clear != nullptr) store_plain(clear + i, Vec<scalar_t, kVec>{});
       }
     }
   }
@@ -186,24 +191,24 @@ unsigned int grid_stride_blocks(Kernel kernel, int64_t items, int64_t per_block_
 
 template <typename scalar_t, int kVec, int kLanes>
 void launch(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_rows, int64_t m_rows, int64_t channels,
-            const AdamCoefficients<scalar_t>& k) {
+            const AdamCoefficients<scalar_t>& k, scalar_t* clear) {
   auto kernel = sparse_adam_kernel<scalar_t, kVec, kLanes>;
   const unsigned int blocks = grid_stride_blocks(kernel, k_rows, int64_t(kThreads / kLanes) * kUnroll);
-  kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, rows, k_rows, m_rows, channels, k);
+  kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, rows, k_rows, m_rows, channels, k, clear);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // kLanes: the smallest power of two >= the packs of a row, at most a warp.
 template <typename scalar_t, int kVec>
 void launch_for_width(const AdamPointers<scalar_t>& ptr, const int64_t* rows, int64_t k_rows, int64_t m_rows,
-                      int64_t channels, const AdamCoefficients<scalar_t>& k) {
+                      int64_t channels, const AdamCoefficients<scalar_t>& k, scalar_t* clear) {
   const int64_t packs = channels / kVec;
-  if (packs <= 1) return launch<scalar_t, kVec, 1>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 2) return launch<scalar_t, kVec, 2>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 4) return launch<scalar_t, kVec, 4>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 8) return launch<scalar_t, kVec, 8>(ptr, rows, k_rows, m_rows, channels, k);
-  if (packs <= 16) return launch<scalar_t, kVec, 16>(ptr, rows, k_rows, m_rows, channels, k);
-  return launch<scalar_t, kVec, 32>(ptr, rows, k_rows, m_rows, channels, k);
+  if (packs <= 1) return launch<scalar_t, kVec, 1>(ptr, rows, k_rows, m_rows, channels, k, clear);
+  if (packs <= 2) return launch<scalar_t, kVec, 2>(ptr, rows, k_rows, m_rows, channels, k, clear);
+  if (packs <= 4) return launch<scalar_t, kVec, 4>(ptr, rows, k_rows, m_rows, channels, k, clear);
+  if (packs <= 8) return launch<scalar_t, kVec, 8>(ptr, rows, k_rows, m_rows, channels, k, clear);
+  if (packs <= 16) return launch<scalar_t, kVec, 16>(ptr, rows, k_rows, m_rows, channels, k, clear);
+  return launch<scalar_t, kVec, 32>(ptr, rows, k_rows, m_rows, channels, k, clear);
 }
 
 // The widest pack (16, 8 or 4 bytes... down to one element) that divides C and every pointer's alignment.
@@ -303,7 +308,7 @@ AdamPointers<scalar_t> adam_pointers(const at::Tensor& param, const at::Tensor& 
 
 void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, const at::Tensor& rows_in, int64_t step, double lr,
-                           double beta1, double beta2, double eps) {
+                           double beta1, double beta2, double eps, bool clear_grad) {
   check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows_in, step, lr, beta1, beta2, eps, at::kCUDA);
   const c10::cuda::CUDAGuard device_guard(param.device());
   const at::Tensor rows = rows_in.contiguous();
@@ -312,9 +317,10 @@ void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, cons
   AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam_step_cuda", [&] {
     const auto k = AdamCoefficients<scalar_t>::make(step, lr, beta1, beta2, eps);
     const auto ptr = adam_pointers<scalar_t>(param, grad, exp_avg, exp_avg_sq);
+    scalar_t* clear = clear_grad ? grad.data_ptr<scalar_t>() : nullptr;
     with_widest_pack(ptr, channels, [&](auto vec) {
-      launch_for_width<scalar_t, decltype(vec)::value>(ptr, rows.const_data_ptr<int64_t>(), k_rows, m_rows, channels,
-                                                       k);
+      launch_for_width<scalar_t, decltype(vec)::value>(ptr, rows.const_data_ptr<int64_t>(), k_rows, m_rows, channels, k,
+                                                       clear);
     });
   });
 }
