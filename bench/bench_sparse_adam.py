@@ -94,14 +94,15 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    saved = grad.clone()  # the rows a clearing step zeroed are written back untimed
+    cleared = grad.clone()  # the clearing step's gradient: its rows written back from grad, untimed
 
     def run_op(picks, wrapper: bool, clear: bool):
         fn = cuda_ext.sparse_adam_step if wrapper else torch.ops.cuda_ext.sparse_adam_step
+        g = cleared if clear else grad
 
         def run(i: int) -> None:
             step["n"] += 1
-            fn(param, grad, exp_avg, exp_avg_sq, picks[i % len(picks)], step["n"], *HYPER.values(), clear_grad=clear)
+            fn(param, g, exp_avg, exp_avg_sq, picks[i % len(picks)], step["n"], *HYPER.values(), clear_grad=clear)
 
         return run
 
@@ -109,7 +110,7 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
         def reset(i: int) -> None:
             if clear:
                 rows = picks[i % len(picks)]
-                grad[rows] = saved[rows]
+                cleared[rows] = grad[rows]
 
         return reset
 
