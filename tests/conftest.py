@@ -78,3 +78,20 @@ def poison_cuda_cache():
     """A callable that leaves NaN-filled blocks in the CUDA caching allocator, so an output element a
     kernel forgets to write shows up as NaN instead of a lucky zero. Call it right before the op."""
     return _poison_cuda_cache
+
+
+@pytest.fixture
+def blender_scene(tmp_path):
+    """A tiny NeRF-synthetic scene (5 train, 3 val views of 16x16 random RGBA) under a path with a space."""
+    import numpy as np
+
+    from data import write_blender_split
+    from data.cameras import look_at, random_zone_positions
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "tiny blender"  # a space: the override must be quoted
+    for split, count in (("train", 5), ("val", 3)):
+        c2w = look_at(random_zone_positions(count, 4.0, 0.1, 1.0, rng))
+        images = [rng.integers(0, 256, (16, 16, 4), dtype=np.uint8) for _ in range(count)]
+        write_blender_split(root, split, images, c2w, 0.7)
+    return root
