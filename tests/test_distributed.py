@@ -303,3 +303,73 @@ def test_gradient_exchange_bench_refuses_a_single_process():
         [sys.executable, "bench/bench_grad_exchange.py", "--device", "cpu"], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode != 0 and "torchrun" in result.stderr
+
+
+# ------------------------------------------------------------------------ the periodic evaluation, shared
+
+
+def test_rank_views_share_the_views_out():
+    from training.evaluation import rank_views
+
+    views = [0, 3, 7, 12, 20]
+    shares = [rank_views(views, rank, 2) for rank in range(2)]
+    assert shares == [[0, 7, 20], [3, 12]]  # disjoint, all of them, rank 0 the first (its image is logged)
+    assert rank_views(views, 0, 1) == views and rank_views([4], 1, 2) == []
+    assert Group().total(torch.tensor([1.5, -2.0], dtype=torch.float64)).tolist() == [1.5, -2.0]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_periodic_eval_renders_this_ranks_share_and_rank_0_reports_all(monkeypatch, rank):
+    """Each rank renders only its views; the all-reduce of the score rows (the other rank's added here) gives rank
+    0 every view's score, so its entry is the one-process evaluation's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from training import evaluation
+
+    def fake_evaluate(trainer, views, write_images):
+        rendered.append(list(views))
+        per_view = [{"view": v, "psnr": 20.0 + v, "ssim": 0.5 + v / 100} for v in views]
+        return {"per_view": per_view, "seconds": 0.25, "first_rgb": np.zeros((2, 2, 3), np.float32)}
+
+    views = evaluation.spread_views(9, 5)  # [0, 2, 4, 6, 8]
+    other = [v for v in views if v not in views[rank::2]]
+
+    def total(scores):  # the other rank's rows, as the all-reduce adds them
+        for v in other:
+            scores[views.index(v)] = torch.tensor([20.0 + v, 0.5 + v / 100], dtype=torch.float64)
+        return scores
+
+    rendered, logged = [], []
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
+    group = SimpleNamespace(rank=rank, world=2, is_main=rank == 0, total=total)
+    trainer = SimpleNamespace(
+        group=group, step=40, train_seconds=3.0, eval_history=[],
+        train_cfg=SimpleNamespace(eval_views=5), eval_scene=SimpleNamespace(num_views=9),
+        tensorboard=SimpleNamespace(evaluation=lambda *args: logged.append(args)),
+    )  # fmt: skip
+    evaluation.periodic_eval(trainer)
+    assert rendered == [views[rank::2]]
+    if rank == 1:
+        assert trainer.eval_history == [] and logged == []  # rank 0 reports
+        return
+    (entry,) = trainer.eval_history
+    assert entry["psnr"] == pytest.approx(20.0 + np.mean(views)) and entry["views"] == 5
+    assert entry["psnr_worst10"] == pytest.approx(20.0) and entry["ssim"] == pytest.approx(0.5 + np.mean(views) / 100)
+    assert len(logged) == 1
+
+
+def test_two_gloo_ranks_evaluate_what_one_process_evaluates(tmp_path):
+    """The periodic evaluations of a torchrun job (3 views: an uneven share) score what one process scores."""
+    cache, every = tmp_path / "cache", ["train.eval_every=4", "train.eval_views=3"]
+    result = single(tiny(cache, tmp_path / "one", 12) + every)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + every)
+    assert pair.returncode == 0, ranks_output(pair)
+    histories = [json.loads((tmp_path / name / "metrics.json").read_text())["eval_history"] for name in ("one", "two")]
+    assert [e["step"] for e in histories[0]] == [e["step"] for e in histories[1]] == [4, 8]
+    for one, two in zip(*histories):
+        assert two["views"] == one["views"] == 3
+        for key in ("psnr", "ssim", "psnr_worst10"):
+            assert two[key] == pytest.approx(one[key], abs=1e-3), key

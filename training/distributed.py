@@ -180,6 +180,15 @@ class Group:
         _collective("all_reduce", dist.all_reduce, tensor)
         return tuple(float(v) / self.world for v in tensor.tolist())
 
+    def total(self, values: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of a float64 CPU tensor over the ranks (one all-reduce), as a CPU tensor; itself
+        in one process."""
+        if not self.active:
+            return values
+        tensor = values.to(_collective_device())
+        _collective("all_reduce", dist.all_reduce, tensor)
+        return tensor.cpu()
+
     def minimum(self, value: int) -> int:
         """The smallest of an integer over the ranks (e.g. the fine-grid bricks every rank's memory holds)."""
         if not self.active:

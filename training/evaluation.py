@@ -118,6 +118,18 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
         {"view": view, "name": scene.names[view], "psnr": value[0], "ssim": value[1]}
         for view, value in zip(views, values)
     ]
+    return {
+        **summarize(per_view),
+        "per_view": per_view,
+        "seconds": time.perf_counter() - start,
+        "rays": len(views) * scene.height * scene.width,
+        "first_rgb": first_rgb,
+    }
+
+
+def summarize(per_view: list[dict]) -> dict:
+    """Mean PSNR and SSIM of per-view scores (dicts with view, psnr, ssim), the mean PSNR of the worst 10% of
+    the views (at least one) and which views those are."""
     ranked = sorted(per_view, key=lambda v: v["psnr"])
     worst = ranked[: max(1, math.ceil(len(ranked) / 10))]  # the held-out bar is about the worst views too
     return {
@@ -125,10 +137,6 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
         "ssim": float(np.mean([v["ssim"] for v in per_view])),
         "psnr_worst10": float(np.mean([v["psnr"] for v in worst])),
         "worst_views": [v["view"] for v in worst],
-        "per_view": per_view,
-        "seconds": time.perf_counter() - start,
-        "rays": len(views) * scene.height * scene.width,
-        "first_rgb": first_rgb,
     }
 
 
@@ -138,6 +146,12 @@ def spread_views(num_views: int, count: int) -> list[int]:
     if count >= num_views:
         return list(range(num_views))
     return sorted(set(np.linspace(0, num_views - 1, count).round().astype(int).tolist()))
+
+
+def rank_views(views: list[int], rank: int, world: int) -> list[int]:
+    """The views rank ``rank`` of ``world`` renders in a shared evaluation: every world-th, from its own rank's
+    (rank 0 gets the first, whose image is logged; ranks past the views get none)."""
+    return views[rank::world]
 
 
 def final_views(trainer: Trainer) -> list[int]:
@@ -154,12 +168,23 @@ def final_views(trainer: Trainer) -> list[int]:
 
 def periodic_eval(trainer: Trainer) -> None:
     """Held-out PSNR / SSIM on ``train.eval_views`` views spread over the eval split, during training: appended to
-    the trainer's eval history, logged to TensorBoard with the first view's image, and printed."""
+    the trainer's eval history, logged to TensorBoard with the first view's image, and printed. Every rank of a
+    torchrun job calls it and renders its share of the views (:func:`rank_views`; rank 0 the first), so the others
+    do not wait idle for rank 0 at the next step; one all-reduce brings the scores to rank 0, which reports."""
     count = min(trainer.train_cfg.eval_views, trainer.eval_scene.num_views)
     if count == 0:
         return
+    group = trainer.group
     views = spread_views(trainer.eval_scene.num_views, count)
-    result = evaluate(trainer, views, write_images=False)
+    mine = rank_views(views, group.rank, group.world)
+    result = evaluate(trainer, mine, write_images=False) if mine else {"per_view": [], "seconds": 0.0}
+    scores = torch.zeros(len(views), 2, dtype=torch.float64)  # (psnr, ssim) per view, this rank's rows filled
+    for score in result["per_view"]:
+        scores[views.index(score["view"])] = torch.tensor([score["psnr"], score["ssim"]], dtype=torch.float64)
+    scores = group.total(scores).tolist()
+    if not group.is_main:
+        return
+    result.update(summarize([{"view": v, "psnr": s[0], "ssim": s[1]} for v, s in zip(views, scores)]))
     entry = {
         "step": trainer.step,
         "train_seconds": trainer.train_seconds,
