@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from test_model import backends
 from test_train import run_train
 
 from training.config import ConfigError, validate_config
@@ -63,82 +64,28 @@ def test_validate_config_names_the_key(override, key):
     [
         (
             [],
-            {
-                "grid_interpolate": "custom",
-                "upsample_bilinear2d": "custom",
-                "gelu": "custom",
-                "volume_render": "custom",
-                "march_rays": "custom",
-                "brick_grid_interpolate": "custom",
-                "sparse_adam_step": "custom",
-                "sampled_tv": "custom",
-            },
+            backends("custom"),
         ),
         (
             ["ops=torch"],
-            {
-                "grid_interpolate": "torch",
-                "upsample_bilinear2d": "torch",
-                "gelu": "torch",
-                "volume_render": "torch",
-                "march_rays": "torch",
-                "brick_grid_interpolate": "torch",
-                "sparse_adam_step": "torch",
-                "sampled_tv": "torch",
-            },
+            backends("torch"),
         ),
         (
             ["ops.upsample_bilinear2d=torch"],
-            {
-                "grid_interpolate": "custom",
-                "upsample_bilinear2d": "torch",
-                "gelu": "custom",
-                "volume_render": "custom",
-                "march_rays": "custom",
-                "brick_grid_interpolate": "custom",
-                "sparse_adam_step": "custom",
-                "sampled_tv": "custom",
-            },
+            backends("custom", upsample_bilinear2d="torch"),
         ),
         (
             ["ops=torch", "ops.gelu=custom"],
-            {
-                "grid_interpolate": "torch",
-                "upsample_bilinear2d": "torch",
-                "gelu": "custom",
-                "volume_render": "torch",
-                "march_rays": "torch",
-                "brick_grid_interpolate": "torch",
-                "sparse_adam_step": "torch",
-                "sampled_tv": "torch",
-            },
+            backends("torch", gelu="custom"),
         ),
         # the keys' earlier names still work
         (
             ["ops.trilinear=torch"],
-            {
-                "grid_interpolate": "torch",
-                "upsample_bilinear2d": "custom",
-                "gelu": "custom",
-                "volume_render": "custom",
-                "march_rays": "custom",
-                "brick_grid_interpolate": "custom",
-                "sparse_adam_step": "custom",
-                "sampled_tv": "custom",
-            },
+            backends("custom", grid_interpolate="torch"),
         ),
         (
             ["ops=torch", "ops.upsample=custom"],
-            {
-                "grid_interpolate": "torch",
-                "upsample_bilinear2d": "custom",
-                "gelu": "torch",
-                "volume_render": "torch",
-                "march_rays": "torch",
-                "brick_grid_interpolate": "torch",
-                "sparse_adam_step": "torch",
-                "sampled_tv": "torch",
-            },
+            backends("torch", upsample_bilinear2d="custom"),
         ),
     ],
 )

@@ -23,20 +23,19 @@ from data import (
 from models import OpSet, VoxelNeRF, build_ops
 from models.decoder import spherical_harmonics
 from models.field import VoxelGrid, grid_shape
+from models.ops import OP_NAMES
 
 DEFAULT_CFG = Path(__file__).resolve().parents[1] / "configs" / "model" / "default.yaml"
 BBOX = torch.tensor([[-1.5, -1.5, -1.5], [1.5, 1.5, 1.5]])
 NEAR, FAR = 2.0, 6.0
-TORCH_OPS = {
-    "grid_interpolate": "torch",
-    "upsample_bilinear2d": "torch",
-    "gelu": "torch",
-    "volume_render": "torch",
-    "march_rays": "torch",
-    "brick_grid_interpolate": "torch",
-    "sparse_adam_step": "torch",
-    "sampled_tv": "torch",
-}
+
+
+def backends(default: str, **chosen: str) -> dict[str, str]:
+    """The ``ops`` config (models.ops.OP_NAMES): every op on ``default`` ("custom" or "torch") but those ``chosen``."""
+    return {name: chosen.get(name, default) for name in OP_NAMES}
+
+
+TORCH_OPS = backends("torch")
 
 
 def make_cfg(**overrides) -> dict:
@@ -317,18 +316,7 @@ def test_tiny_overfit(tiny_scene, upsample, one_thread):
 
 # ---------------------------------------------------------------------------------------------- backends
 def test_custom_ops_match_torch_ops():
-    custom = build_ops(
-        {
-            "grid_interpolate": "custom",
-            "upsample_bilinear2d": "custom",
-            "gelu": "custom",
-            "volume_render": "custom",
-            "march_rays": "custom",
-            "brick_grid_interpolate": "custom",
-            "sparse_adam_step": "custom",
-            "sampled_tv": "custom",
-        }
-    )
+    custom = build_ops(backends("custom"))
     reference_model = make_model(upsample=2, decoder_layers=2)
     randomize_density(reference_model)
     custom_model = copy.deepcopy(reference_model)

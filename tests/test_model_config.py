@@ -4,7 +4,7 @@ model setting, an unknown key or a wrong type stops naming the key; defaults are
 from __future__ import annotations
 
 import pytest
-from test_model import BBOX, FAR, NEAR, TORCH_OPS, make_cfg, make_model
+from test_model import BBOX, FAR, NEAR, TORCH_OPS, backends, make_cfg, make_model
 
 from models import VoxelNeRF, build_ops
 
@@ -12,31 +12,11 @@ from models import VoxelNeRF, build_ops
 def test_build_ops_maps_each_key_to_its_backend():
     import cuda_ext
 
-    ops = build_ops(
-        {
-            "grid_interpolate": "custom",
-            "upsample_bilinear2d": "torch",
-            "gelu": "custom",
-            "volume_render": "custom",
-            "march_rays": "custom",
-            "brick_grid_interpolate": "custom",
-            "sparse_adam_step": "custom",
-            "sampled_tv": "custom",
-        }
-    )
+    ops = build_ops(backends("custom", upsample_bilinear2d="torch"))
     assert ops.grid_interpolate is cuda_ext.grid_interpolate
     assert ops.upsample_bilinear2d is cuda_ext.reference.upsample_bilinear2d
     assert ops.gelu is cuda_ext.gelu
-    assert ops.backends == {
-        "grid_interpolate": "custom",
-        "upsample_bilinear2d": "torch",
-        "gelu": "custom",
-        "volume_render": "custom",
-        "march_rays": "custom",
-        "brick_grid_interpolate": "custom",
-        "sparse_adam_step": "custom",
-        "sampled_tv": "custom",
-    }
+    assert ops.backends == backends("custom", upsample_bilinear2d="torch")
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from test_model import (
     BBOX,
     NEAR,
     TORCH_OPS,
+    backends,
     make_model,
     randomize_density,
     rays_towards_centre,
@@ -26,16 +27,7 @@ from models import build_ops
 from models.field import optical_depth, resample_box, to_unit
 from models.render import accumulate, compositing_weights
 
-CUSTOM_OPS = {
-    "grid_interpolate": "custom",
-    "upsample_bilinear2d": "custom",
-    "gelu": "custom",
-    "volume_render": "custom",
-    "march_rays": "custom",
-    "brick_grid_interpolate": "custom",
-    "sparse_adam_step": "custom",
-    "sampled_tv": "custom",
-}
+CUSTOM_OPS = backends("custom")
 
 
 # ------------------------------------------------------------------------------------- per-sample shading
