@@ -5,7 +5,7 @@
 #   bench/gpu_session.sh [tests] [grid-tests] [op-tests] [bench] [bench-grid] [bench-render] [train] [lego] [lego-in-order]
 #                        [lego-torch] [profile] [grid-channels] [variants] [exchange] [syncs] [kernels]
 #
-# tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate.py only
+# tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate*.py only
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
 #             benchmarks; bench-march: march_rays' alone
 # model-tests: tests/test_model.py (the model's CUDA paths: the bfloat16 decoder)
@@ -87,7 +87,7 @@ fi
 for s in "${stages[@]}"; do
   case $s in
     tests) stage tests python3 -m pytest -q -rs --durations=15 ;;
-    grid-tests) stage grid_tests python3 -m pytest -q -rs tests/test_grid_interpolate.py ;;
+    grid-tests) stage grid_tests python3 -m pytest -q -rs tests/test_grid_interpolate.py tests/test_grid_interpolate_cuda.py ;;
     op-tests) stage op_tests python3 -m pytest -q -rs tests/test_render.py tests/test_sparse_adam.py tests/test_march.py ;;
     model-tests) stage model_tests python3 -m pytest -q -rs tests/test_model.py ;;
     bench-render)

@@ -1,7 +1,7 @@
 # The `peers` stage of bench/gpu_session.sh, sourced by it (uses its stage, log, failures, $OUT and $LEGO).
 #
 # Builds gsplat's CUDA code once (JIT, ~104 s on the H100; kept in build/torch_extensions, which a warm machine
-# keeps between calls), runs tests/test_peers.py there (its gsplat + GPU tests; PEER_TESTS=0 skips them), profiles
+# keeps between calls), runs tests/test_peers*.py there (its gsplat + GPU tests; PEER_TESTS=0 skips them), profiles
 # 3DGS steps on lego_400 (bench.peers.step_profile, ~20 s, its summary printed; PEER_PROFILE=0 skips it), then
 # for each scene of $PEER_SCENES (default "lego_400 fruit", folders under $PEER_DATA, default .scenes; lego_400
 # falls back to $LEGO), each run alone on the GPU:
@@ -30,7 +30,7 @@ case " $peer_methods " in *" nerfacc "*)
     "from nerfacc.cuda._backend import _C; assert _C is not None, 'nerfacc: no CUDA extension built'; print('nerfacc built')"
   ;;
 esac
-[ "${PEER_TESTS:-1}" = 1 ] && stage peers_tests python3 -m pytest -q -rs tests/test_peers.py
+[ "${PEER_TESTS:-1}" = 1 ] && stage peers_tests python3 -m pytest -q -rs tests/test_peers.py tests/test_peers_gsplat.py tests/test_peers_nerfacc.py
 # where a 3DGS step's time goes (~20 s): phases, top ops, SSIM and Adam A/B; PEER_PROFILE=0 skips it
 if [ "${PEER_PROFILE:-1}" = 1 ] && [[ " $peer_methods " == *" gsplat "* ]]; then
   profile_root="${PEER_DATA:-.scenes}/lego_400"
