@@ -72,7 +72,7 @@ def adam_step_rows(
     clear = clear and param.grad.is_contiguous()  # else _as_rows steps a copy, which clearing would not reach
     # the rows are built in range by the optimisers (nonzero() of a mask): no range check, no device sync
     step_fn(values, grad, exp_avg, exp_avg_sq, rows, step, float(group["lr"]), float(beta1), float(beta2),
-            float(group["eps"]), check_rows=False, **({"clear_grad": True} if clear else {}))  # fmt: skip
+            float(group["eps"]), check_rows=False, clear_grad=clear)  # fmt: skip
     return clear
 
 
