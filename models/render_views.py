@@ -123,13 +123,12 @@ def march_state(model: VoxelNeRF) -> tuple:
 
 
 def plan_march(
-    model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, slack: float = 1.0
+    model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor
 ) -> MarchPlan:
     """The part of :func:`march` before its gradient pass, for (B, 3) rays (detached) and ``jitter``: the march
     (``march_rays``) and, with early termination or a weight threshold, the no-grad density pass that picks the
     samples to composite and shade. Its two host syncs (the sample counts) are here, so a caller can run it ahead
-    of the step that renders it (training.lookahead). ``slack`` <= 1 scales both thresholds (early termination,
-    weight): a plan made on older grids keeps the samples near them too."""
+    of the step that renders it (training.lookahead)."""
     c = model.config
     num_rays = origins.shape[0]
     step = model.step_size
@@ -160,8 +159,9 @@ def plan_march(
                 alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
                 model.fine.collect(samples.points[(weights >= c.fine.min_weight) & alive], model.grid_shape)
             # the pass's one sync: the survivors (a prefix of each ray) and the shown ones among them
-            thresholds = (c.early_termination * slack, c.weight_threshold * slack)
-            index, shown, alive_offsets = model.ops.visible_samples(depth, offsets, *thresholds)
+            index, shown, alive_offsets = model.ops.visible_samples(
+                depth, offsets, c.early_termination, c.weight_threshold
+            )
             if c.early_termination > 0:
                 samples, offsets = samples.take(index), alive_offsets
                 step_scale = step_scale[index] if isinstance(step_scale, torch.Tensor) else step_scale
@@ -169,14 +169,11 @@ def plan_march(
     return MarchPlan(samples, offsets, step_scale, t_split, keep, state)
 
 
-AHEAD_SLACK = 0.5  # a plan made a step ahead keeps the samples within 2x of either threshold (both kept sets grow)
-
-
 def plan_batch(model: VoxelNeRF, batch) -> MarchPlan:
     """:func:`plan_march` of the rays training's step marches for ``batch`` (a ray batch or a PatchBatch, the
-    model in training mode, cameras as given: no pose refinement), made a step ahead (``AHEAD_SLACK``)."""
+    model in training mode, cameras as given: no pose refinement)."""
     jitter = batch.jitter if batch.jitter is not None else True
-    return plan_march(model, batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter, AHEAD_SLACK)
+    return plan_march(model, batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter)
 
 
 def march(

@@ -86,20 +86,6 @@ def test_thresholds_are_decided_on_the_grids_the_plan_saw():
     assert int(march(model, origins, directions, jitter, plan=plan)["samples"]) == kept
 
 
-def test_a_plan_made_ahead_keeps_every_sample_a_plan_made_now_keeps():
-    model = trained_model()
-    with torch.no_grad():  # opaque enough that early termination cuts rays
-        model.density.grid.add_(8.0)
-    origins, directions, jitter = rays(seed=5)
-    now = plan_march(model, origins, directions, jitter)
-    ahead = plan_march(model, origins, directions, jitter, slack=render_views.AHEAD_SLACK)
-    assert len(ahead.samples) > len(now.samples) and len(ahead.keep) > len(now.keep)
-    key = lambda plan, index: set(zip(plan.samples.ray[index].tolist(), plan.samples.t[index].tolist()))  # noqa: E731
-    everything = slice(None)
-    assert key(now, everything) <= key(ahead, everything)
-    assert key(now, now.keep) <= key(ahead, ahead.keep)
-
-
 @pytest.mark.parametrize("change", ["occupancy", "growth"])
 def test_a_plan_is_made_again_when_the_march_state_changed(change):
     model = trained_model()

@@ -6,14 +6,14 @@ Adam included, and the device then idles while the host launches the rest of the
 launches a lego step in ~9 ms, the step took 12.8 ms against 8.2 ms of kernels (bench/README, "The next step's
 march planned ahead").
 
-How: step k draws batch k + 1 before its own forward. Once its forward and backward are queued, the plan of batch
-k + 1 (the march and the no-grad density pass that picks which samples are composited and shaded:
-``models.render_views.plan_batch``) is issued on a high-priority side stream that waits only for that draw: its
-syncs wait for the plan's own kernels (and step k - 1's Adam), while the device still has step k's work queued.
-Step k's optimiser waits for the plan before it writes the grids the plan read. So step k + 1's samples are
-picked on the grids one Adam step older than those they are rendered with; the plan keeps the samples within 2x
-of either threshold (early termination, weight) for it. What is rendered, and every gradient, uses the current
-grids. A plan whose march state changed before its step (a growth, an occupancy refresh) is made again then.
+How: step k draws batch k + 1 before its own forward. Once the forward is queued, the plan of batch k + 1 (the
+march and the no-grad density pass that picks which samples are composited and shaded:
+``models.render_views.plan_march``) is issued on a side stream that waits only for that draw, so its syncs wait
+for step k - 1's Adam, not for step k's forward: the device keeps the forward to run while the host waits. Step
+k's optimiser waits for the plan before it writes the grids the plan read. So step k + 1's samples are picked
+on the grids one Adam step older than those they are rendered with (early termination and the weight threshold
+decided a step late); what is rendered, and every gradient, uses the current grids. A plan whose march state
+changed before its step (a growth, an occupancy refresh) is made again at that step.
 
 Without a GPU the same order runs on the one stream (the same samples, no overlap). Not used with a replaying or
 touched-rows optimiser (the marks must describe the step that reads them) or with pose refinement (the rays
@@ -38,12 +38,11 @@ def usable(model: VoxelNeRF) -> bool:
 class MarchLookahead:
     """Draws each batch a step early and plans its march behind the current step's forward.
 
-    Per step: ``batch, plan = next(draw)`` (this step's batch and its plan, or None), queue the forward and the
-    backward, ``plan_next(model)``, ``before_update()``, the optimiser."""
+    Per step: ``batch, plan = next(draw)`` (this step's batch and its plan, or None), queue the forward,
+    ``plan_next(model)``, backward, ``before_update()``, the optimiser."""
 
     def __init__(self, device: torch.device):
-        # high priority: the plan's few kernels go ahead of the queued step, whose host then waits only for them
-        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._batch = None  # the next step's batch, drawn
         self._drawn: torch.cuda.Event | None = None  # recorded on the main stream after that draw
         self._plan: MarchPlan | None = None
@@ -60,7 +59,7 @@ class MarchLookahead:
         return batch, plan
 
     def plan_next(self, model: VoxelNeRF) -> None:
-        """Plan the next step's batch; call with this step's forward and backward queued, before its optimiser."""
+        """Plan the next step's batch; call with this step's forward queued and before its optimiser step."""
         if self.stream is None:
             self._plan = plan_batch(model, self._batch)
             return

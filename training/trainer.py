@@ -177,14 +177,14 @@ class Trainer:
                 else:
                     rays = (batch.origins, batch.directions, background, batch.jitter, batch.views)
                     out = self.model.render_rays(*rays, plan=plan)
+            if self.lookahead:
+                with profiler.section("lookahead"):  # the next batch's march, behind this forward
+                    self.lookahead.plan_next(self.model)
             with profiler.section("loss_backward"):
                 loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.model.row_grads.scatter()  # model.tv_sparse_grad: the TV rows' gradients onto the grids'
-            if self.lookahead:
-                with profiler.section("lookahead"):  # the next batch's march, behind this step's queued work
-                    self.lookahead.plan_next(self.model)
             with profiler.section("tv_gradient"):
                 deferred = self.model.deferred_regularization()  # the TV's value, its gradient added in place
                 loss = loss if deferred is None else loss.detach() + deferred
