@@ -323,12 +323,9 @@ class VoxelNeRF(nn.Module):
         return self.deferred_tv.apply(self)
 
     # ------------------------------------------------------------------ rendering
-    def march(
-        self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None, plan=None
-    ) -> dict:
-        """Composite B rays with gradients, as training does: :func:`models.render_views.march` (``plan``: the rays'
-        :func:`models.render_views.plan_march`, made ahead, or None)."""
-        return render_views.march(self, origins, directions, jitter, views, plan)
+    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:
+        """Composite B rays with gradients, as training does: :func:`models.render_views.march`."""
+        return render_views.march(self, origins, directions, jitter, views)
 
     @property
     def per_sample(self) -> bool:
@@ -354,25 +351,21 @@ class VoxelNeRF(nn.Module):
             foreground = self.decoder(diffuse, features, opacity, directions, image_index)
         return foreground + (1.0 - opacity)[:, None] * (self.background if background is None else background)
 
-    def render_rays(
-        self, origins: torch.Tensor, directions: torch.Tensor, background=None, jitter=None, views=None, plan=None
-    ):
+    def render_rays(self, origins: torch.Tensor, directions: torch.Tensor, background=None, jitter=None, views=None):
         """(B,3) origins and unit directions -> dict(rgb (B,3), depth (B,), opacity (B,)). In training mode samples
         are jittered by ``jitter`` (B,) in [0, 1) (the batch's) or a fresh draw. ``background``: optional (B, 3).
-        ``views``: optional (B,) training-image index of each ray (model.appearance; None: the mean appearance).
-        ``plan``: the rays' march planned ahead (:meth:`march`), or None."""
+        ``views``: optional (B,) training-image index of each ray (model.appearance; None: the mean appearance)."""
         check_rays("render_rays", origins, directions)
         origins, directions = self.poses(views, origins, directions)  # training images' refined cameras (or as given)
-        jitter = self.training if jitter is None or not self.training else jitter
-        out = self.march(origins, directions, jitter, views, plan)
+        out = self.march(origins, directions, self.training if jitter is None or not self.training else jitter, views)
         rgb = self.shade(out["diffuse"], out["features"], out["opacity"], directions, background, views)
         return {"rgb": rgb} | {key: out[key] for key in ("depth", "opacity", "samples", "packed")}
 
     # whole pictures live in models/render_views.py (training's patches, full views, the inference path)
-    def render_patches(self, batch: PatchBatch, background=None, plan=None) -> dict[str, torch.Tensor]:
+    def render_patches(self, batch: PatchBatch, background: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Patch path: low-res rays (n,P,P,3) -> dict(rgb (n,sP,sP,3), depth (n,P,P), opacity (n,P,P), ...):
-        :func:`models.render_views.render_patches` (``plan``: see :meth:`render_rays`)."""
-        return render_views.render_patches(self, batch, background, plan)
+        :func:`models.render_views.render_patches`."""
+        return render_views.render_patches(self, batch, background)
 
     def render_image(
         self, c2w: torch.Tensor, height: int, width: int, focal: float | torch.Tensor, chunk: int = 8192, lens=None

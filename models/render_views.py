@@ -18,7 +18,6 @@ in how a chunk of rays is composited.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -47,12 +46,11 @@ def upsample_channels(model: VoxelNeRF, channels: torch.Tensor) -> torch.Tensor:
     return upsampled.permute(0, 2, 3, 1)
 
 
-def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor | None = None, plan=None) -> dict:
+def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor | None = None) -> dict:
     """Patch path: low-res rays (n,P,P,3) -> dict(rgb (n,sP,sP,3), depth (n,P,P), opacity (n,P,P), samples, packed).
 
     The composited diffuse colour, features and opacity are upsampled by s and decoded per full-res pixel
-    with ``batch.hr_directions`` (n,sP,sP,3). ``background``: optional (n,sP,sP,3) colours. ``plan``: the batch's
-    :func:`plan_batch`, made ahead, or None.
+    with ``batch.hr_directions`` (n,sP,sP,3). ``background``: optional (n,sP,sP,3) colours.
     """
     n, p = batch.origins.shape[:2]
     side = p * model.upsample
@@ -67,7 +65,7 @@ def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor
     # training images' refined cameras (model.pose_refinement; held out or off: as given)
     origins, directions, hr_directions = model.poses(batch.views, batch.origins, batch.directions, batch.hr_directions)
     per_ray_views = None if batch.views is None else batch.views.repeat_interleave(p * p)  # per-sample codes
-    out = model.march(origins.reshape(-1, 3), directions.reshape(-1, 3), jitter, per_ray_views, plan)
+    out = model.march(origins.reshape(-1, 3), directions.reshape(-1, 3), jitter=jitter, views=per_ray_views)
     low = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None]], dim=1).reshape(n, p, p, -1)
     high = upsample_channels(model, low).reshape(n * side * side, -1)
     rgb = model.shade(
@@ -87,54 +85,21 @@ def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor
     }
 
 
-@dataclass
-class MarchPlan:
-    """Training's march of a batch up to its gradient pass (:func:`plan_march`): the packed samples, their (B + 1,)
-    ray ``offsets`` and world steps ``step_scale`` ((N,) or a number), ``t_split`` (march_range's), ``keep`` (the
-    (K,) samples worth a colour, or None: all), and the march state it was made on (:func:`march_state`)."""
+def march(
+    model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None
+) -> dict:
+    """Training's march of B rays: (B, 3) origins and unit directions, ``jitter`` (True: random offsets, False:
+    midpoints, or (B,) offsets), ``views``: (B,) training images or None ->
 
-    samples: PackedSamples
-    offsets: torch.Tensor
-    step_scale: torch.Tensor | float
-    t_split: torch.Tensor | None
-    keep: torch.Tensor | None
-    state: tuple
-
-    def fits(self, model: VoxelNeRF, num_rays: int) -> bool:
-        """Whether it plans ``num_rays`` rays on ``model``'s march state as it is now (the same tensors, unmodified)."""
-        now = march_state(model)
-        same = now[0] == self.state[0] and all(
-            a is b if torch.is_tensor(a) else a == b for a, b in zip(now, self.state)
-        )
-        return same and self.offsets.shape[0] == num_rays + 1
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """Its tensors, made on another stream, are read on ``stream`` (the allocator keeps them until then)."""
-        for value in (*vars(self.samples).values(), self.offsets, self.step_scale, self.t_split, self.keep):
-            if isinstance(value, torch.Tensor):
-                value.record_stream(stream)
-
-
-def march_state(model: VoxelNeRF) -> tuple:
-    """What a march depends on besides its rays: the grid shape, the box and the occupancy mask (the tensors
-    themselves, held, and their in-place versions). A growth or an occupancy refresh changes it."""
-    mask = model.occupancy.mask
-    return (model.grid_shape, model.bbox, model.bbox._version, mask, mask._version)
-
-
-def plan_march(
-    model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor
-) -> MarchPlan:
-    """The part of :func:`march` before its gradient pass, for (B, 3) rays (detached) and ``jitter``: the march
-    (``march_rays``) and, with early termination or a weight threshold, the no-grad density pass that picks the
-    samples to composite and shade. Its two host syncs (the sample counts) are here, so a caller can run it ahead
-    of the step that renders it (training.lookahead)."""
+    dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count,
+    packed: the samples' models.regularizers.RenderedSamples, with gradients, for the regularisers).
+    With per-sample shading, ``diffuse`` is the composited view-dependent colour and ``features`` is (B, 0).
+    """
     c = model.config
     num_rays = origins.shape[0]
     step = model.step_size
     space = model.space
-    rays = (origins.detach(), directions.detach())  # the samples are data (refined poses: the points move later)
-    state = march_state(model)
+    rays = (origins.detach(), directions.detach())  # the samples are data (refined poses: the points move below)
     t_start, t_end, t_split, num_samples = space.march_range(
         *rays, model.bbox, model.extent, model.near, model.far, step, c.max_samples
     )
@@ -166,40 +131,6 @@ def plan_march(
                 samples, offsets = samples.take(index), alive_offsets
                 step_scale = step_scale[index] if isinstance(step_scale, torch.Tensor) else step_scale
             keep = shown if c.weight_threshold > 0 else None
-    return MarchPlan(samples, offsets, step_scale, t_split, keep, state)
-
-
-def plan_batch(model: VoxelNeRF, batch) -> MarchPlan:
-    """:func:`plan_march` of the rays training's step marches for ``batch`` (a ray batch or a PatchBatch, the
-    model in training mode, cameras as given: no pose refinement)."""
-    jitter = batch.jitter if batch.jitter is not None else True
-    return plan_march(model, batch.origins.reshape(-1, 3), batch.directions.reshape(-1, 3), jitter)
-
-
-def march(
-    model: VoxelNeRF,
-    origins: torch.Tensor,
-    directions: torch.Tensor,
-    jitter: bool | torch.Tensor,
-    views=None,
-    plan: MarchPlan | None = None,
-) -> dict:
-    """Training's march of B rays: (B, 3) origins and unit directions, ``jitter`` (True: random offsets, False:
-    midpoints, or (B,) offsets), ``views``: (B,) training images or None ->
-
-    dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count,
-    packed: the samples' models.regularizers.RenderedSamples, with gradients, for the regularisers).
-    With per-sample shading, ``diffuse`` is the composited view-dependent colour and ``features`` is (B, 0).
-
-    ``plan``: these rays' :func:`plan_march`, made ahead (its samples picked on the grids as they were then); used
-    if the march state is still the one it was made on, else the rays are planned again here.
-    """
-    c = model.config
-    space = model.space
-    if plan is None or not plan.fits(model, origins.shape[0]):
-        plan = plan_march(model, origins, directions, jitter)
-    samples, offsets, step_scale, t_split, keep = plan.samples, plan.offsets, plan.step_scale, plan.t_split, plan.keep
-    step = model.step_size
     if model.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
         model.touched.mark_points(samples.points, model.grid_shape)
     # refined poses: the points move with their rays (same values; the gradient of o + t d)
@@ -323,15 +254,4 @@ def infer_image(
     return _view(model, lambda o, d: infer_march(model, o, d), c2w, height, width, focal, chunk, lens)
 
 
-__all__ = [
-    "upsample_channels",
-    "render_patches",
-    "MarchPlan",
-    "march_state",
-    "plan_march",
-    "plan_batch",
-    "march",
-    "infer_march",
-    "render_image",
-    "infer_image",
-]
+__all__ = ["upsample_channels", "render_patches", "march", "infer_march", "render_image", "infer_image"]

@@ -238,7 +238,6 @@ def _check_train(cfg: DictConfig) -> None:
         "train.random_background",
         "train.pixel_jitter",
         "train.tf32",
-        "train.lookahead",
     ):
         _check_bool(cfg, key)
     _check_viewer(cfg)

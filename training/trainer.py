@@ -22,7 +22,6 @@ from training.distributed import Group
 from training.evaluation import sync
 from training.floors import adam_bytes
 from training.lazy_adam import LazyGridAdam
-from training.lookahead import MarchLookahead, usable
 from training.losses import step_loss
 from training.optim import SparseGridAdam, new_optimizer, prepare_for_whole_reads, rebuilt_optimizer
 from training.profiler import StepProfiler
@@ -115,7 +114,6 @@ class Trainer:
         self.periodic_eval_seconds = 0.0  # the held-out evaluations during training (train.eval_every)
         self.startup_seconds: float | None = None  # process start to the first step (imports, data, set-up)
         self.pending_writes: list = []  # (path, future) of the render writes in flight
-        self.lookahead: MarchLookahead | None = None  # train.lookahead: built by fit()
         self.viewer = None  # training.viewer.Viewer with train.viewer=true (set by training.app)
 
     # ---------------------------------------------------------------- building blocks
@@ -164,7 +162,8 @@ class Trainer:
         with profiler.section("step"):
             self._set_learning_rates()
             with profiler.section("sampling"):
-                batch, plan = self.lookahead.next(self._draw) if self.lookahead else (self._draw(), None)
+                batch = self.sampler.sample()  # the global batch: every rank draws the same one
+                batch = batch.shard(self.group.rank, self.group.world) if self.group.active else batch
                 background, target = self._training_background(batch)
             # the TV estimate before the forward: a replaying Adam catches up the rows it reads in place, which
             # must not happen to a grid the forward's lookups have already saved for their backward; through
@@ -173,13 +172,9 @@ class Trainer:
                 regularization = self.model.regularization(defer=True)
             with profiler.section("forward"):
                 if isinstance(batch, PatchBatch):
-                    out = self.model.render_patches(batch, background, plan)
+                    out = self.model.render_patches(batch, background)
                 else:
-                    rays = (batch.origins, batch.directions, background, batch.jitter, batch.views)
-                    out = self.model.render_rays(*rays, plan=plan)
-            if self.lookahead:
-                with profiler.section("lookahead"):  # the next batch's march, behind this forward
-                    self.lookahead.plan_next(self.model)
+                    out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
             with profiler.section("loss_backward"):
                 loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -196,8 +191,6 @@ class Trainer:
                 marks = self.model.touched.mask(self.model.grid_shape) if touched else None
                 self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
             with profiler.section("optimizer"):
-                if self.lookahead:  # the next plan read the grids this writes
-                    self.lookahead.before_update()
                 self.optimizer.step()
             if profiler.enabled and not isinstance(self.optimizer, (SparseGridAdam, LazyGridAdam)):  # dense only
                 profiler.count("optimizer", bytes=adam_bytes(p for p in self.model.parameters() if p.grad is not None))
@@ -211,11 +204,6 @@ class Trainer:
         self.pixels_done += batch.rgb.numel() // 3 * self.group.world
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
-
-    def _draw(self):
-        """The next batch: the global batch (every rank draws the same one), this rank's shard of it."""
-        batch = self.sampler.sample()
-        return batch.shard(self.group.rank, self.group.world) if self.group.active else batch
 
     def _training_background(self, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(background, target) for a batch: with ``train.random_background`` and a scene with alpha, a random
@@ -236,8 +224,6 @@ class Trainer:
             return EXIT_OK
         if self.sampler is None:
             self.sampler = self._build_sampler()
-        if cfg.get("lookahead", False) and usable(self.model):
-            self.lookahead = MarchLookahead(self.device)
         self.model.train()
         self.profiler.recording = True
         self.tensorboard = TensorBoardLogger(self.paths.root / "tensorboard", self.group.is_main and cfg.tensorboard)
