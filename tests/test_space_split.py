@@ -1,0 +1,88 @@
+"""models.space_split (issue 33, prototype): two gloo ranks, each marching, shading and differentiating only the
+samples of its slab, composite across the slabs what one process's ``model.march`` renders, and their gradients
+are one process's: each rank's on its own vertices, their sum on the shared plane, their sum for the decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_model import make_model, randomize_density, rays_towards_centre
+
+from models.render_views import march
+from models.space_split import Slabs, split_march
+
+OUTPUTS = ("diffuse", "features", "depth", "opacity")
+
+
+def scene(shading: str):
+    overrides = {"shading": shading, "upsample": 1} if shading == "per_sample" else {}
+    model = make_model(seed=2, **overrides).double()
+    randomize_density(model, mean=-1.0, std=3.0)  # partly opaque rays: early termination and the threshold act
+    with torch.no_grad():
+        model.features.grid.normal_(generator=torch.Generator().manual_seed(4))
+        for parameter in model.decoder.parameters():
+            parameter.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(5))
+    model.refresh_occupancy()
+    origins, directions = rays_towards_centre(160, seed=6)
+    jitter = torch.rand(160, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    return model.train(), origins.double(), directions.double(), jitter
+
+
+def loss_of(out: dict) -> torch.Tensor:
+    weights = torch.linspace(-1.0, 2.0, out["diffuse"].numel(), dtype=torch.float64).reshape(out["diffuse"].shape)
+    return (out["diffuse"] * weights).sum() + out["features"].square().sum() + out["depth"].sum() + out["opacity"].sum()
+
+
+def gradients(model) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _rank(rank: int, init_file: str, out: str, shading: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, origins, directions, jitter = scene(shading)
+        slabs = Slabs(model.grid_shape[0] // 2, rank)
+        result = split_march(model, slabs, origins, directions, jitter)
+        loss_of(result).backward()
+        detached = {key: result[key].detach() for key in OUTPUTS}
+        torch.save({"out": detached, "grads": gradients(model), "samples": int(result["samples"])}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shading", ["deferred", "per_sample"])
+def test_two_slabs_render_and_differentiate_what_one_march_does(tmp_path, shading):
+    mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path / "out"), shading), nprocs=2)
+    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+    model, origins, directions, jitter = scene(shading)
+    want = march(model, origins, directions, jitter)
+    loss_of(want).backward()
+    for rank in ranks:
+        for key in OUTPUTS:
+            torch.testing.assert_close(rank["out"][key], want[key].detach(), atol=1e-10, rtol=1e-9)
+    assert ranks[0]["samples"] > 0 and ranks[1]["samples"] > 0
+    assert ranks[0]["samples"] + ranks[1]["samples"] == int(want["samples"])
+    plane = model.grid_shape[0] // 2
+    reference = gradients(model)
+    for name, grad in reference.items():
+        got = [rank["grads"].get(name, torch.zeros_like(grad)) for rank in ranks]
+        if name.endswith(".grid"):  # each rank's own vertices; the plane's from both
+            assert got[0][plane + 1 :].abs().max() == 0 and got[1][:plane].abs().max() == 0
+            torch.testing.assert_close(got[0][:plane], grad[:plane], atol=1e-10, rtol=1e-9)
+            torch.testing.assert_close(got[1][plane + 1 :], grad[plane + 1 :], atol=1e-10, rtol=1e-9)
+            torch.testing.assert_close(got[0][plane] + got[1][plane], grad[plane], atol=1e-10, rtol=1e-9)
+            assert grad[:plane].abs().sum() > 0 and grad[plane + 1 :].abs().sum() > 0
+        else:  # the decoder: each rank's samples' share
+            torch.testing.assert_close(got[0] + got[1], grad, atol=1e-10, rtol=1e-9)
+
+
+def test_slabs_split_the_cells_at_the_plane():
+    shape = (9, 5, 5)
+    x = torch.linspace(-1.0, 1.0, 41, dtype=torch.float64)
+    points = torch.stack([x, torch.zeros_like(x), torch.zeros_like(x)], 1)
+    zero, one = Slabs(4, 0).owns(points, shape), Slabs(4, 1).owns(points, shape)
+    assert torch.equal(zero, ~one) and zero[:20].all() and one[20:].all()  # cell 4 starts at x = 0
+    with pytest.raises(ValueError, match="rank must be 0 or 1"):
+        Slabs(4, 2)
