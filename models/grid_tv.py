@@ -62,6 +62,9 @@ class DeferredTV:
             if touched.enabled:
                 touched.mask(shape, rows.device)[rows] = True
             touched.before_read_rows(rows, shape)
+        share = 1.0
+        if model.space_split is not None and cells[0] is not None:  # this rank's slab's cells (training.space_parallel)
+            cells[0], share = model.space_split.owned_cells(cells[0])
         total = None
         for drawn, (shape, pairs, inside, outside) in zip(cells, self.groups(model)):
             for scale, param in pairs:
@@ -79,7 +82,7 @@ class DeferredTV:
                     shape,
                     inside,
                     outside,
-                    scale,
+                    scale * share if drawn is cells[0] else scale,
                     check_cells=False,
                 )
                 total = value if total is None else total + value

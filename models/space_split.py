@@ -21,12 +21,14 @@ the composited (colour, opacity, depth) with their gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from models.field import cell_coords, optical_depth
+from models.regularizers import RenderedSamples
 from models.render import PackedSamples, ray_offsets
 
 if TYPE_CHECKING:
@@ -59,8 +61,10 @@ class Slabs:
 
 
 class _GatherRays(torch.autograd.Function):
-    """Every rank's (B, C) per-ray values -> (2, B, C). Every rank computes the same loss from the gathered values,
-    so the gradient of rank r's own values is the incoming gradient's row r (no reduction)."""
+    """Every rank's (B, C) per-ray values -> (2, B, C). Every rank computes the same loss L from the gathered values
+    and backpropagates L / 2: what comes after the exchange (a per-pixel decoder, an appearance transform) then gets
+    half its gradient on each rank, which the sum over the ranks makes whole, and rank r's own values get row r of
+    the incoming gradient, times 2 (no reduction): their whole gradient."""
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, rank: int, group) -> torch.Tensor:
@@ -71,7 +75,7 @@ class _GatherRays(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[ctx.rank], None, None
+        return grad[ctx.rank] * 2.0, None, None
 
 
 def _gather(values: torch.Tensor, slabs: Slabs, group) -> torch.Tensor:
@@ -111,7 +115,8 @@ def split_march(
 ) -> dict[str, torch.Tensor]:
     """Training's march of B rays ((B, 3) origins and unit directions, (B,) sample offsets) by this rank's slab,
     composited with the other rank's over ``group`` (two ranks) -> dict(diffuse (B, 3), features (B, F-3), depth (B,),
-    opacity (B,), samples: () this rank's count), what ``model.march`` returns up to float rounding (bounded space,
+    opacity (B,), samples: () this rank's count, packed: this rank's samples' RenderedSamples), what ``model.march``
+    returns up to float rounding (bounded space,
     no pose refinement, no touched-row marks). Every rank passes the same rays."""
     c, space, step, shape = model.config, model.space, model.step_size, model.grid_shape
     num_rays = origins.shape[0]
@@ -152,12 +157,15 @@ def split_march(
     first = torch.where(rank0_in_front, both[0], both[1])
     second = torch.where(rank0_in_front, both[1], both[0])
     seen = first + (1.0 - first[:, -2:-1]) * second  # every channel, opacity and depth included, composites alike
+    march = partial(space.march_coordinate, samples.t, samples.ray, t_split, model.extent)
     return {
         "diffuse": seen[:, :3],
         "features": seen[:, 3:-2],
         "opacity": seen[:, -2],
         "depth": seen[:, -1],
         "samples": torch.tensor(len(samples)),
+        # this rank's samples only: a regulariser summed over a ray's samples gets this slab's part of the sum
+        "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march, offsets),
     }
 
 

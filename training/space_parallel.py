@@ -1,0 +1,109 @@
+"""``train.parallel=space`` under torchrun with two ranks: the voxels split by space instead of the rays (issue 33;
+a prototype, built and tested on gloo; not yet timed on GPUs).
+
+Every rank draws the whole batch and marches, shades and differentiates only the samples of its slab of the grids
+(models.space_split: rank 0 the vertices x <= p, rank 1 x >= p, p the middle vertex plane of the first axis);
+the composited per-ray values are exchanged, so every rank computes the same loss. Then:
+- gradients: every rank backpropagates half the loss (models.space_split), so the decoder's are summed over the
+  ranks (its samples' part from each, and half of what acts after the exchange from each); the grids' only on the
+  shared plane (both ranks read it); nothing else moves;
+- Adam: the occupied voxels of this rank's slab (``train.sparse_adam=occupied``) or dense Adam (the other slab's
+  rows then move on their moments alone, unread, and are overwritten at the next gather);
+- the TV estimate: the drawn cells of this rank's slab, scaled so that the two ranks' parts sum to the estimate;
+- before a whole-grid read (an occupancy refresh, a growth, an evaluation) the ranks exchange their slabs of the
+  grids (two broadcasts a grid), and before a checkpoint their slabs of Adam's moments too, so that every rank
+  then holds what one process would.
+Not supported (refused): a fine grid, pose refinement, the distortion loss (pairs of samples across the slabs),
+the near-density loss (a term of one slab's samples outside the exchange).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from models.space_split import Slabs, split_march
+from training.config import ConfigError
+from training.config_rules import sparse_adam_mode
+
+
+class SpaceParallel:
+    """The split of one two-rank job; set on the model (``model.space_split``) and the trainer."""
+
+    def __init__(self, trainer):
+        group, model, cfg = trainer.group, trainer.model, trainer.train_cfg
+        if group.world != 2:
+            raise ConfigError(f"train.parallel: space splits the grids over exactly 2 ranks, got {group.world}")
+        c = model.config
+        for bad, reason in (
+            (c.fine.factor > 0, "model.fine (a fine grid)"),
+            (model.poses.enabled, "model.pose_refinement"),
+            (float(cfg.get("distortion_loss", 0.0)) > 0, "train.distortion_loss"),
+            (float(cfg.get("near_density_loss", 0.0)) > 0, "train.near_density_loss"),
+        ):
+            if bad:
+                raise ConfigError(f"train.parallel: space does not support {reason} yet")
+        mode = sparse_adam_mode(cfg.get("sparse_adam", False))
+        if mode not in ("off", "occupied"):
+            raise ConfigError(f"train.parallel: space steps dense Adam or train.sparse_adam=occupied, not {mode}")
+        self.trainer, self.model, self.group = trainer, model, group
+        model.space_split = self  # the model's march, TV and the optimiser's rows consult it
+
+    @property
+    def plane(self) -> int:
+        return self.model.grid_shape[0] // 2
+
+    @property
+    def slabs(self) -> Slabs:
+        return Slabs(self.plane, self.group.rank)
+
+    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor) -> dict:
+        """Training's march of the whole batch, this rank's slab composited with the other's."""
+        return split_march(self.model, self.slabs, origins, directions, jitter)
+
+    def owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The (K,) flat vertex rows of the grids that this rank steps."""
+        r0, r1, r2 = self.model.grid_shape
+        x = torch.div(rows, r1 * r2, rounding_mode="floor")
+        return rows[x <= self.plane] if self.group.rank == 0 else rows[x >= self.plane]
+
+    def owned_cells(self, cells: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """This rank's share of the TV estimate's drawn (S,) flat cells, and the factor on its scale that makes the
+        two shares sum to the whole estimate (its mean over all S cells)."""
+        r0, r1, r2 = self.model.grid_shape
+        x = torch.div(cells, (r1 - 1) * (r2 - 1), rounding_mode="floor")
+        mine = cells[x < self.plane] if self.group.rank == 0 else cells[x >= self.plane]
+        return mine, mine.numel() / max(cells.numel(), 1)
+
+    def sync_gradients(self) -> None:
+        """The decoder's gradients summed over the ranks; the grids' shared plane summed."""
+        grids = {id(self.model.density.grid), id(self.model.features.grid)}
+        others = [p for p in self.model.parameters() if id(p) not in grids and p.grad is not None]
+        if others:
+            flat = torch.cat([p.grad.reshape(-1) for p in others])
+            dist.all_reduce(flat)
+            for p, part in zip(others, flat.split([p.grad.numel() for p in others])):
+                p.grad.copy_(part.view_as(p.grad))
+        for grid in (self.model.density.grid, self.model.features.grid):
+            if grid.grad is not None:
+                plane = grid.grad[self.plane].contiguous()
+                dist.all_reduce(plane)
+                grid.grad[self.plane] = plane
+
+    @torch.no_grad()
+    def gather(self, moments: bool = False) -> None:
+        """Every rank's slab of the grids (and with ``moments`` of their Adam moments) onto the other rank."""
+        tensors = [self.model.density.grid, self.model.features.grid]
+        if moments:
+            state = self.trainer.optimizer.state
+            tensors += [state[g][key] for g in tensors if g in state for key in ("exp_avg", "exp_avg_sq")]
+        for tensor in tensors:
+            low, high = tensor[: self.plane], tensor[self.plane + 1 :]  # rank 0's, rank 1's (the plane: both)
+            for part, source in ((low, 0), (high, 1)):
+                buffer = part.contiguous()
+                dist.broadcast(buffer, src=source)
+                if self.group.rank != source:
+                    part.copy_(buffer)
+
+
+__all__ = ["SpaceParallel"]
