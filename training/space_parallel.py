@@ -36,7 +36,7 @@ class SpaceParallel:
             raise ConfigError(f"train.parallel: space splits the grids over exactly 2 ranks, got {group.world}")
         c = model.config
         for bad, reason in (
-            (c.fine.factor > 0, "model.fine (a fine grid)"),
+            (c.fine.factor > 0 and not model.fine.declined, "model.fine (a fine grid that this scene would get)"),
             (model.poses.enabled, "model.pose_refinement"),
             (float(cfg.get("distortion_loss", 0.0)) > 0, "train.distortion_loss"),
             (float(cfg.get("near_density_loss", 0.0)) > 0, "train.near_density_loss"),
