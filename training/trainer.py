@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data import PatchSampler, RaySampler, Scene
+from data.batch_graph import GraphedSampler
 from data.samplers import PatchBatch
 from models.model import VoxelNeRF
 from models.ops import OpSet
@@ -224,6 +225,8 @@ class Trainer:
             return EXIT_OK
         if self.sampler is None:
             self.sampler = self._build_sampler()
+            if cfg.get("batch_graph", False) and self.device.type == "cuda":  # the batch built by a CUDA graph
+                self.sampler = GraphedSampler(self.sampler)
         self.model.train()
         self.profiler.recording = True
         self.tensorboard = TensorBoardLogger(self.paths.root / "tensorboard", self.group.is_main and cfg.tensorboard)
