@@ -7,13 +7,22 @@ backward's. Replayed from a graph, its kernels cost the host a few calls.
 How: a graph's shapes are fixed, the step's sample count is not. The rows are padded to one of 8 sizes per power
 of two (:func:`graph_rows`: at most 12.5% more rows, their output dropped), and each size gets its own pair of
 graphs (``torch.cuda.make_graphed_callables`` over the decoder's forward; the parameters are static inputs that
-Adam updates in place between replays). The ``MAX_GRAPHS`` latest sizes are kept: each holds its activations.
+Adam updates in place between replays). The ``MAX_GRAPHS`` latest sizes are kept.
+
+Memory: every size's graphs capture into one memory pool, so that the activations a forward keeps for its
+backward are held once, not once a size (four sizes of 9 M rows each held ~28 GiB apart and ran an H200 out of
+memory at 98304 rays a step). Sharing is safe because a step replays one size's forward and then its backward,
+and nothing a replay returns (colours, gradients) is read after the next size's replay. Above ``MAX_ROWS`` rows
+the decoder runs as is: its kernels are long enough there that launches cost nothing, and the pool stays bounded.
+
 Only where it applies: CUDA, training with gradients, per-sample shading without a per-image embedding, ray
-directions without a gradient (no pose refinement), at least ``MIN_ROWS`` rows; elsewhere the decoder runs as is.
+directions without a gradient (no pose refinement), ``MIN_ROWS`` to ``MAX_ROWS`` rows; elsewhere the decoder runs
+as is.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 
 import torch
@@ -22,6 +31,7 @@ import torch.nn as nn
 from models.decoder import SampleDecoder
 
 MIN_ROWS = 1 << 12  # fewer rows: launches are not what a step waits for
+MAX_ROWS = 1 << 22  # more rows: the kernels are what a step waits for (a lego step late in training shades ~1 M)
 MAX_GRAPHS = 4
 SIZES_PER_OCTAVE = 8
 
@@ -53,6 +63,7 @@ class DecoderGraphs:
         self.graphs: OrderedDict[tuple, nn.Module] = OrderedDict()
         self.captures = 0  # graphs made so far (tests, profiles)
         self.replays = 0  # calls served from a graph
+        self.pool = None  # the memory pool every size's graphs share (made at the first capture)
 
     def applies(self, features: torch.Tensor, directions: torch.Tensor, views: torch.Tensor | None) -> bool:
         """Whether this call can replay a graph (see the module doc)."""
@@ -62,7 +73,7 @@ class DecoderGraphs:
             and self.decoder.training
             and (views is None or self.decoder.appearance.embedding_dim == 0)
             and not directions.requires_grad
-            and features.shape[0] >= MIN_ROWS
+            and MIN_ROWS <= features.shape[0] <= MAX_ROWS
         )
 
     def __call__(
@@ -86,9 +97,18 @@ class DecoderGraphs:
             # the graphs' static inputs: their own buffers, into which each call copies its arguments
             sample = (features.detach().clone().requires_grad_(features.requires_grad), directions.clone(), ray.clone())
             # allow_unused_input: an affine appearance's parameters live in the decoder but act after it
-            graphed = torch.cuda.make_graphed_callables(graphed, sample, allow_unused_input=True)
+            graphed = torch.cuda.make_graphed_callables(graphed, sample, allow_unused_input=True, **self._pool())
             self.captures += 1
         self.graphs[key] = graphed  # the most recent last
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
         return graphed
+
+    def _pool(self) -> dict:
+        """``pool=`` for the next capture: the pool every size shares (torch versions whose
+        ``make_graphed_callables`` take no pool give each size its own)."""
+        if "pool" not in inspect.signature(torch.cuda.make_graphed_callables).parameters:
+            return {}
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return {"pool": self.pool}

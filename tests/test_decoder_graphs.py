@@ -8,7 +8,7 @@ import torch
 from test_model import make_model
 
 from models.decoder import padded_rows
-from models.decoder_graphs import MAX_GRAPHS, MIN_ROWS, DecoderGraphs, graph_rows
+from models.decoder_graphs import MAX_GRAPHS, MAX_ROWS, MIN_ROWS, DecoderGraphs, graph_rows
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -120,6 +120,33 @@ def test_at_most_max_graphs_are_kept_and_small_or_eval_calls_run_the_decoder():
     with torch.no_grad():
         model.train()
         assert not graphs.applies(*inputs(2 * MIN_ROWS, 128, "cuda")[:2], None)
+
+
+@cuda
+@pytest.mark.requires_cuda
+def test_sizes_share_one_pool_and_replay_in_any_order():
+    model = cuda_model()
+    graphs = model.decoder_graphs
+    sizes = (1 << 20, 7 << 17, 6 << 17)  # the largest first: the others' activations fit in what it freed
+    cases = [inputs(count, 4096, "cuda", seed=count) for count in sizes]
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_reserved()
+    decoder_and_gradients(model, *cases[0], graphed=True)
+    first = torch.cuda.memory_reserved() - start
+    for case in cases[1:]:
+        decoder_and_gradients(model, *case, graphed=True)
+    assert graphs.captures == 3
+    # each size apart would hold its own activations: ~2.5x the first's memory
+    assert torch.cuda.memory_reserved() - start < 1.5 * first
+    for index in (2, 0, 1, 0):  # not the order of capture: each replay is whole before the next
+        got = decoder_and_gradients(model, *cases[index], graphed=True)
+        want = decoder_and_gradients(model, *cases[index], graphed=False)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-4)
+    assert graphs.captures == 3
+    features, directions, _ = inputs(8, 16, "cuda")
+    assert not graphs.applies(features.new_empty(MAX_ROWS + 1, features.shape[1]), directions, None)  # too many rows
+    assert graphs.applies(features.new_empty(MAX_ROWS, features.shape[1]), directions, None)
 
 
 @cuda
