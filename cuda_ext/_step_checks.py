@@ -30,6 +30,7 @@ __all__ = [
     "check_masked_adam_inputs",
     "check_adam_replay_inputs",
     "check_march_inputs",
+    "check_march_capacity",
 ]
 
 
@@ -384,3 +385,11 @@ def check_march_inputs(
     if not 1 <= samples <= MAX_MARCH_SAMPLES:
         raise ValueError(f"{op}: max_samples must be in [1, 2^24], got {samples}")
     return float(step), samples
+
+
+def check_march_capacity(capacity: Any, op: str = "march_rays_capped") -> int:
+    """march_rays_capped's output size: an int >= 0. Returns it as an int."""
+    size = check_int(op, "capacity", capacity)
+    if size < 0:
+        raise ValueError(f"{op}: capacity must be >= 0, got {size}")
+    return size
