@@ -87,8 +87,8 @@ class TrainConfig:
     """configs/train/default.yaml says what each one means."""
 
     iters: int = 1500
-    lr: float = 0.1
-    lr_decoder: float = 0.001
+    lr: float = 0.2
+    lr_decoder: float = 0.002
     lr_final_factor: float = 0.1
     batch_rays: int = 8192
     patch_size: int = 8
