@@ -122,15 +122,19 @@ def check_visibility_inputs(
 
 
 def check_render_offsets(optical_depth: torch.Tensor, ray_offsets: torch.Tensor, op: str = "volume_render") -> None:
-    """ray_offsets' values (0 first, non-decreasing, N last), read only where that costs no device sync: CPU
+    """ray_offsets' values (0 first, non-decreasing, at most N last: the rows past the last offset are padding, as
+    march_rays_capped leaves them, with no weight and zero gradient), read only where that costs no device sync: CPU
     tensors outside tracing. On CUDA the kernels clamp every ray's range to [0, N] instead."""
     if ray_offsets.device.type != "cpu" or torch.compiler.is_compiling():
         return
     n, first, last = optical_depth.shape[0], int(ray_offsets[0]), int(ray_offsets[-1])
     if first != 0:
         raise ValueError(f"{op}: ray_offsets must start at 0, got {first}")
-    if last != n:
-        raise ValueError(f"{op}: ray_offsets must end at N = {n} (the number of samples), got {last}")
+    if last > n:
+        raise ValueError(
+            f"{op}: ray_offsets must end at most at N = {n} (the number of samples; rows past the end are padding), "
+            f"got {last}"
+        )
     if ray_offsets.shape[0] > 1 and not bool((ray_offsets[1:] >= ray_offsets[:-1]).all()):
         raise ValueError(f"{op}: ray_offsets must be non-decreasing")
 
