@@ -10,8 +10,8 @@ graphs (``torch.cuda.make_graphed_callables`` over the decoder's forward; the pa
 Adam updates in place between replays). The ``MAX_GRAPHS`` latest sizes are kept.
 
 Memory: every size's graphs capture into one memory pool, so that the activations a forward keeps for its
-backward are held once, not once a size (four sizes of 9 M rows each held ~28 GiB apart and ran an H200 out of
-memory at 98304 rays a step). Sharing is safe because a step replays one size's forward and then its backward,
+backward are held once, not once a size (apart, the sizes of the early steps at 98304 rays a step held 124 GiB
+and ran an H200 out of memory). Sharing is safe because a step replays one size's forward and then its backward,
 and nothing a replay returns (colours, gradients) is read after the next size's replay. Above ``MAX_ROWS`` rows
 the decoder runs as is: its kernels are long enough there that launches cost nothing, and the pool stays bounded.
 
