@@ -37,6 +37,15 @@ def padded_pack(device: str, dtype=torch.float64, seed: int = 0):
     return [x.to(device) for x in (*tensors, offsets)], n
 
 
+def assert_same(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    """Bit for bit for the ops; to float64 rounding for the references, whose ATen scans and scatters on CUDA tile a
+    longer tensor differently (so round differently) when padding rows are appended."""
+    if exact:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def _grads(fn, inputs, weights):
     inputs = [x.detach().clone().requires_grad_() for x in inputs]
     outputs = fn(*inputs)
@@ -61,10 +70,12 @@ def test_volume_render_ignores_the_padding(device, fn, early_stop):
 
     got, grads = _grads(render, (sd, values, t), weights)
     want, want_grads = _grads(render, (sd[:n], values[:n], t[:n]), weights)
+    exact = fn is cuda_ext.volume_render
     for g, w in zip(got, want):
-        assert torch.equal(g, w)
+        assert_same(g, w, exact)
     for grad, want_grad in zip(grads[:2], want_grads[:2]):  # t has no gradient path (depth's weights do)
-        assert torch.equal(grad[:n], want_grad) and bool((grad[n:] == 0).all())
+        assert_same(grad[:n], want_grad, exact)
+        assert bool((grad[n:] == 0).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -74,8 +85,10 @@ def test_distortion_loss_ignores_the_padding(device, fn):
     weight = torch.randn(len(COUNTS), generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(device)
     got, grads = _grads(lambda s: fn(s, t_start, t_end, offsets), (sd,), [weight])
     want, want_grads = _grads(lambda s: fn(s, t_start[:n], t_end[:n], offsets), (sd[:n],), [weight])
-    assert torch.equal(got[0], want[0])
-    assert torch.equal(grads[0][:n], want_grads[0]) and bool((grads[0][n:] == 0).all())
+    exact = fn is cuda_ext.distortion_loss
+    assert_same(got[0], want[0], exact)
+    assert_same(grads[0][:n], want_grads[0], exact)
+    assert bool((grads[0][n:] == 0).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,7 +96,7 @@ def test_distortion_loss_ignores_the_padding(device, fn):
 def test_visible_samples_ignore_the_padding(device, fn):
     (sd, _, _, _, offsets), n = padded_pack(device, seed=4)
     for got, want in zip(fn(sd, offsets, 1e-2, 1e-3), fn(sd[:n], offsets, 1e-2, 1e-3)):
-        assert torch.equal(got, want)
+        assert_same(got, want, fn is cuda_ext.visible_samples)
 
 
 @pytest.mark.requires_cuda
