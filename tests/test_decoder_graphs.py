@@ -192,3 +192,34 @@ def test_training_with_the_graphs_learns_what_training_without_them_does(tmp_pat
     # the same run up to float rounding (bf16 GEMMs over differently padded rows): the loss curves agree
     assert on["loss"][-1] == pytest.approx(off["loss"][-1], rel=0.05)
     assert on["psnr"][-1] == pytest.approx(off["psnr"][-1], abs=0.3)
+
+
+@cuda
+@pytest.mark.requires_cuda
+def test_a_profiled_run_times_the_graphed_decoder(tmp_path):
+    """``train.profile=true`` synchronises around its regions: none may open while a graph is captured (that was a
+    CUDA error), and the replays, which run no forward hooks, are timed as the decoder."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+    from test_train import REPO
+
+    from training import app as app_module
+
+    overrides = [
+        "device=cuda",
+        "train.iters=40",
+        "train.batch_rays=8192",
+        "train.eval_every=0",
+        "train.turntable_frames=0",
+        "train.profile=true",
+        "model.shading=per_sample",
+        "model.upsample=1",
+        "model.decoder_graphs=true",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    assert app_module.run(cfg, tmp_path / "run") == 0
+    report = json.loads((tmp_path / "run" / "profile.json").read_text())
+    assert report["per_step_ms"]["decoder"] > 0 and report["work_per_step"]["decoder"]["flops"] > 0

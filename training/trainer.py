@@ -92,7 +92,7 @@ class Trainer:
         self.model.poses.resize(train_scene.num_views)  # a camera correction per training image (pose_refinement)
         self.scene_centre = train_scene.bbox.to(device, torch.float32).mean(0)  # for train.near_density_loss
         self.model.plan_fine(train_scene.pixel_footprint(self.model.bbox.mean(0)))  # model.fine.min_pixels
-        self.profiler.instrument_module(self.model.decoder, "decoder")
+        self.profiler.instrument_decoding(self.model)
         if device.type == "cuda" and self.model.config.decoder_precision == "bfloat16":
             self.profiler.matmul_dtype = torch.bfloat16
         self._check_image_sizes()
