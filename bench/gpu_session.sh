@@ -86,10 +86,10 @@ fi
 
 for s in "${stages[@]}"; do
   case $s in
-    tests) stage tests python3 -m pytest -q -rs --durations=15 ;;
-    grid-tests) stage grid_tests python3 -m pytest -q -rs tests/test_grid_interpolate.py tests/test_grid_interpolate_cuda.py ;;
-    op-tests) stage op_tests python3 -m pytest -q -rs tests/test_render.py tests/test_sparse_adam.py tests/test_march.py ;;
-    model-tests) stage model_tests python3 -m pytest -q -rs tests/test_model.py ;;
+    tests) stage tests python3 -m pytest -q -rfEs --durations=15 ;;
+    grid-tests) stage grid_tests python3 -m pytest -q -rfEs tests/test_grid_interpolate.py tests/test_grid_interpolate_cuda.py ;;
+    op-tests) stage op_tests python3 -m pytest -q -rfEs tests/test_render.py tests/test_sparse_adam.py tests/test_march.py ;;
+    model-tests) stage model_tests python3 -m pytest -q -rfEs tests/test_model.py ;;
     bench-render)
       stage bench_render python3 bench/bench_ops.py --device cuda --size full --ops volume_render \
         --json "$OUT/bench_render.json" --markdown "$OUT/bench_render.md"

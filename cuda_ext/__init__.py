@@ -10,7 +10,8 @@ Public ops (each differentiable, dispatching on the input's device):
 - :func:`sparse_adam_step` Adam on the listed rows of a (M, C) parameter, in place (masked Adam);
   :func:`masked_adam_step` the same on the elements whose gradient is non-zero (no list of rows);
   :func:`adam_replay_rows` dense Adam's zero-gradient steps replayed on the masked rows (the exact lazy Adam).
-- :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets.
+- :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets;
+  :func:`march_rays_capped` the same into outputs of a given size, with no device sync (CUDA graphs).
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
 - :func:`visible_samples` packed optical depths (N,) + (B+1,) offsets -> the samples a ray still sees and those
   worth a colour (early termination, the weight threshold), as indices (no gradient).
@@ -43,7 +44,7 @@ else:
     from cuda_ext.adam import adam_replay_rows, masked_adam_step, sparse_adam_step
     from cuda_ext.brick_grid import brick_grid_interpolate
     from cuda_ext.gelu import gelu, gelu_rows
-    from cuda_ext.march import march_rays
+    from cuda_ext.march import march_rays, march_rays_capped
     from cuda_ext.render import distortion_loss, visible_samples, volume_render
     from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
     from cuda_ext.tv import sampled_tv
@@ -60,6 +61,7 @@ _CUSTOM_OPS = (
     "distortion_loss",
     "visible_samples",
     "march_rays",
+    "march_rays_capped",
     "sparse_adam_step",
     "masked_adam_step",
     "adam_replay_rows",
@@ -147,6 +149,7 @@ __all__ = [
     "distortion_loss",
     "visible_samples",
     "march_rays",
+    "march_rays_capped",
     "sparse_adam_step",
     "masked_adam_step",
     "adam_replay_rows",

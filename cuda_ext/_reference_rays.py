@@ -56,6 +56,38 @@ def march_rays(
     return ray, t.reshape(-1)[flat], unit.reshape(-1, 3)[flat], ray_offsets
 
 
+def march_rays_capped(
+    origins: torch.Tensor,
+    directions: torch.Tensor,
+    t_start: torch.Tensor,
+    t_end: torch.Tensor,
+    offset: torch.Tensor,
+    occupancy: torch.Tensor,
+    box: torch.Tensor,
+    step: float,
+    max_samples: int,
+    capacity: int,
+    t_split: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """march_rays' samples in outputs of ``capacity`` rows (cuda_ext.march_rays_capped's contract): its first
+    ``capacity`` samples, the ray offsets clamped to ``capacity``, the other rows padding (ray max(B - 1, 0), t 0,
+    point 0), and the (1,) int64 true total."""
+    size = _step_checks.check_march_capacity(capacity)
+    args = (origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split)
+    _step_checks.check_march_inputs(*args, op="march_rays_capped")
+    ray, t, points, ray_offsets = march_rays(*args)
+    kept = min(size, ray.shape[0])
+    padding = size - kept
+    last_ray = max(origins.shape[0] - 1, 0)
+    return (
+        torch.cat([ray[:kept], ray.new_full((padding,), last_ray)]),
+        torch.cat([t[:kept], t.new_zeros(padding)]),
+        torch.cat([points[:kept], points.new_zeros(padding, 3)]),
+        ray_offsets.clamp(max=size),
+        ray_offsets[-1:].clone(),
+    )
+
+
 def _disparity_samples(t, alive, t_start, t_end, offset, box, step, t_split):
     """(B, S) linear distances and their t < t_end -> those of the contracted march: samples past each ray's linear
     count K uniform in disparity about t_split - P (march_rays' docstring), alive while den > 0 and t < t_end."""

@@ -30,6 +30,7 @@ __all__ = [
     "check_masked_adam_inputs",
     "check_adam_replay_inputs",
     "check_march_inputs",
+    "check_march_capacity",
 ]
 
 
@@ -121,15 +122,19 @@ def check_visibility_inputs(
 
 
 def check_render_offsets(optical_depth: torch.Tensor, ray_offsets: torch.Tensor, op: str = "volume_render") -> None:
-    """ray_offsets' values (0 first, non-decreasing, N last), read only where that costs no device sync: CPU
+    """ray_offsets' values (0 first, non-decreasing, at most N last: the rows past the last offset are padding, as
+    march_rays_capped leaves them, with no weight and zero gradient), read only where that costs no device sync: CPU
     tensors outside tracing. On CUDA the kernels clamp every ray's range to [0, N] instead."""
     if ray_offsets.device.type != "cpu" or torch.compiler.is_compiling():
         return
     n, first, last = optical_depth.shape[0], int(ray_offsets[0]), int(ray_offsets[-1])
     if first != 0:
         raise ValueError(f"{op}: ray_offsets must start at 0, got {first}")
-    if last != n:
-        raise ValueError(f"{op}: ray_offsets must end at N = {n} (the number of samples), got {last}")
+    if last > n:
+        raise ValueError(
+            f"{op}: ray_offsets must end at most at N = {n} (the number of samples; rows past the end are padding), "
+            f"got {last}"
+        )
     if ray_offsets.shape[0] > 1 and not bool((ray_offsets[1:] >= ray_offsets[:-1]).all()):
         raise ValueError(f"{op}: ray_offsets must be non-decreasing")
 
@@ -384,3 +389,11 @@ def check_march_inputs(
     if not 1 <= samples <= MAX_MARCH_SAMPLES:
         raise ValueError(f"{op}: max_samples must be in [1, 2^24], got {samples}")
     return float(step), samples
+
+
+def check_march_capacity(capacity: Any, op: str = "march_rays_capped") -> int:
+    """march_rays_capped's output size: an int >= 0. Returns it as an int."""
+    size = check_int(op, "capacity", capacity)
+    if size < 0:
+        raise ValueError(f"{op}: capacity must be >= 0, got {size}")
+    return size

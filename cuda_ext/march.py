@@ -16,7 +16,7 @@ import torch
 
 from cuda_ext import _step_checks
 
-__all__ = ["march_rays"]
+__all__ = ["march_rays", "march_rays_capped"]
 
 
 def march_rays(
@@ -69,6 +69,43 @@ def march_rays(
     )
 
 
+def march_rays_capped(
+    origins: torch.Tensor,
+    directions: torch.Tensor,
+    t_start: torch.Tensor,
+    t_end: torch.Tensor,
+    offset: torch.Tensor,
+    occupancy: torch.Tensor,
+    box: torch.Tensor,
+    step: float,
+    max_samples: int,
+    capacity: int,
+    t_split: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`march_rays`' samples in outputs of a fixed size, with no device sync: what a CUDA graph can replay.
+
+    The first ``capacity`` samples in march_rays' packed order fill the first rows; ``ray_offsets`` are clamped to
+    ``capacity``, so a batch with more samples keeps every ray whole up to the one that crosses it (cut short) and
+    gives the rays after it no samples. The rows past the samples are padding: ray ``max(B - 1, 0)`` (the indices
+    stay non-decreasing and valid), t 0, point 0 (the grid's centre); no ray's range covers them.
+
+    Args:
+        as :func:`march_rays`, and capacity: the outputs' row count, an int >= 0.
+    Returns:
+        ray (C,) int64, t (C,), points (C, 3), ray_offsets (B + 1,) int64 clamped to C, and total (1,) int64: the
+        samples march_rays would return (total > C: an overflow, the caller's to act on when it next syncs).
+    Raises:
+        TypeError / ValueError naming the argument, as march_rays; capacity not an int >= 0.
+    """
+    capacity = _step_checks.check_march_capacity(capacity)
+    step, max_samples = _step_checks.check_march_inputs(
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, op="march_rays_capped"
+    )
+    return torch.ops.cuda_ext.march_rays_capped(
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, capacity, t_split
+    )
+
+
 @torch.library.register_fake("cuda_ext::march_rays")
 def _march_rays_fake(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split=None):
     _step_checks.check_march_inputs(
@@ -80,4 +117,21 @@ def _march_rays_fake(origins, directions, t_start, t_end, offset, occupancy, box
         origins.new_empty((n,)),
         origins.new_empty((n, 3)),
         origins.new_empty((origins.shape[0] + 1,), dtype=torch.int64),
+    )
+
+
+@torch.library.register_fake("cuda_ext::march_rays_capped")
+def _march_rays_capped_fake(
+    origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, capacity, t_split=None
+):
+    capacity = _step_checks.check_march_capacity(capacity)
+    _step_checks.check_march_inputs(
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, op="march_rays_capped"
+    )
+    return (
+        origins.new_empty((capacity,), dtype=torch.int64),
+        origins.new_empty((capacity,)),
+        origins.new_empty((capacity, 3)),
+        origins.new_empty((origins.shape[0] + 1,), dtype=torch.int64),
+        origins.new_empty((1,), dtype=torch.int64),
     )

@@ -3,7 +3,8 @@
 They define what the custom kernels compute, serve as the ``ops=torch`` backend of the model,
 and are what the tests compare against. Autograd differentiates them. They check their arguments with
 the wrappers' checks (``cuda_ext._checks``), so both backends reject a bad call with the same exception.
-The per-ray ops (march_rays, volume_render, distortion_loss, visible_samples) live in ``cuda_ext._reference_rays``.
+The per-ray ops (march_rays and march_rays_capped, volume_render, distortion_loss, visible_samples) live in
+``cuda_ext._reference_rays``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cuda_ext._reference_rays import (
     contract_points,
     distortion_loss,
     march_rays,
+    march_rays_capped,
     visible_samples,
     volume_render,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "distortion_loss",
     "visible_samples",
     "march_rays",
+    "march_rays_capped",
     "contract_points",
     "sparse_adam_step",
     "masked_adam_step",

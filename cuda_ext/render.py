@@ -30,9 +30,10 @@ def volume_render(
         optical_depth: (N,) s_i = sigma_i * delta_i >= 0 of each sample, float32 or float64.
         values: (N, C) what each sample contributes (colour, features), same dtype and device.
         t: (N,) each sample's distance along its ray (for the depth).
-        ray_offsets: (B + 1,) int64, non-decreasing, 0 first and N last: ray b owns samples
-            [ray_offsets[b], ray_offsets[b + 1]), in order along the ray. Checked on the CPU (ValueError); on
-            CUDA that would cost a device sync per call, so the kernels clamp each ray's range to [0, N] instead.
+        ray_offsets: (B + 1,) int64, non-decreasing, 0 first and at most N last: ray b owns samples
+            [ray_offsets[b], ray_offsets[b + 1]), in order along the ray; rows past the last offset are padding
+            (march_rays_capped's), with no weight and zero gradient. Checked on the CPU (ValueError); on CUDA that
+            would cost a device sync per call, so the kernels clamp each ray's range to [0, N] instead.
         early_stop: samples whose transmittance T_i = exp(-sum_{j<i} s_j) is below this contribute nothing
             (early ray termination; 0 = off).
     Returns:

@@ -146,19 +146,31 @@ class RaySampler(_SceneSampler):
         self.table = None if scene.lens is None or pixel_jitter else _direction_table(scene, self.device)
 
     def sample(self) -> RayBatch:
+        return self.build(*self.draw())
+
+    def draw(self) -> tuple[torch.Tensor, ...]:
+        """The batch's random numbers: (B,) flat pixel indices, (B,) sample offsets and, with ``pixel_jitter``, (2, B)
+        positions within the pixels (:meth:`build` makes the batch of them, with no randomness of its own)."""
         height, width = self.scene.height, self.scene.width
         flat = self._randint(self.scene.num_views * height * width, self.batch_size)  # one draw: view, row, column
+        jitter = torch.rand(self.batch_size, device=self.device, generator=self.generator)
+        if not self.pixel_jitter:
+            return flat, jitter
+        # drawn after the samples' jitter: without it the stream is what it always was
+        return flat, jitter, torch.rand(2, self.batch_size, device=self.device, generator=self.generator)
+
+    def build(self, flat: torch.Tensor, jitter: torch.Tensor, within_pixel: torch.Tensor | None = None) -> RayBatch:
+        """The batch of :meth:`draw`'s numbers."""
+        height, width = self.scene.height, self.scene.width
         views = torch.div(flat, height * width, rounding_mode="floor")
         within = flat - views * (height * width)
         rows = torch.div(within, width, rounding_mode="floor")
         cols = within - rows * width
-        jitter = torch.rand(self.batch_size, device=self.device, generator=self.generator)
         if self.table is not None:
             origins, directions = _table_rays(self.c2w[views], self.table, views, rows, cols)
         else:
             u, v = cols + 0.5, rows + 0.5
-            if self.pixel_jitter:  # drawn after the samples' jitter: without it the stream is what it always was
-                within_pixel = torch.rand(2, self.batch_size, device=self.device, generator=self.generator)
+            if within_pixel is not None:
                 u, v = cols + within_pixel[0], rows + within_pixel[1]
             origins, directions = pixel_rays(self.c2w[views], u, v, self.intrinsics[views], lens=self._lens(views))
         return RayBatch(
@@ -199,8 +211,18 @@ class PatchSampler(_SceneSampler):
         self.hr_offsets = torch.arange(side, device=self.device)  # (sP,)
 
     def sample(self) -> PatchBatch:
+        return self.build(*self.draw())
+
+    def draw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's random numbers: (n,) flat patch corners and (n, P, P) sample offsets (see RaySampler.draw)."""
         n_rows, n_cols = self.corner_range
         flat = self._randint(self.scene.num_views * n_rows * n_cols, self.patches_per_batch)
+        shape = (self.patches_per_batch, self.patch_size, self.patch_size)
+        return flat, torch.rand(shape, device=self.device, generator=self.generator)
+
+    def build(self, flat: torch.Tensor, jitter: torch.Tensor) -> PatchBatch:
+        """The batch of :meth:`draw`'s numbers."""
+        n_rows, n_cols = self.corner_range
         views = torch.div(flat, n_rows * n_cols, rounding_mode="floor")
         within = flat - views * (n_rows * n_cols)
         y0 = torch.div(within, n_cols, rounding_mode="floor")
@@ -225,7 +247,7 @@ class PatchSampler(_SceneSampler):
             views,
             torch.stack([y0, x0], -1),
             self._alpha(views[:, None, None], rows, cols),
-            torch.rand(origins.shape[:3], device=self.device, generator=self.generator),
+            jitter,
         )
 
 

@@ -69,6 +69,7 @@ class ModelConfig:
     dir_encoding: str = "sh2"
     gelu_approximate: str = "none"
     decoder_precision: str = "float32"  # bfloat16: the MLP under CUDA autocast (CPU stays float32)
+    decoder_graphs: bool = False  # training's per-sample decoder replayed from CUDA graphs (models/decoder_graphs.py)
     upsample: int = 2
     step_ratio: float = 1.0
     max_samples: int = 512

@@ -29,6 +29,7 @@ from models.brick_grid import BrickGrids
 from models.config import ModelConfig, parse_model_config, step_of
 from models.contraction import SceneSpace
 from models.decoder import Decoder, SampleDecoder
+from models.decoder_graphs import DecoderGraphs
 from models.field import (
     OccupancyGrid,
     TouchedRows,
@@ -94,6 +95,8 @@ class VoxelNeRF(nn.Module):
         mlp += (c.appearance, c.appearance_dim)  # per-image appearance lives in the decoder (models/appearance.py)
         # both see every feature channel: per sample the raw features, deferred the composited diffuse + the rest
         self.decoder = (SampleDecoder if c.shading == "per_sample" else Decoder)(c.feature_dim, *mlp)
+        graphed = c.decoder_graphs and c.shading == "per_sample"  # training's shading from CUDA graphs
+        self.decoder_graphs = DecoderGraphs(self.decoder) if graphed else None
         self.poses = PoseRefinement(c.pose_refinement)  # per-training-image camera corrections (sized by the trainer)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
@@ -329,6 +332,15 @@ class VoxelNeRF(nn.Module):
         if self.space_split is not None and self.training and torch.is_grad_enabled():
             return self.space_split.march(origins, directions, jitter)  # this rank's slab, composited with the other's
         return render_views.march(self, origins, directions, jitter, views)
+
+    def decode_samples(
+        self, features: torch.Tensor, directions: torch.Tensor, ray: torch.Tensor, views: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Training's per-sample shading: (N, F) features, the (B, 3) rays' directions, (N,) int64 ray of each sample,
+        optional (B,) training images -> (N, 3) colour; through CUDA graphs with ``model.decoder_graphs``."""
+        if self.decoder_graphs is None:
+            return self.decoder(features, directions, ray, views)
+        return self.decoder_graphs(features, directions, ray, views)
 
     @property
     def per_sample(self) -> bool:

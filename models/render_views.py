@@ -140,7 +140,7 @@ def march(
     shaded = samples if keep is None else samples.take(keep)
     feats = model.query_features(shaded.points)
     if model.per_sample:
-        values = model.decoder(feats, directions, shaded.ray, views)  # the direction per ray, gathered
+        values = model.decode_samples(feats, directions, shaded.ray, views)  # the direction per ray, gathered
     else:
         values = torch.cat([torch.sigmoid(feats[:, :DIFFUSE_CHANNELS]), feats[:, DIFFUSE_CHANNELS:]], dim=1)
     if keep is not None:  # skipped samples still attenuate the ray; their colour is zero

@@ -147,7 +147,7 @@ def split_march(
     sigma_delta = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
     shaded = samples if keep is None else samples.take(keep)
     feats = model.query_features(shaded.points)
-    values = model.decoder(feats, directions, shaded.ray) if model.per_sample else _deferred(feats)
+    values = model.decode_samples(feats, directions, shaded.ray) if model.per_sample else _deferred(feats)
     if keep is not None:
         values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
     colour, opacity, depth = model.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)

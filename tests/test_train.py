@@ -235,9 +235,14 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, scene_cache
     assert not (tmp_path / "metrics.json").exists()
 
 
-def test_profile_writes_a_breakdown(tmp_path, scene_cache):
+@pytest.mark.parametrize("graphs", [False, True], ids=["decoder", "decoder_graphs"])
+def test_profile_writes_a_breakdown(tmp_path, scene_cache, graphs):
+    """With ``model.decoder_graphs`` the decoder is timed around the model's decoding (its graphs' replays run no
+    hooks); on the CPU the graphs do not apply, so the decoder runs eagerly inside that region."""
     result = run_train(
-        tiny_overrides(scene_cache, 6) + [f"hydra.run.dir={tmp_path}", "train.profile=true", "train.turntable_frames=0"]
+        tiny_overrides(scene_cache, 6)
+        + [f"hydra.run.dir={tmp_path}", "train.profile=true", "train.turntable_frames=0"]
+        + (["model.decoder_graphs=true", "model.shading=per_sample", "model.upsample=1"] if graphs else [])
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "profile.json").read_text())

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_padded_packs import past_the_end
 
 import cuda_ext
 from cuda_ext import reference
@@ -148,7 +149,7 @@ def test_bad_input_names_the_argument(fn, change, error, match):
 def test_the_cpu_kernel_checks_what_the_wrapper_checks():
     """Called straight through torch.ops (no Python wrapper), the C++ checks stop bad offsets and thresholds."""
     sd, offsets = packed(COUNTS, seed=5)
-    with pytest.raises(RuntimeError, match="ray_offsets must end at N"):
-        torch.ops.cuda_ext.visible_samples(sd, offsets[:-1], 1e-3, 1e-3)
+    with pytest.raises(RuntimeError, match="ray_offsets must end at most at N"):
+        torch.ops.cuda_ext.visible_samples(sd, past_the_end(offsets), 1e-3, 1e-3)
     with pytest.raises(RuntimeError, match="early_termination must be in"):
         torch.ops.cuda_ext.visible_samples(sd, offsets, -1.0, 1e-3)

@@ -87,8 +87,8 @@ class TrainConfig:
     """configs/train/default.yaml says what each one means."""
 
     iters: int = 1500
-    lr: float = 0.1
-    lr_decoder: float = 0.001
+    lr: float = 0.2
+    lr_decoder: float = 0.002
     lr_final_factor: float = 0.1
     batch_rays: int = 8192
     patch_size: int = 8
@@ -115,6 +115,7 @@ class TrainConfig:
     lr_pose: float = 6.0e-4  # Adam rate of the pose corrections (model.pose_refinement; nerfacto's)
     pose_penalty: float = 1.0e-2  # weight of their mean squared norm (radians, scene units)
     sparse_adam: Any = False  # false | true (masked) | exact | occupied | nonzero (config_rules.sparse_adam_mode)
+    batch_graph: bool = False  # on CUDA, each batch built by a CUDA graph (data.batch_graph)
     tf32: bool = True  # CUDA matmuls (the decoder) on TF32 tensor cores
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0

@@ -239,6 +239,7 @@ def _check_train(cfg: DictConfig) -> None:
         "train.random_background",
         "train.pixel_jitter",
         "train.tf32",
+        "train.batch_graph",
     ):
         _check_bool(cfg, key)
     _check_viewer(cfg)

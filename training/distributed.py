@@ -176,9 +176,8 @@ class Group:
         """The means of scalars over the ranks, in one all-reduce (every rank then takes the same decision)."""
         if not self.active:
             return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
-        _collective("all_reduce", dist.all_reduce, tensor)
-        return tuple(float(v) / self.world for v in tensor.tolist())
+        summed = self.total(torch.tensor(values, dtype=torch.float64))
+        return tuple(float(v) / self.world for v in summed.tolist())
 
     def total(self, values: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of a float64 CPU tensor over the ranks (one all-reduce), as a CPU tensor; itself

@@ -68,10 +68,14 @@ class StepProfiler:
             self.totals[name] += time.perf_counter() - start
 
     def section(self, name: str) -> contextlib.AbstractContextManager:
-        """Context manager timing ``name`` (a shared no-op when profiling is off or not recording)."""
-        if not (self.enabled and self.recording):
+        """Context manager timing ``name`` (a shared no-op when profiling is off or not recording, and while a CUDA
+        graph is being captured: a synchronize would break the capture, and a capture is not a step's work)."""
+        if not (self.enabled and self.recording) or self._capturing():
             return _NO_OP
         return self._timed(name)
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def wrap(self, name: str, function: Callable) -> Callable:
         """``function`` with its calls timed as ``name``."""
@@ -120,6 +124,23 @@ class StepProfiler:
             march_rays=self.wrap("march_rays", self._counted_march(ops.march_rays)),
         )
 
+    def instrument_decoding(self, model: nn.Module) -> None:
+        """Time the model's decoder as "decoder" (nothing when disabled): through the decoder's forward hooks, or,
+        with ``model.decoder_graphs`` (whose replays run no hooks), around ``model.decode_samples``."""
+        if not self.enabled:
+            return
+        if getattr(model, "decoder_graphs", None) is None:
+            self.instrument_module(model.decoder, "decoder")
+            return
+        decode = model.decode_samples
+
+        def timed_decode(features: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            self.count("decoder", flops=linear_flops(model.decoder, features.shape[0]))
+            with self.section("decoder"):
+                return decode(features, *args, **kwargs)
+
+        model.decode_samples = timed_decode  # the instance's attribute: the class's method is left alone
+
     def instrument_module(self, module: nn.Module, name: str) -> None:
         """Time ``module``'s forward calls as ``name`` through forward hooks (nothing when disabled)."""
         if not self.enabled:
@@ -127,7 +148,8 @@ class StepProfiler:
         open_regions: list[contextlib.AbstractContextManager] = []
 
         def before(_module, inputs):
-            self.count(name, flops=linear_flops(module, inputs[0].shape[0]))
+            if not self._capturing():  # a capture's forward is not a step's work
+                self.count(name, flops=linear_flops(module, inputs[0].shape[0]))
             region = self.section(name)
             region.__enter__()
             open_regions.append(region)

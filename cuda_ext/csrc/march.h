@@ -174,4 +174,25 @@ inline void check_march_inputs(const at::Tensor& origins, const at::Tensor& dire
               max_samples);
 }
 
+// march_rays_capped's capacity: a size (>= 0) the outputs are allocated at, whatever the samples' count.
+inline void check_march_capacity(int64_t capacity) {
+  TORCH_CHECK(capacity >= 0, "march_rays_capped: capacity must be >= 0, got ", capacity);
+}
+
+// The ray index a padding slot of march_rays_capped holds: the last ray's (the indices stay non-decreasing and
+// valid for a gather), 0 without rays. Its t and point are 0 (the box centre: a valid lookup).
+inline int64_t march_padding_ray(int64_t rays) { return rays > 0 ? rays - 1 : 0; }
+
+// The (size,) ray, (size,) t and (size, 3) points outputs: padding where `padded` (march_rays_capped: the slots past
+// the samples keep it), left unwritten otherwise (march_rays writes every slot).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> march_outputs(int64_t size, int64_t rays, bool padded,
+                                                                    const at::TensorOptions& options) {
+  const auto index_options = options.dtype(at::kLong);
+  if (!padded) {
+    return {at::empty({size}, index_options), at::empty({size}, options), at::empty({size, 3}, options)};
+  }
+  return {at::full({size}, march_padding_ray(rays), index_options), at::zeros({size}, options),
+          at::zeros({size, 3}, options)};
+}
+
 }  // namespace cuda_ext

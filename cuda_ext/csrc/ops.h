@@ -70,6 +70,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
     const std::optional<at::Tensor>& t_split);
+// march_rays_capped: the same samples into outputs of a fixed size (capacity,), with no host sync: the first
+// `capacity` of them, the ray offsets clamped to it, the rest padding; plus (1,) int64 the samples' true total.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_capped_cpu(
+    const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    int64_t capacity, const std::optional<at::Tensor>& t_split);
 
 // sparse_adam_step: Adam on the listed rows of a (M, C) parameter, in place; with clear_grad the listed rows of
 // the gradient are left zero.
@@ -104,6 +110,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
     const std::optional<at::Tensor>& t_split);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_capped_cuda(
+    const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    int64_t capacity, const std::optional<at::Tensor>& t_split);
 void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
                            double beta2, double eps, bool clear_grad);

@@ -59,6 +59,10 @@ TORCH_LIBRARY(cuda_ext, m) {
       "Tensor occupancy, Tensor box, float step, int max_samples, Tensor? t_split=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "march_rays_capped(Tensor origins, Tensor directions, Tensor t_start, Tensor t_end, Tensor offset, "
+      "Tensor occupancy, Tensor box, float step, int max_samples, int capacity, Tensor? t_split=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "sparse_adam_step(Tensor(a!) param, Tensor(d!) grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
       "int step, float lr, float beta1, float beta2, float eps, bool clear_grad=False) -> ()");
   m.def(
@@ -91,6 +95,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cpu);
   m.impl("visible_samples", &cuda_ext::visible_samples_cpu);
   m.impl("march_rays", &cuda_ext::march_rays_cpu);
+  m.impl("march_rays_capped", &cuda_ext::march_rays_capped_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
   m.impl("masked_adam_step", &cuda_ext::masked_adam_step_cpu);
   m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cpu);
@@ -117,6 +122,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cuda);
   m.impl("visible_samples", &cuda_ext::visible_samples_cuda);
   m.impl("march_rays", &cuda_ext::march_rays_cuda);
+  m.impl("march_rays_capped", &cuda_ext::march_rays_capped_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
   m.impl("masked_adam_step", &cuda_ext::masked_adam_step_cuda);
   m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cuda);

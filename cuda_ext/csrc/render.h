@@ -45,7 +45,8 @@ inline void check_render_offsets(const at::Tensor& offsets, int64_t n, const cha
   const int64_t* o = offsets.const_data_ptr<int64_t>();
   const int64_t rays = offsets.size(0) - 1;
   TORCH_CHECK(o[0] == 0, op, ": ray_offsets must start at 0, got ", o[0]);
-  TORCH_CHECK(o[rays] == n, op, ": ray_offsets must end at N = ", n, " (the number of samples), got ", o[rays]);
+  TORCH_CHECK(o[rays] <= n, op, ": ray_offsets must end at most at N = ", n,
+              " (the number of samples; rows past the end are padding), got ", o[rays]);
   for (int64_t b = 0; b < rays; ++b) {
     TORCH_CHECK(o[b] <= o[b + 1], op, ": ray_offsets must be non-decreasing, got ", o[b], " then ", o[b + 1],
                 " at ray ", b);

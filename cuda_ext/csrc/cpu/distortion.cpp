@@ -81,7 +81,7 @@ at::Tensor distortion_loss_backward_cpu(const at::Tensor& grad_in, const at::Ten
   const at::Tensor sd = optical_depth_in.contiguous(), t0 = t_start_in.contiguous(), t1 = t_end_in.contiguous();
   const at::Tensor offsets = ray_offsets_in.contiguous(), grad = grad_in.contiguous();
   check_render_offsets(offsets, sd.size(0), op);
-  at::Tensor g_sd = at::empty_like(sd);  // the offsets cover [0, N) (checked): every sample is written
+  at::Tensor g_sd = at::zeros_like(sd);  // the rows past the last offset (padding) get zero
   AT_DISPATCH_FLOATING_TYPES(sd.scalar_type(), "distortion_loss_backward_cpu", [&] {
     const int64_t* o = offsets.const_data_ptr<int64_t>();
     const scalar_t *s = sd.const_data_ptr<scalar_t>(), *a = t0.const_data_ptr<scalar_t>();

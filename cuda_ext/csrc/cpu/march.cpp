@@ -1,7 +1,9 @@
-// march_rays on the CPU: two passes over the rays (at::parallel_for), the first counting each ray's kept
-// samples, the second writing them at the ray's offset (march.h has the sample math).
+// march_rays and march_rays_capped on the CPU: two passes over the rays (at::parallel_for), the first counting
+// each ray's kept samples, the second writing them at the ray's offset (march.h has the sample math).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+
+#include <algorithm>
 
 #include "march.h"
 #include "ops.h"
@@ -36,13 +38,15 @@ struct RayInputs {
   }
 };
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
+// Both ops: capacity absent, outputs of the samples' count (march_rays); given, of that size with the first
+// `capacity` samples, the ray offsets clamped to it and the other slots padding (march_rays_capped). The last
+// output is (1,) int64, the samples' true total.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_packed_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    const std::optional<at::Tensor>& t_split) {
+    const std::optional<at::Tensor>& t_split, std::optional<int64_t> capacity) {
   check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, at::kCPU);
+  if (capacity) check_march_capacity(*capacity);
   const auto o = origins.contiguous(), d = directions.contiguous(), t0 = t_start.contiguous(), t1 = t_end.contiguous(),
              off = offset.contiguous(), grid = occupancy.contiguous(), bx = box.contiguous();
   const at::Tensor split = t_split ? t_split->contiguous() : at::Tensor();
@@ -50,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
   const int64_t shape[3] = {grid.size(0), grid.size(1), grid.size(2)};
   const bool* occupied = grid.const_data_ptr<bool>();
   at::Tensor ray_offsets = at::zeros({rays + 1}, o.options().dtype(at::kLong));
-  at::Tensor ray_index, t, points;
+  at::Tensor ray_index, t, points, total;
   AT_DISPATCH_FLOATING_TYPES(o.scalar_type(), "march_rays_cpu", [&] {
     const RayInputs<scalar_t> in{o.const_data_ptr<scalar_t>(),
                                  d.const_data_ptr<scalar_t>(),
@@ -71,17 +75,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
       }
     });
     for (int64_t b = 1; b < rays; ++b) counts[b] += counts[b - 1];
-    const int64_t total = rays > 0 ? counts[rays - 1] : 0;
-    ray_index = at::empty({total}, ray_offsets.options());
-    t = at::empty({total}, o.options());
-    points = at::empty({total, 3}, o.options());
+    const int64_t samples = rays > 0 ? counts[rays - 1] : 0;
+    total = at::full({1}, samples, ray_offsets.options());
+    const int64_t size = capacity ? *capacity : samples;
+    for (int64_t b = 0; b < rays; ++b) counts[b] = std::min(counts[b], size);  // a no-op without a capacity
+    std::tie(ray_index, t, points) = march_outputs(size, rays, capacity.has_value(), o.options());
     const int64_t* first = ray_offsets.const_data_ptr<int64_t>();
     int64_t* out_ray = ray_index.data_ptr<int64_t>();
     scalar_t *out_t = t.data_ptr<scalar_t>(), *out_points = points.data_ptr<scalar_t>();
     at::parallel_for(0, rays, kRayGrain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         int64_t i = first[b];
+        const int64_t stop = first[b + 1];  // clamped: an overflowing ray keeps its samples up to the capacity
         for_each_kept(in.at(b), occupied, max_samples, [&](scalar_t distance, const scalar_t* unit) {
+          if (i >= stop) return;
           out_ray[i] = b;
           out_t[i] = distance;
           for (int a = 0; a < 3; ++a) out_points[3 * i + a] = unit[a];
@@ -90,7 +97,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
       }
     });
   });
-  return {ray_index, t, points, ray_offsets};
+  return {ray_index, t, points, ray_offsets, total};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
+    const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    const std::optional<at::Tensor>& t_split) {
+  auto [ray, t, points, ray_offsets, total] = march_packed_cpu(origins, directions, t_start, t_end, offset, occupancy,
+                                                               box, step, max_samples, t_split, std::nullopt);
+  return {ray, t, points, ray_offsets};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_capped_cpu(
+    const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    int64_t capacity, const std::optional<at::Tensor>& t_split) {
+  return march_packed_cpu(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split,
+                          capacity);
 }
 
 }  // namespace cuda_ext

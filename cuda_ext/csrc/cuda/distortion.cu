@@ -3,7 +3,7 @@
 // three warp scans (the optical depth for T_i, then the weights w_i and moments w_i m_i for W_i and M_i), each
 // carried over the chunks before. The backward runs that pass twice: the ray's totals W, M and L_b first, then
 // the gradients with a fourth scan (the running sum of w G). Every sample's gradient is written (zero for a
-// sample in no ray), so the output needs no memset.
+// sample in no ray; after the last ray by a grid-wide pass from the last offset), so the output needs no memset.
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +11,7 @@
 #include "distortion.h"
 #include "kernel_common.h"
 #include "ops.h"
+#include "padding.cuh"
 #include "warp_scan.cuh"
 
 namespace cuda_ext {
@@ -83,12 +84,10 @@ __global__ void __launch_bounds__(kThreads)
   const RayRange range = ray_range(offsets, b, n);
   const Sums<scalar_t> totals = ray_pass<scalar_t>(sd, t0, t1, range, lane, nullptr, 0, nullptr);
   ray_pass<scalar_t>(sd, t0, t1, range, lane, &totals, grad[b], g_sd);
-  // samples in no ray (offsets not starting at 0 or not ending at N: invalid, not checked on CUDA) get zero, as
-  // from the CPU kernel's checks they could not exist; consecutive ranges leave no gaps in between
+  // samples before the first ray (offsets not starting at 0: invalid, not checked on CUDA) get zero; consecutive
+  // ranges leave no gaps; the rows after the last ray (padding) are zeroed by the grid afterwards (zero_rows_from)
   if (b == 0)
     for (int64_t i = lane; i < min(range.first, n); i += kWarp) g_sd[i] = 0;
-  if (b == rays - 1)
-    for (int64_t i = max(range.last, int64_t(0)) + lane; i < n; i += kWarp) g_sd[i] = 0;
 }
 
 }  // namespace
@@ -124,7 +123,7 @@ at::Tensor distortion_loss_backward_cuda(const at::Tensor& grad_in, const at::Te
   const at::Tensor sd = optical_depth_in.contiguous(), t0 = t_start_in.contiguous(), t1 = t_end_in.contiguous();
   const at::Tensor offsets = ray_offsets_in.contiguous(), grad = grad_in.contiguous();
   if (rays == 0) return at::zeros_like(sd);
-  at::Tensor g_sd = at::empty_like(sd);  // every sample is written (distortion_backward_kernel)
+  at::Tensor g_sd = at::empty_like(sd);  // every sample before the last offset is written (distortion_backward_kernel)
   AT_DISPATCH_FLOATING_TYPES(sd.scalar_type(), "distortion_loss_backward_cuda", [&] {
     distortion_backward_kernel<scalar_t>
         <<<block_count(rays * kWarp, kThreads, op), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
@@ -132,6 +131,7 @@ at::Tensor distortion_loss_backward_cuda(const at::Tensor& grad_in, const at::Te
             t1.const_data_ptr<scalar_t>(), offsets.const_data_ptr<int64_t>(), rays, sd.size(0),
             g_sd.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    zero_rows_from<scalar_t>(g_sd, offsets.const_data_ptr<int64_t>() + rays);  // the padding past the last offset
   });
   return g_sd;
 }

@@ -1,4 +1,4 @@
-// march_rays on CUDA: one warp per ray, two passes (march.h has the sample math).
+// march_rays and march_rays_capped on CUDA: one warp per ray, two passes (march.h has the sample math).
 //
 // Each pass walks the ray in chunks of 32 consecutive samples, one per lane: a ballot of the kept samples
 // gives the chunk's count (first pass) and, through the lanes below, each kept sample's slot (second pass),
@@ -6,7 +6,8 @@
 // A ray stops at the first chunk holding a sample where it ends (t >= t_end, or past infinity in the contracted
 // space); lanes after the first such sample keep nothing, as the CPU loop stops there. Between the passes an inclusive
 // sum of the counts gives the ray offsets, and one device-to-host copy of the total sizes the outputs (the op's only
-// sync, where nonzero() on a dense (B, S) mask had one too).
+// sync, where nonzero() on a dense (B, S) mask had one too). march_rays_capped has no sync: its outputs have the
+// size it is given, the offsets are clamped to it on the device, and the write pass stops at each ray's clamped end.
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -34,7 +35,8 @@ struct MarchArgs {
   int64_t max_samples, rays;
 };
 
-// kWrite false: counts[b] = ray b's kept samples. kWrite true: its samples at [offsets[b], offsets[b + 1]).
+// kWrite false: counts[b] = ray b's kept samples. kWrite true: its samples at [offsets[b], offsets[b + 1]) (the
+// offsets clamped to a capacity cut an overflowing ray short: its samples past offsets[b + 1] are not written).
 template <typename scalar_t, bool kWrite>
 __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t> args, int64_t* counts_or_offsets,
                                                               int64_t* out_ray, scalar_t* out_t, scalar_t* out_points) {
@@ -45,6 +47,7 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
                          args.t_end[b], args.offset[b], args.step);
   if (args.t_split != nullptr) ray.contract_at(args.t_split[b], args.box, args.max_samples);
   int64_t slot = kWrite ? counts_or_offsets[b] : 0;
+  const int64_t stop = kWrite ? counts_or_offsets[b + 1] : 0;
   for (int64_t first = 0; first < args.max_samples; first += kWarp) {
     const int64_t k = first + lane;
     scalar_t t;
@@ -55,34 +58,38 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
     scalar_t unit[3];
     const bool kept = ((live_lanes >> lane) & 1u) && __ldg(args.occupied + ray.locate(t, unit)) != 0;
     const unsigned kept_lanes = __ballot_sync(kAll, kept);
-    if (kWrite && kept) {
-      const int64_t i = slot + __popc(kept_lanes & ((1u << lane) - 1u));
+    const int64_t i = slot + __popc(kept_lanes & ((1u << lane) - 1u));
+    if (kWrite && kept && i < stop) {
       out_ray[i] = b;
       out_t[i] = t;
 #pragma unroll
       for (int a = 0; a < 3; ++a) out_points[3 * i + a] = unit[a];
     }
     slot += __popc(kept_lanes);
-    if (outside_lanes != 0) break;  // the rest of the ray is past its end
+    if (outside_lanes != 0 || (kWrite && slot >= stop)) break;  // the rest of the ray is past its end (or its room)
   }
   if (!kWrite && lane == 0) counts_or_offsets[b] = slot;
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
+namespace {
+
+// Both ops (as march_packed_cpu): capacity absent, one sync sizes the outputs; given, they have that size.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_packed_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    const std::optional<at::Tensor>& t_split) {
+    const std::optional<at::Tensor>& t_split, std::optional<int64_t> capacity) {
   check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split,
                      at::kCUDA);
+  if (capacity) check_march_capacity(*capacity);
   const c10::cuda::CUDAGuard device_guard(origins.device());
   const auto o = origins.contiguous(), d = directions.contiguous(), t0 = t_start.contiguous(), t1 = t_end.contiguous(),
              off = offset.contiguous(), grid = occupancy.contiguous(), bx = box.contiguous();
   const at::Tensor split = t_split ? t_split->contiguous() : at::Tensor();
   const int64_t rays = o.size(0);
   at::Tensor ray_offsets = at::zeros({rays + 1}, o.options().dtype(at::kLong));
-  at::Tensor ray_index, t, points;
+  at::Tensor ray_index, t, points, total;
   AT_DISPATCH_FLOATING_TYPES(o.scalar_type(), "march_rays_cuda", [&] {
     MarchArgs<scalar_t> args{o.const_data_ptr<scalar_t>(),
                              d.const_data_ptr<scalar_t>(),
@@ -104,18 +111,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       ray_offsets.narrow(0, 1, rays).cumsum_(0);
     }
-    const int64_t total = ray_offsets[rays].item<int64_t>();  // the sync: the outputs' size
-    ray_index = at::empty({total}, ray_offsets.options());
-    t = at::empty({total}, o.options());
-    points = at::empty({total, 3}, o.options());
-    if (total > 0) {
+    total = ray_offsets.narrow(0, rays, 1).clone();  // the true count, on the device
+    int64_t size = 0;
+    if (capacity) {
+      size = *capacity;
+      ray_offsets.clamp_max_(size);
+    } else {
+      size = ray_offsets[rays].item<int64_t>();  // the sync: the outputs' size
+    }
+    std::tie(ray_index, t, points) = march_outputs(size, rays, capacity.has_value(), o.options());
+    if (size > 0 && rays > 0) {
       march_kernel<scalar_t, true>
           <<<blocks, kBlockThreads, 0, stream>>>(args, ray_offsets.data_ptr<int64_t>(), ray_index.data_ptr<int64_t>(),
                                                  t.data_ptr<scalar_t>(), points.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  return {ray_index, t, points, ray_offsets};
+  return {ray_index, t, points, ray_offsets, total};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
+    const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    const std::optional<at::Tensor>& t_split) {
+  auto [ray, t, points, ray_offsets, total] = march_packed_cuda(origins, directions, t_start, t_end, offset, occupancy,
+                                                                box, step, max_samples, t_split, std::nullopt);
+  return {ray, t, points, ray_offsets};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_capped_cuda(
+    const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
+    const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
+    int64_t capacity, const std::optional<at::Tensor>& t_split) {
+  return march_packed_cuda(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split,
+                           capacity);
 }
 
 }  // namespace cuda_ext

@@ -14,14 +14,16 @@
 // stride (each lane then reads its own row without bank conflicts), and writes the value gradients back the same
 // way. The tile holds 32 rows of up to kMaxC + 1 words (C is bounded by a template: 4, 16 or 64).
 //
-// Every sample is written by the backward (zeros after an early stop, and for samples in no ray), so its outputs
-// need no memset. (The forward reads rows in place: see render_forward_kernel.)
+// Every sample is written by the backward (zeros after an early stop, and for samples in no ray: those after the
+// last ray by a grid-wide pass from the last offset, read on the device), so its outputs need no memset. (The
+// forward reads rows in place: see render_forward_kernel.)
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernel_common.h"
 #include "ops.h"
+#include "padding.cuh"
 #include "render.h"
 #include "warp_scan.cuh"
 
@@ -207,10 +209,10 @@ __global__ void __launch_bounds__(TileShape<kMaxC>::kThreads)
   }
   // the samples after an early stop contribute nothing: zero gradients, written flat
   zero_samples(base, range.last, channels, lane, g_sd, g_v);
-  // samples in no ray (offsets not starting at 0 or not ending at N: invalid, not checked on CUDA) get zero
-  // gradients too, as from the CPU kernel; consecutive ranges leave no gaps between the first and the last
+  // samples before the first ray (offsets not starting at 0: invalid, not checked on CUDA) get zero gradients too,
+  // as from the CPU kernel; consecutive ranges leave no gaps. The rows after the last ray (a padded pack's padding,
+  // possibly a quarter of N) are zeroed by the whole grid afterwards (zero_rows_from), not by this one warp.
   if (b == 0) zero_samples(0, min(range.first, n), channels, lane, g_sd, g_v);
-  if (b == rays - 1) zero_samples(max(range.last, int64_t(0)), n, channels, lane, g_sd, g_v);
 }
 
 // Calls fn(std::integral_constant<int, kMaxC>) with the smallest channel bound that holds `channels`.
@@ -276,8 +278,8 @@ std::tuple<at::Tensor, at::Tensor> volume_render_backward_cuda(
   const at::Tensor g_out = grad_values_in.contiguous(), g_op = grad_opacity_in.contiguous();
   const at::Tensor g_dp = grad_depth_in.contiguous();
   if (rays == 0) return {at::zeros_like(sd), at::zeros_like(v)};
-  // every sample is written (render_backward_kernel), so no memset: that would be another pass over N * (C + 1)
-  // words.
+  // every sample before the last offset is written (render_backward_kernel), so no memset (another pass over
+  // N * (C + 1) words): only the rows past it (padding) are zeroed, from the offset on the device
   at::Tensor g_sd = at::empty_like(sd), g_v = at::empty_like(v);
   const int64_t channels = v.size(1);
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "volume_render_backward_cuda", [&] {
@@ -293,6 +295,8 @@ std::tuple<at::Tensor, at::Tensor> volume_render_backward_cuda(
               g_dp.const_data_ptr<scalar_t>(), g_sd.data_ptr<scalar_t>(), g_v.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
+    zero_rows_from<scalar_t>(g_sd, offsets.const_data_ptr<int64_t>() + rays);
+    zero_rows_from<scalar_t>(g_v, offsets.const_data_ptr<int64_t>() + rays);
   });
   return {g_sd, g_v};
 }
