@@ -9,7 +9,6 @@ import time
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from data import PatchSampler, RaySampler, Scene
 from data.batch_graph import GraphedSampler
@@ -26,11 +25,11 @@ from training.lazy_adam import LazyGridAdam
 from training.losses import step_loss
 from training.optim import SparseGridAdam, new_optimizer, prepare_for_whole_reads, rebuilt_optimizer
 from training.profiler import StepProfiler
+from training.progress import ProgressLog
 from training.resume import restore_trainer
 from training.run_checkpoints import RunCheckpoints
 from training.run_dir import RunPaths, write_json
 from training.sharded_adam import ShardedGridAdam
-from training.tensorboard import TensorBoardLogger
 from training.timing import process_seconds
 
 EXIT_OK = 0
@@ -249,23 +248,14 @@ class Trainer:
                 self.sampler = GraphedSampler(self.sampler)
         self.model.train()
         self.profiler.recording = True
-        self.tensorboard = TensorBoardLogger(self.paths.root / "tensorboard", self.group.is_main and cfg.tensorboard)
-        bar = tqdm(
-            total=self.iters,
-            initial=self.step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            mininterval=0.5,
-            file=sys.stdout,
-            disable=not self.group.is_main,
-        )
+        progress = ProgressLog(self)
+        self.tensorboard = progress.tensorboard  # the periodic evaluations write theirs too
         code = EXIT_OK
         with InterruptGuard() as guard:
             sync(self.device)
             self.startup_seconds = process_seconds() if self.startup_seconds is None else self.startup_seconds
-            segment_start = window_start = time.perf_counter()
-            window_rays, window_samples = self.rays_done, self.samples_done
+            segment_start = time.perf_counter()
+            progress.restart()
             while self.step < self.iters:
                 loss, mse = self.train_step()
                 step = self.step
@@ -279,32 +269,7 @@ class Trainer:
                         code = self._diverged(step, loss_value)
                         break
                     self._settle_counts()
-                    now = time.perf_counter()
-                    rays_per_second = (self.rays_done - window_rays) / max(now - window_start, 1e-9)
-                    samples_per_ray = (self.samples_done - window_samples) / max(self.rays_done - window_rays, 1)
-                    window_start, window_rays, window_samples = now, self.rays_done, self.samples_done
-                    batch_psnr = -10.0 * math.log10(max(mse_value, 1e-12))
-                    self._record(step, loss_value, batch_psnr)
-                    lrs = {f"lr_{g.get('name', i)}": g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
-                    occupied = self.model.occupancy.mask.float().mean().item()
-                    self.tensorboard.scalars(
-                        step,
-                        loss=loss_value,
-                        psnr=batch_psnr,
-                        rays_per_second=rays_per_second,
-                        resolution=self.model.resolution,
-                        occupancy=occupied,
-                        **lrs,
-                    )
-                    bar.set_postfix(
-                        loss=f"{loss_value:.4f}",
-                        psnr=f"{batch_psnr:.2f}",
-                        rays_s=f"{rays_per_second:,.0f}",
-                        grid=self.model.resolution,
-                        spr=f"{samples_per_ray:.0f}",
-                        refresh=False,
-                    )
-                    bar.update(step - bar.n)
+                    progress.log(step, loss_value, mse_value)
                 periodic_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.iters
                 periodic_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < self.iters
                 if periodic_checkpoint or periodic_eval or stop:
@@ -324,7 +289,7 @@ class Trainer:
                         code = self._diverged(step, loss.item())
                         break
                 if stop:
-                    bar.close()
+                    progress.close()
                     print(
                         f"interrupted by {guard.signum.name if guard.signum else 'a signal to another rank'} "
                         f"at step {step}/{self.iters}: checkpoint saved to "
@@ -332,20 +297,19 @@ class Trainer:
                         file=sys.stderr,
                     )
                     self.profiler.recording = False
-                    self.tensorboard.close()
                     return guard.exit_code or 128 + 15  # another rank's signal: as SIGTERM
                 if pause:
-                    segment_start = window_start = time.perf_counter()
-                    window_rays, window_samples = self.rays_done, self.samples_done
+                    segment_start = time.perf_counter()
+                    progress.restart()
                 if self.viewer is not None:  # bounded per-step work; the time paused there is not training time
                     paused = self.viewer.on_step(self, lambda: guard.requested)
-                    segment_start, window_start = segment_start + paused, window_start + paused
+                    segment_start += paused
+                    progress.pause(paused)
             else:
                 sync(self.device)
                 self.train_seconds += time.perf_counter() - segment_start
         self.profiler.recording = False
-        self.tensorboard.close()
-        bar.close()
+        progress.close()
         if code != EXIT_OK:
             return code
         if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())):
@@ -359,11 +323,6 @@ class Trainer:
             if rank == 0:
                 print(StepProfiler.format(report))
         return EXIT_OK
-
-    def _record(self, step: int, loss: float, batch_psnr: float) -> None:
-        self.history["step"].append(float(step))
-        self.history["loss"].append(loss)
-        self.history["psnr"].append(batch_psnr)
 
     def _diverged(self, step: int, loss: float) -> int:
         self.checkpoints.wait()  # the write in flight decides which step is on disk
