@@ -1,17 +1,22 @@
 """Fixed sample capacities for the training march (``model.capped_samples``): the march and the shading compaction
 write into outputs of given sizes (``march_rays_capped``, ``visible_samples_capped``), so a step has no device sync
-for their counts; the true counts stay on the device until the trainer reads them at a log step.
+for their counts.
 
 The sizes come from one synchronising step (the plain ops) after every event that changes how many samples a ray
 gets (the start, an occupancy refresh, the grids' growth, the fine grid's arrival): ``HEADROOM`` times what it
-counted, rounded up to a size the decoder's graphs keep (``models.decoder_graphs.graph_rows``). At each review
-(the trainer's log steps) the peak since the last one decides: above a capacity, an overflow (the last rays of
-those batches lost samples; counted in metrics.json) and the sizes grow; below ``1 / SHRINK`` of one, they
-shrink, so the padding the decoder shades stays small as the samples per ray fall (lego: ~95 early, ~24 late).
+counted, rounded up to a size the decoder's graphs keep (``models.decoder_graphs.graph_rows``). Each capped step's
+true counts are copied to the host without a sync and checked ``LAG`` steps later at the latest (the host never
+runs further ahead than that): a count above its capacity (an overflow: the last rays of that batch lost samples,
+and the shown samples past the capacity went unshaded) grows that size at once to ``GROWTH`` x ``HEADROOM`` times
+the count, so an overflow spoils at most the few steps in flight (early in a run the shown samples multiply as the
+density forms: checked only at log steps, lego lost 0.8 dB). At the trainer's log steps the peak since the last one
+shrinks a size it fell below ``1 / SHRINK`` of, so the padding the decoder shades stays small as the samples per
+ray fall (lego: ~95 early, ~24 late).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -19,11 +24,13 @@ import torch
 from models.decoder_graphs import graph_rows
 
 HEADROOM = 1.25
+GROWTH = 2.0  # after an overflow: room for counts still rising
 SHRINK = 1.5
+LAG = 2  # steps whose counts may still be on their way to the host
 KINDS = ("march", "alive", "shown")  # march_rays' samples, visible_samples' alive ones and shown ones
 
 
-def headroom(count: int) -> int:
+def headroom(count: float) -> int:
     """The capacity for ``count`` samples: HEADROOM x, at least 1, a size of graph_rows'."""
     return graph_rows(max(math.ceil(HEADROOM * count), 1))
 
@@ -34,8 +41,11 @@ class SampleCapacities:
     def __init__(self):
         self.sizes: dict[str, int] | None = None
         self.stale = True
-        self.peak: torch.Tensor | None = None  # (3,) int64 on the device: the largest counts since the last review
-        self.overflows = 0  # reviews that found a count above its capacity
+        self.peak = [0, 0, 0]  # the largest counts checked since the last review
+        self.checked = 0  # steps checked since the last review
+        self.in_flight: collections.deque = collections.deque()  # (event, pinned (3,) counts, the sizes they had)
+        self.overflows = 0  # steps whose counts were above a capacity
+        self.overflows_reviewed = 0  # of them, those found by the last review
         self.reviews = 0
 
     @property
@@ -52,26 +62,55 @@ class SampleCapacities:
         self.stale = False
 
     def observe(self, march_total: torch.Tensor, visible_totals: torch.Tensor | None) -> None:
-        """Fold a capped march's (1,) true count and the compaction's (2,) counts (None: no compaction) into the
-        peak, on the device (no sync)."""
+        """A capped step's (1,) true march count and the compaction's (2,) counts (None: no compaction): on the CPU
+        checked now, on a GPU copied to the host without a sync and checked once they arrive (``LAG`` steps at most)."""
         totals = march_total if visible_totals is None else torch.cat([march_total, visible_totals])
         totals = torch.nn.functional.pad(totals, (0, 3 - totals.shape[0]))
-        self.peak = totals if self.peak is None else torch.maximum(self.peak, totals)
+        sizes = dict(self.sizes)
+        if totals.device.type != "cuda":
+            self._check(totals.tolist(), sizes)
+            return
+        host = torch.empty(3, dtype=totals.dtype, pin_memory=True)
+        host.copy_(totals, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.in_flight.append((event, host, sizes))
+        self._arrived(wait=False)
+
+    def _arrived(self, wait: bool) -> None:
+        """Check the counts that reached the host; with ``wait``, or beyond ``LAG`` steps in flight, wait for them."""
+        while self.in_flight:
+            event, host, sizes = self.in_flight[0]
+            if not event.query():
+                if not wait and len(self.in_flight) <= LAG:
+                    return
+                event.synchronize()
+            self.in_flight.popleft()
+            self._check(host.tolist(), sizes)
+
+    def _check(self, counts: list[int], sizes: dict[str, int]) -> None:
+        """One step's counts against the sizes it ran with; an overflow grows the current sizes at once."""
+        self.peak = [max(p, c) for p, c in zip(self.peak, counts)]
+        self.checked += 1
+        over = [(kind, count) for kind, count in zip(KINDS, counts) if count > sizes[kind]]
+        self.overflows += bool(over)
+        for kind, count in over:
+            self.sizes[kind] = max(self.sizes[kind], headroom(GROWTH * count))
 
     def review(self) -> bool:
-        """At a log step (one sync): grow the sizes after an overflow, shrink them when the peak fell below
-        1 / SHRINK of them; returns whether an overflow happened since the last review."""
-        if self.peak is None or self.sizes is None:
+        """At a log step (one sync): every count in flight checked, and the sizes shrunk where the peak since the
+        last review fell below 1 / SHRINK of them; returns whether a step overflowed since the last review."""
+        if self.sizes is None:
             return False
-        peak = dict(zip(KINDS, self.peak.tolist()))
-        self.peak = None
+        self._arrived(wait=True)
+        if self.checked:  # steps ran capped since the last review
+            for kind, count in zip(KINDS, self.peak):
+                if count * SHRINK * HEADROOM < self.sizes[kind]:
+                    self.sizes[kind] = headroom(count)
+        self.peak, self.checked = [0, 0, 0], 0
         self.reviews += 1
-        overflow = any(peak[kind] > self.sizes[kind] for kind in KINDS)
-        self.overflows += overflow
-        for kind in KINDS:
-            if overflow or peak[kind] * SHRINK * HEADROOM < self.sizes[kind]:
-                self.sizes[kind] = headroom(peak[kind])
-        return overflow
+        found, self.overflows_reviewed = self.overflows > self.overflows_reviewed, self.overflows
+        return found
 
     def report(self) -> dict:
         """For metrics.json."""

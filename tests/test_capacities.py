@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_train import run_train, tiny_overrides
 
-from models.capacities import HEADROOM, SampleCapacities, headroom
+from models.capacities import GROWTH, HEADROOM, LAG, SampleCapacities, headroom
 from models.decoder_graphs import graph_rows
 from models.regularizers import RenderedSamples
 
@@ -26,7 +26,7 @@ def test_headroom_is_a_graph_size_above_the_count():
         assert size >= HEADROOM * count and size >= 1 and graph_rows(size) == size
 
 
-def test_sizes_are_measured_then_follow_the_peaks():
+def test_sizes_are_measured_then_follow_the_counts():
     capacities = SampleCapacities()
     assert capacities.measuring and not capacities.review()
     capacities.measured(1000, 600, 300)
@@ -35,14 +35,47 @@ def test_sizes_are_measured_then_follow_the_peaks():
     capacities.observe(torch.tensor([900]), torch.tensor([700, 200]))
     assert not capacities.review()  # 1100, 700, 350: within the sizes, none below 1 / 1.5 of its size
     assert capacities.sizes == {"march": 1280, "alive": 768, "shown": 384}
-    capacities.observe(torch.tensor([1400]), torch.tensor([650, 100]))  # the march overflowed
-    assert capacities.review() and capacities.overflows == 1
-    assert capacities.sizes == {"march": headroom(1400), "alive": headroom(650), "shown": headroom(100)}
+    capacities.observe(torch.tensor([1400]), torch.tensor([650, 100]))  # the march overflowed: grown at once
+    assert capacities.overflows == 1 and capacities.sizes["march"] == headroom(GROWTH * 1400)
+    assert capacities.sizes["alive"] == 768 and capacities.sizes["shown"] == 384
+    assert capacities.review()  # then the peak shrinks what it fell well below (the grown march's too)
+    assert capacities.sizes == {"march": headroom(1400), "alive": 768, "shown": headroom(100)}
+    assert not capacities.review() and capacities.sizes["shown"] == headroom(100)  # no capped step: no change
     capacities.observe(torch.tensor([300]), torch.tensor([100, 40]))  # far fewer samples a ray
     assert not capacities.review() and capacities.sizes["march"] == headroom(300)
     capacities.invalidate()
     assert capacities.measuring
-    assert capacities.report() == {"sizes": capacities.sizes, "overflows": 1, "reviews": 3}
+    assert capacities.report() == {"sizes": capacities.sizes, "overflows": 1, "reviews": 4}
+
+
+def test_a_count_rising_fast_grows_its_size_within_the_step():
+    """Early in a run the shown samples multiply as the density forms: each overflow makes room for twice the
+    count, so a hundredfold rise costs a handful of overflowing steps, not the steps to the next log."""
+    capacities = SampleCapacities()
+    capacities.measured(1000, 1000, 10)
+    overflowing = 0
+    for step in range(40):
+        shown = min(10 * 1.2**step, 1000)
+        overflowing += shown > capacities.sizes["shown"]
+        capacities.observe(torch.tensor([1000]), torch.tensor([1000, int(shown)]))
+    assert capacities.overflows == overflowing and 0 < overflowing <= 8
+    assert capacities.sizes["shown"] >= 1000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the counts' copy to the host without a sync")
+def test_counts_on_the_device_are_checked_within_the_lag():
+    capacities = SampleCapacities()
+    capacities.measured(1000, 600, 300)
+    device = torch.device("cuda")
+    capacities.observe(torch.tensor([5000], device=device), torch.tensor([500, 200], device=device))
+    for _ in range(LAG):  # steps within the counts
+        capacities.observe(torch.tensor([900], device=device), torch.tensor([500, 200], device=device))
+    torch.cuda.synchronize()
+    capacities.observe(torch.tensor([900], device=device), torch.tensor([500, 200], device=device))
+    assert capacities.overflows == 1 and capacities.sizes["march"] == headroom(GROWTH * 5000)
+    assert len(capacities.in_flight) <= LAG
+    capacities.observe(torch.tensor([9000], device=device), torch.tensor([500, 200], device=device))
+    assert capacities.review() and capacities.overflows == 2 and not capacities.in_flight
 
 
 def test_the_regularisers_leave_out_the_padding_rows():
