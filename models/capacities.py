@@ -9,9 +9,9 @@ true counts are copied to the host without a sync and checked ``LAG`` steps late
 runs further ahead than that): a count above its capacity (an overflow: the last rays of that batch lost samples,
 and the shown samples past the capacity went unshaded) grows that size at once to ``GROWTH`` x ``HEADROOM`` times
 the count, so an overflow spoils at most the few steps in flight (early in a run the shown samples multiply as the
-density forms: checked only at log steps, lego lost 0.8 dB). At the trainer's log steps the peak since the last one
-shrinks a size it fell below ``1 / SHRINK`` of, so the padding the decoder shades stays small as the samples per
-ray fall (lego: ~95 early, ~24 late).
+density forms: checked only at log steps, lego lost 0.8 dB). Every ``WINDOW`` checked steps, the peak over them
+shrinks a size it fell below ``1 / SHRINK`` of, so the padding shaded and differentiated stays small as the samples
+per ray fall (lego: ~95 early, ~24 late; the survivors of early termination fall fastest as the density forms).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ HEADROOM = 1.25
 GROWTH = 2.0  # after an overflow: room for counts still rising
 SHRINK = 1.5
 LAG = 2  # steps whose counts may still be on their way to the host
+WINDOW = 20  # checked steps between two shrinks
 KINDS = ("march", "alive", "shown")  # march_rays' samples, visible_samples' alive ones and shown ones
 
 
@@ -41,11 +42,12 @@ class SampleCapacities:
     def __init__(self):
         self.sizes: dict[str, int] | None = None
         self.stale = True
-        self.peak = [0, 0, 0]  # the largest counts checked since the last review
-        self.checked = 0  # steps checked since the last review
+        self.peak = [0, 0, 0]  # the largest counts of the steps checked since the last shrink
+        self.checked = 0  # how many
         self.in_flight: collections.deque = collections.deque()  # (event, pinned (3,) counts, the sizes they had)
         self.overflows = 0  # steps whose counts were above a capacity
         self.overflows_reviewed = 0  # of them, those found by the last review
+        self.shrinks = 0
         self.reviews = 0
 
     @property
@@ -60,6 +62,7 @@ class SampleCapacities:
         """Sizes from a synchronising march's counts."""
         self.sizes = {kind: headroom(count) for kind, count in zip(KINDS, (march, alive, shown))}
         self.stale = False
+        self.peak, self.checked = [0, 0, 0], 0
 
     def observe(self, march_total: torch.Tensor, visible_totals: torch.Tensor | None) -> None:
         """A capped step's (1,) true march count and the compaction's (2,) counts (None: no compaction): on the CPU
@@ -89,29 +92,32 @@ class SampleCapacities:
             self._check(host.tolist(), sizes)
 
     def _check(self, counts: list[int], sizes: dict[str, int]) -> None:
-        """One step's counts against the sizes it ran with; an overflow grows the current sizes at once."""
+        """One step's counts against the sizes it ran with; an overflow grows the current sizes at once, and every
+        ``WINDOW`` steps the window's peak shrinks the sizes it fell well below."""
         self.peak = [max(p, c) for p, c in zip(self.peak, counts)]
         self.checked += 1
         over = [(kind, count) for kind, count in zip(KINDS, counts) if count > sizes[kind]]
         self.overflows += bool(over)
         for kind, count in over:
             self.sizes[kind] = max(self.sizes[kind], headroom(GROWTH * count))
+        if self.checked < WINDOW:
+            return
+        for kind, count in zip(KINDS, self.peak):
+            if count * SHRINK * HEADROOM < self.sizes[kind]:
+                self.sizes[kind] = headroom(count)
+                self.shrinks += 1
+        self.peak, self.checked = [0, 0, 0], 0
 
     def review(self) -> bool:
-        """At a log step (one sync): every count in flight checked, and the sizes shrunk where the peak since the
-        last review fell below 1 / SHRINK of them; returns whether a step overflowed since the last review."""
+        """At a log step (one sync): every count in flight checked; returns whether a step overflowed since the
+        last review."""
         if self.sizes is None:
             return False
         self._arrived(wait=True)
-        if self.checked:  # steps ran capped since the last review
-            for kind, count in zip(KINDS, self.peak):
-                if count * SHRINK * HEADROOM < self.sizes[kind]:
-                    self.sizes[kind] = headroom(count)
-        self.peak, self.checked = [0, 0, 0], 0
         self.reviews += 1
         found, self.overflows_reviewed = self.overflows > self.overflows_reviewed, self.overflows
         return found
 
     def report(self) -> dict:
         """For metrics.json."""
-        return {"sizes": self.sizes, "overflows": self.overflows, "reviews": self.reviews}
+        return {"sizes": self.sizes, "overflows": self.overflows, "shrinks": self.shrinks, "reviews": self.reviews}
