@@ -14,7 +14,8 @@ Public ops (each differentiable, dispatching on the input's device):
   :func:`march_rays_capped` the same into outputs of a given size, with no device sync (CUDA graphs).
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
 - :func:`visible_samples` packed optical depths (N,) + (B+1,) offsets -> the samples a ray still sees and those
-  worth a colour (early termination, the weight threshold), as indices (no gradient).
+  worth a colour (early termination, the weight threshold), as indices (no gradient); :func:`visible_samples_capped`
+  the same into outputs of given sizes, with no device sync (CUDA graphs).
 - :func:`distortion_loss` packed optical depths (N,), intervals (N,), (N,) + (B+1,) offsets -> (B,) mip-NeRF 360's
   distortion loss on the compositing weights.
 - :func:`sampled_tv` a grid's total variation on (S,) sampled cells -> () float64, its gradient added in place.
@@ -45,7 +46,7 @@ else:
     from cuda_ext.brick_grid import brick_grid_interpolate
     from cuda_ext.gelu import gelu, gelu_rows
     from cuda_ext.march import march_rays, march_rays_capped
-    from cuda_ext.render import distortion_loss, visible_samples, volume_render
+    from cuda_ext.render import distortion_loss, visible_samples, visible_samples_capped, volume_render
     from cuda_ext.trilinear import grid_interpolate, trilinear_interpolate
     from cuda_ext.tv import sampled_tv
     from cuda_ext.upsample import upsample_bilinear2d
@@ -60,6 +61,7 @@ _CUSTOM_OPS = (
     "volume_render",
     "distortion_loss",
     "visible_samples",
+    "visible_samples_capped",
     "march_rays",
     "march_rays_capped",
     "sparse_adam_step",
@@ -148,6 +150,7 @@ __all__ = [
     "volume_render",
     "distortion_loss",
     "visible_samples",
+    "visible_samples_capped",
     "march_rays",
     "march_rays_capped",
     "sparse_adam_step",

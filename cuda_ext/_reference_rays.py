@@ -72,7 +72,7 @@ def march_rays_capped(
     """march_rays' samples in outputs of ``capacity`` rows (cuda_ext.march_rays_capped's contract): its first
     ``capacity`` samples, the ray offsets clamped to ``capacity``, the other rows padding (ray max(B - 1, 0), t 0,
     point 0), and the (1,) int64 true total."""
-    size = _step_checks.check_march_capacity(capacity)
+    size = _step_checks.check_capacity(capacity)
     args = (origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split)
     _step_checks.check_march_inputs(*args, op="march_rays_capped")
     ray, t, points, ray_offsets = march_rays(*args)
@@ -167,6 +167,30 @@ def visible_samples(
     index = alive.nonzero()[:, 0]
     per_ray = torch.bincount(ray[index], minlength=ray_offsets.shape[0] - 1)
     return index, shown[index].nonzero()[:, 0], torch.nn.functional.pad(per_ray.cumsum(0), (1, 0))
+
+
+def visible_samples_capped(
+    optical_depth: torch.Tensor,
+    ray_offsets: torch.Tensor,
+    early_termination: float,
+    weight_threshold: float,
+    alive_capacity: int,
+    shown_capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """visible_samples' outputs in fixed sizes (cuda_ext.visible_samples_capped's contract): the first
+    ``alive_capacity`` alive samples (padding: N - 1, or 0 without samples), the offsets clamped to it, the first
+    ``shown_capacity`` shown positions below it (padding: ``alive_capacity``), and the (2,) int64 totals."""
+    alive_size = _step_checks.check_capacity(alive_capacity, "visible_samples_capped", "alive_capacity")
+    shown_size = _step_checks.check_capacity(shown_capacity, "visible_samples_capped", "shown_capacity")
+    index, keep, offsets = visible_samples(optical_depth, ray_offsets, early_termination, weight_threshold)
+    alive = index[:alive_size]
+    shown = keep[keep < alive_size][:shown_size]
+    return (
+        torch.cat([alive, index.new_full((alive_size - alive.shape[0],), max(optical_depth.shape[0] - 1, 0))]),
+        torch.cat([shown, keep.new_full((shown_size - shown.shape[0],), alive_size)]),
+        offsets.clamp(max=alive_size),
+        torch.stack([offsets.new_tensor(index.shape[0]), offsets.new_tensor(keep.shape[0])]),
+    )
 
 
 def _sample_rays(optical_depth: torch.Tensor, ray_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

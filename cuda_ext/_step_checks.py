@@ -30,7 +30,7 @@ __all__ = [
     "check_masked_adam_inputs",
     "check_adam_replay_inputs",
     "check_march_inputs",
-    "check_march_capacity",
+    "check_capacity",
 ]
 
 
@@ -391,9 +391,9 @@ def check_march_inputs(
     return float(step), samples
 
 
-def check_march_capacity(capacity: Any, op: str = "march_rays_capped") -> int:
-    """march_rays_capped's output size: an int >= 0. Returns it as an int."""
-    size = check_int(op, "capacity", capacity)
+def check_capacity(capacity: Any, op: str = "march_rays_capped", name: str = "capacity") -> int:
+    """A capped op's output size (march_rays_capped, visible_samples_capped): an int >= 0. Returns it as an int."""
+    size = check_int(op, name, capacity)
     if size < 0:
-        raise ValueError(f"{op}: capacity must be >= 0, got {size}")
+        raise ValueError(f"{op}: {name} must be >= 0, got {size}")
     return size

@@ -97,7 +97,7 @@ def march_rays_capped(
     Raises:
         TypeError / ValueError naming the argument, as march_rays; capacity not an int >= 0.
     """
-    capacity = _step_checks.check_march_capacity(capacity)
+    capacity = _step_checks.check_capacity(capacity)
     step, max_samples = _step_checks.check_march_inputs(
         origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, op="march_rays_capped"
     )
@@ -124,7 +124,7 @@ def _march_rays_fake(origins, directions, t_start, t_end, offset, occupancy, box
 def _march_rays_capped_fake(
     origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, capacity, t_split=None
 ):
-    capacity = _step_checks.check_march_capacity(capacity)
+    capacity = _step_checks.check_capacity(capacity)
     _step_checks.check_march_inputs(
         origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, op="march_rays_capped"
     )

@@ -3,7 +3,8 @@
 They define what the custom kernels compute, serve as the ``ops=torch`` backend of the model,
 and are what the tests compare against. Autograd differentiates them. They check their arguments with
 the wrappers' checks (``cuda_ext._checks``), so both backends reject a bad call with the same exception.
-The per-ray ops (march_rays and march_rays_capped, volume_render, distortion_loss, visible_samples) live in
+The per-ray ops (march_rays and march_rays_capped, volume_render, distortion_loss, visible_samples and
+visible_samples_capped) live in
 ``cuda_ext._reference_rays``.
 """
 
@@ -23,6 +24,7 @@ from cuda_ext._reference_rays import (
     march_rays,
     march_rays_capped,
     visible_samples,
+    visible_samples_capped,
     volume_render,
 )
 from cuda_ext._tv_checks import check_cell_range, check_sampled_tv_inputs
@@ -38,6 +40,7 @@ __all__ = [
     "volume_render",
     "distortion_loss",
     "visible_samples",
+    "visible_samples_capped",
     "march_rays",
     "march_rays_capped",
     "contract_points",

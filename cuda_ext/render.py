@@ -14,7 +14,7 @@ import torch
 
 from cuda_ext import _step_checks
 
-__all__ = ["volume_render", "distortion_loss", "visible_samples"]
+__all__ = ["volume_render", "distortion_loss", "visible_samples", "visible_samples_capped"]
 
 
 def volume_render(
@@ -170,3 +170,52 @@ def _visible_samples_fake(optical_depth, ray_offsets, early_termination, weight_
     ctx = torch.library.get_ctx()  # data-dependent: how many samples stay alive, how many are shown
     alive, shown = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     return ray_offsets.new_empty((alive,)), ray_offsets.new_empty((shown,)), torch.empty_like(ray_offsets)
+
+
+def visible_samples_capped(
+    optical_depth: torch.Tensor,
+    ray_offsets: torch.Tensor,
+    early_termination: float,
+    weight_threshold: float,
+    alive_capacity: int,
+    shown_capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`visible_samples`' outputs in fixed sizes, with no device sync: what a CUDA graph can replay.
+
+    ``index`` holds the first ``alive_capacity`` alive samples and ``offsets`` are clamped to it (a ray that crosses
+    it is cut short, the rays after it get none); ``keep`` holds the first ``shown_capacity`` shown positions below
+    ``alive_capacity`` (a prefix of visible_samples' keep). Padding: ``index`` N - 1 (0 without samples: a valid
+    row, the index stays sorted); ``keep`` ``alive_capacity``, the row past ``index``: a caller that scatters
+    colours back by position gives its values one spare row there, so that padding never lands on a real sample.
+
+    Args:
+        as :func:`visible_samples`; alive_capacity, shown_capacity: the outputs' sizes, ints >= 0.
+    Returns:
+        index (Ca,) int64, keep (Cs,) int64, offsets (B + 1,) int64 clamped to Ca, and totals (2,) int64: the A and K
+        that visible_samples would return (above the capacities: an overflow, the caller's to act on when it next
+        syncs).
+    """
+    op = "visible_samples_capped"
+    alive_capacity = _step_checks.check_capacity(alive_capacity, op, "alive_capacity")
+    shown_capacity = _step_checks.check_capacity(shown_capacity, op, "shown_capacity")
+    early_termination, weight_threshold = _step_checks.check_visibility_inputs(
+        optical_depth, ray_offsets, early_termination, weight_threshold, op=op
+    )
+    _step_checks.check_render_offsets(optical_depth, ray_offsets, op)
+    return torch.ops.cuda_ext.visible_samples_capped(
+        optical_depth, ray_offsets, early_termination, weight_threshold, alive_capacity, shown_capacity
+    )
+
+
+@torch.library.register_fake("cuda_ext::visible_samples_capped")
+def _visible_samples_capped_fake(
+    optical_depth, ray_offsets, early_termination, weight_threshold, alive_capacity, shown_capacity
+):
+    op = "visible_samples_capped"
+    _step_checks.check_visibility_inputs(optical_depth, ray_offsets, early_termination, weight_threshold, op=op)
+    return (
+        ray_offsets.new_empty((_step_checks.check_capacity(alive_capacity, op, "alive_capacity"),)),
+        ray_offsets.new_empty((_step_checks.check_capacity(shown_capacity, op, "shown_capacity"),)),
+        torch.empty_like(ray_offsets),
+        ray_offsets.new_empty((2,)),
+    )

@@ -26,6 +26,7 @@ import torch.nn as nn
 from data.samplers import PatchBatch
 from models import render_views
 from models.brick_grid import BrickGrids
+from models.capacities import SampleCapacities
 from models.config import ModelConfig, parse_model_config, step_of
 from models.contraction import SceneSpace
 from models.decoder import Decoder, SampleDecoder
@@ -97,6 +98,7 @@ class VoxelNeRF(nn.Module):
         self.decoder = (SampleDecoder if c.shading == "per_sample" else Decoder)(c.feature_dim, *mlp)
         graphed = c.decoder_graphs and c.shading == "per_sample"  # training's shading from CUDA graphs
         self.decoder_graphs = DecoderGraphs(self.decoder) if graphed else None
+        self.capacities = SampleCapacities() if c.capped_samples else None  # training's march (models/capacities.py)
         self.poses = PoseRefinement(c.pose_refinement)  # per-training-image camera corrections (sized by the trainer)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
@@ -255,6 +257,8 @@ class VoxelNeRF(nn.Module):
         if step >= c.occupancy.warmup and (grown or due):
             self.touched.before_whole_read()
             self.refresh_occupancy()
+        if self.capacities is not None and (grown or (due and step >= c.occupancy.warmup)):
+            self.capacities.invalidate()  # the samples a ray gets changed: the next march measures them
         return grown
 
     def query_density(self, unit_points: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2
 FAMILIES = {  # swapped by the family's key
     "gelu": ("gelu_rows",),
     "sparse_adam_step": ("adam_replay_rows", "masked_adam_step"),
-    "volume_render": ("distortion_loss", "visible_samples"),
+    "volume_render": ("distortion_loss", "visible_samples", "visible_samples_capped"),
+    "march_rays": ("march_rays_capped",),
 }
 
 
@@ -47,7 +48,9 @@ class OpSet:
       ray_offsets (B+1,), early_termination, weight_threshold) -> (index (A,), keep (K,), offsets (B+1,))`` (the
       samples a ray still sees, and those worth a colour); the same backend: ``ops.volume_render``
     - ``march_rays(origins, directions (B,3), t_start, t_end, offset (B,), occupancy (R0,R1,R2) bool, box (2,3),
-      step, max_samples) -> (ray (N,), t (N,), points (N,3) in [-1,1], ray_offsets (B+1,))``
+      step, max_samples) -> (ray (N,), t (N,), points (N,3) in [-1,1], ray_offsets (B+1,))``;
+      ``march_rays_capped(..., max_samples, capacity)`` and ``visible_samples_capped(..., alive_capacity,
+      shown_capacity)``: the same into outputs of given sizes, the true counts on the device (model.capped_samples)
     - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``,
       ``masked_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), step, lr, beta1, beta2, eps)`` (the elements whose
       gradient is non-zero),
@@ -68,6 +71,8 @@ class OpSet:
     distortion_loss: Callable[..., torch.Tensor]
     visible_samples: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     march_rays: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    march_rays_capped: Callable[..., tuple[torch.Tensor, ...]]
+    visible_samples_capped: Callable[..., tuple[torch.Tensor, ...]]
     sparse_adam_step: Callable[..., None]
     masked_adam_step: Callable[..., None]
     adam_replay_rows: Callable[..., None]

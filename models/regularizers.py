@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.render import compositing_weights, ray_offsets, segment_sum
+from models.render import compositing_weights, ray_offsets, rows_in_rays, segment_sum
 
 
 def _check_packed(name: str, ray: torch.Tensor, num_rays: int, **per_sample: torch.Tensor) -> None:
@@ -54,7 +54,8 @@ class RenderedSamples:
     gradients, ``step``, the march's step, ``march``, a function giving each sample's (N,) march coordinate, in
     which every sample stands for [march_i - step/2, march_i + step/2] (bounded: t itself; contracted: linear then
     disparity, see models.contraction.SceneSpace.march_coordinate), called only when a regulariser needs it (None:
-    t), and ``offsets`` (B + 1,) int64, each ray's first sample (None: found from ``ray``)."""
+    t), and ``offsets`` (B + 1,) int64, each ray's first sample (None: found from ``ray``). ``padded``: rows past
+    ``offsets[-1]`` are padding (model.capped_samples), which the per-sample sums leave out."""
 
     ray: torch.Tensor
     t: torch.Tensor
@@ -62,10 +63,17 @@ class RenderedSamples:
     step: float
     march: Callable[[], torch.Tensor] | None = None
     offsets: torch.Tensor | None = None
+    padded: bool = False
+
+    def _in_rays(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (N,) with the padding rows zeroed (as is without padding)."""
+        if not self.padded:
+            return values
+        return torch.where(rows_in_rays(values.shape[0], self.offsets), values, torch.zeros_like(values))
 
     def weights(self, num_rays: int) -> torch.Tensor:
         """(N,) compositing weights w_i = T_i alpha_i, differentiable in the optical depths."""
-        return compositing_weights(self.optical_depth, self.ray, num_rays)
+        return compositing_weights(self._in_rays(self.optical_depth), self.ray, num_rays)
 
     def distortion(self, op: Callable[..., torch.Tensor], num_rays: int, unit: float = 1.0) -> torch.Tensor:
         """(B,) distortion loss in the march coordinate (where the samples' intervals are all ``step`` long, as
@@ -79,7 +87,7 @@ class RenderedSamples:
 
     def near_density(self, limit: torch.Tensor) -> torch.Tensor:
         """(B,) optical depth before ``limit`` (B,) along each ray (:func:`near_optical_depth`)."""
-        return near_optical_depth(self.ray, self.t, self.optical_depth, limit)
+        return near_optical_depth(self.ray, self.t, self._in_rays(self.optical_depth), limit)
 
 
 __all__ = ["near_optical_depth", "RenderedSamples"]

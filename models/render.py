@@ -75,6 +75,21 @@ class PackedSamples:
     def __len__(self) -> int:
         return self.ray.shape[0]
 
+    def with_spare_row(self) -> PackedSamples:
+        """These samples and one padding row: the last row's ray (0 without rows), t 0, the grid's centre. No ray's
+        range covers it: the row a capped compaction's padding points at (models/capacities.py)."""
+        ray = self.ray[-1:] if len(self) else self.ray.new_zeros(1)
+        return PackedSamples(
+            torch.cat([self.ray, ray]),
+            torch.cat([self.t, self.t.new_zeros(1)]),
+            torch.cat([self.points, self.points.new_zeros(1, 3)]),
+        )
+
+
+def rows_in_rays(rows: int, offsets: torch.Tensor) -> torch.Tensor:
+    """(rows,) bool: the rows of a padded pack that some ray's range covers (the others are padding); no sync."""
+    return torch.arange(rows, device=offsets.device) < offsets[-1]
+
 
 def ray_offsets(ray: torch.Tensor, num_rays: int) -> torch.Tensor:
     """(B + 1,) int64 offsets of (N,) ray ids grouped contiguously (sorted): ray b owns samples

@@ -30,7 +30,7 @@ from models.decoder import DIFFUSE_CHANNELS
 from models.field import optical_depth
 from models.pose_refinement import points_with_ray_gradients
 from models.regularizers import RenderedSamples
-from models.render import PackedSamples, survivors_and_weights
+from models.render import PackedSamples, rows_in_rays, survivors_and_weights
 
 if TYPE_CHECKING:  # models.model imports this module
     from models.model import VoxelNeRF
@@ -106,15 +106,22 @@ def march(
     if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
         jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
     jitter = jitter.reshape(num_rays).to(origins.device, origins.dtype)
-    ray, t, points, offsets = model.ops.march_rays(
-        *rays, t_start, t_end, jitter, model.occupancy.mask, model.bbox, step, num_samples, t_split
-    )
+    march_args = (*rays, t_start, t_end, jitter, model.occupancy.mask, model.bbox, step, num_samples)
+    # model.capped_samples: fixed sizes, no sync for the counts (models/capacities.py); None when off or measuring
+    capacities = model.capacities if model.capacities is not None and torch.is_grad_enabled() else None
+    sizes = None if capacities is None or capacities.measuring else capacities.sizes
+    if sizes is None:
+        ray, t, points, offsets = model.ops.march_rays(*march_args, t_split)
+    else:
+        ray, t, points, offsets, march_total = model.ops.march_rays_capped(*march_args, sizes["march"], t_split)
     samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
+    counts = [len(samples), len(samples), 0]  # what a measuring march counts: marched, alive, shown
     if model.touched.enabled and torch.is_grad_enabled():  # an optimiser that replays skipped steps does so now
         model.touched.before_read(points, model.grid_shape)
     # (N,) world step of each sample over the density unit (a number when bounded); kept with the samples below
     step_scale = space.sample_steps(samples.t, samples.ray, t_split, step / model.base_voxel, model.extent)
     keep = None  # (N,) which samples are shaded (None: all)
+    visible_totals = None
     if (c.early_termination > 0 or c.weight_threshold > 0) and len(samples) > 0:
         # one no-grad pass: drop samples behind an opaque prefix (early termination; the survivors keep their
         # transmittance) and skip the colour of samples that barely show (DVGO's fast_color_thres)
@@ -122,15 +129,30 @@ def march(
             depth = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
             if model.fine.collecting and model.training:  # where the fine grid's bricks will go
                 alive, weights = survivors_and_weights(depth, samples.ray, num_rays, c.early_termination)
-                model.fine.collect(samples.points[(weights >= c.fine.min_weight) & alive], model.grid_shape)
-            # the pass's one sync: the survivors (a prefix of each ray) and the shown ones among them
-            index, shown, alive_offsets = model.ops.visible_samples(
-                depth, offsets, c.early_termination, c.weight_threshold
-            )
+                chosen = (weights >= c.fine.min_weight) & alive
+                if sizes is not None:  # not the padding rows (the grid's centre, filed under the last ray)
+                    chosen &= rows_in_rays(len(samples), offsets)
+                model.fine.collect(samples.points[chosen], model.grid_shape)
+            thresholds = (depth, offsets, c.early_termination, c.weight_threshold)
+            if sizes is None:  # the pass's one sync: the survivors (a prefix of each ray) and the shown ones
+                index, shown, alive_offsets = model.ops.visible_samples(*thresholds)
+                counts[1:] = [len(index), len(shown)]
+            else:  # positions are rows when nothing is dropped: then the alive capacity is the march's
+                alive_size = sizes["alive"] if c.early_termination > 0 else sizes["march"]
+                index, shown, alive_offsets, visible_totals = model.ops.visible_samples_capped(
+                    *thresholds, alive_size, sizes["shown"]
+                )
             if c.early_termination > 0:
                 samples, offsets = samples.take(index), alive_offsets
                 step_scale = step_scale[index] if isinstance(step_scale, torch.Tensor) else step_scale
             keep = shown if c.weight_threshold > 0 else None
+    if sizes is not None:  # one spare row past the samples: where the compaction's padding points (keep)
+        samples = samples.with_spare_row()
+        if isinstance(step_scale, torch.Tensor):
+            step_scale = torch.cat([step_scale, step_scale.new_ones(1)])
+        capacities.observe(march_total, visible_totals)
+    elif capacities is not None and model.training:
+        capacities.measured(*counts)
     if model.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
         model.touched.mark_points(samples.points, model.grid_shape)
     # refined poses: the points move with their rays (same values; the gradient of o + t d)
@@ -152,8 +174,9 @@ def march(
         "features": colour[:, DIFFUSE_CHANNELS:],
         "depth": depth,
         "opacity": opacity,
-        "samples": torch.tensor(len(samples)),
-        "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march, offsets),
+        # the samples composited: a host count, or with fixed capacities the true one on the device (read at log steps)
+        "samples": torch.tensor(len(samples)) if sizes is None else composited_count(march_total, visible_totals, c),
+        "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march, offsets, padded=sizes is not None),
     }
 
 
@@ -255,3 +278,11 @@ def infer_image(
 
 
 __all__ = ["upsample_channels", "render_patches", "march", "infer_march", "render_image", "infer_image"]
+
+
+def composited_count(march_total: torch.Tensor, visible_totals: torch.Tensor | None, config) -> torch.Tensor:
+    """() int64 on the device: the samples a capped march composites, as ``len(samples)`` counts them uncapped (the
+    survivors of early termination, or every marched sample)."""
+    if visible_totals is None or not config.early_termination > 0:
+        return march_total[0]
+    return visible_totals[0]

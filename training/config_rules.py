@@ -214,6 +214,11 @@ def _check_train(cfg: DictConfig) -> None:
         )
     if str(shard).lower() == "true" and sparse is not _ABSENT and sparse_adam_mode(sparse) != "off":
         raise ConfigError(f"train.shard_optimizer: true shards dense Adam; not with train.sparse_adam={sparse}")
+    capped = _get(cfg, "model.capped_samples")
+    if capped is True and sparse is not _ABSENT and sparse_adam_mode(sparse) in ("masked", "exact"):
+        raise ConfigError(  # their marks of the rows read would take in the padding rows' points
+            f"model.capped_samples: not with train.sparse_adam={sparse} (use occupied, nonzero or false)"
+        )
     for key in (
         "train.batch_rays",
         "train.patch_size",

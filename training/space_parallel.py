@@ -13,7 +13,7 @@ the composited per-ray values are exchanged, so every rank computes the same los
 - before a whole-grid read (an occupancy refresh, a growth, an evaluation) the ranks exchange their slabs of the
   grids (two broadcasts a grid), and before a checkpoint their slabs of Adam's moments too, so that every rank
   then holds what one process would.
-Not supported (refused): a fine grid, pose refinement, the distortion loss (pairs of samples across the slabs),
+Not supported (refused): a fine grid, pose refinement, fixed sample capacities, the distortion loss (pairs of samples across the slabs),
 the near-density loss (a term of one slab's samples outside the exchange).
 """
 
@@ -38,6 +38,7 @@ class SpaceParallel:
         for bad, reason in (
             (c.fine.factor > 0 and not model.fine.declined, "model.fine (a fine grid that this scene would get)"),
             (model.poses.enabled, "model.pose_refinement"),
+            (model.capacities is not None, "model.capped_samples"),
             (float(cfg.get("distortion_loss", 0.0)) > 0, "train.distortion_loss"),
             (float(cfg.get("near_density_loss", 0.0)) > 0, "train.near_density_loss"),
         ):

@@ -109,6 +109,7 @@ class Trainer:
         self.rays_done = 0
         self.pixels_done = 0
         self.samples_done = 0
+        self.pending_samples: torch.Tensor | None = None  # model.capped_samples: counts on the device, read at logs
         self.checkpoint_seconds = 0.0  # kept out of train_seconds, reported beside it
         self.last_saved_step: int | None = None
         self.step_checkpoints: StepCheckpoints | None = None  # train.keep_checkpoints > 1: built at the first save
@@ -199,10 +200,29 @@ class Trainer:
                     self._rebuild_optimizer()
         rays = batch.origins.numel() // 3 * (self.group.world if self.space is None else 1)  # the job's rays
         self.rays_done += rays
-        self.samples_done += int(out["samples"]) if "samples" in out else 0  # a CPU count: no device sync
+        self._count_samples(out.get("samples"))
         self.pixels_done += batch.rgb.numel() // 3 * (self.group.world if self.space is None else 1)
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
+
+    def _count_samples(self, count: torch.Tensor | None) -> None:
+        """Add a step's composited samples: a host count at once, a device one (model.capped_samples) on the device
+        until :meth:`_settle_counts` (no sync)."""
+        if count is None:
+            return
+        if count.device.type == "cpu":
+            self.samples_done += int(count)
+        else:
+            self.pending_samples = count if self.pending_samples is None else self.pending_samples + count
+
+    def _settle_counts(self) -> None:
+        """At a log step (the device is synced there anyway): the device's sample counts, and the capacities'
+        review (models/capacities.py)."""
+        if self.pending_samples is not None:
+            self.samples_done += int(self.pending_samples)
+            self.pending_samples = None
+        if self.model.capacities is not None:
+            self.model.capacities.review()
 
     def _sync_gradients(self) -> None:
         """Under torchrun: the gradients averaged over the ranks' shares of the rays (data-parallel), or combined
@@ -260,6 +280,7 @@ class Trainer:
                     if not (math.isfinite(loss_value) and math.isfinite(mse_value)) or loss_value > LOSS_LIMIT:
                         code = self._diverged(step, loss_value)
                         break
+                    self._settle_counts()
                     progress.log(step, loss_value, mse_value)
                 periodic_checkpoint = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < self.iters
                 periodic_eval = cfg.eval_every and step % cfg.eval_every == 0 and step < self.iters

@@ -55,6 +55,9 @@ TORCH_LIBRARY(cuda_ext, m) {
       "visible_samples(Tensor optical_depth, Tensor ray_offsets, float early_termination, float weight_threshold) "
       "-> (Tensor, Tensor, Tensor)");
   m.def(
+      "visible_samples_capped(Tensor optical_depth, Tensor ray_offsets, float early_termination, "
+      "float weight_threshold, int alive_capacity, int shown_capacity) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
       "march_rays(Tensor origins, Tensor directions, Tensor t_start, Tensor t_end, Tensor offset, "
       "Tensor occupancy, Tensor box, float step, int max_samples, Tensor? t_split=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
@@ -94,6 +97,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("distortion_loss", &cuda_ext::distortion_loss_cpu);
   m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cpu);
   m.impl("visible_samples", &cuda_ext::visible_samples_cpu);
+  m.impl("visible_samples_capped", &cuda_ext::visible_samples_capped_cpu);
   m.impl("march_rays", &cuda_ext::march_rays_cpu);
   m.impl("march_rays_capped", &cuda_ext::march_rays_capped_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
@@ -121,6 +125,7 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("distortion_loss", &cuda_ext::distortion_loss_cuda);
   m.impl("distortion_loss_backward", &cuda_ext::distortion_loss_backward_cuda);
   m.impl("visible_samples", &cuda_ext::visible_samples_cuda);
+  m.impl("visible_samples_capped", &cuda_ext::visible_samples_capped_cuda);
   m.impl("march_rays", &cuda_ext::march_rays_cuda);
   m.impl("march_rays_capped", &cuda_ext::march_rays_capped_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);

@@ -11,6 +11,11 @@
 //   keep (K,) int64: the positions in index of the shown samples, in order.
 // Both kernels count per ray, scan the counts, then write each ray's entries at its offsets: two passes over the
 // optical depths, one device sync (A and K size the outputs).
+// visible_samples_capped writes into outputs of fixed sizes instead, with no sync: index (Ca,) with the offsets
+// clamped to Ca (a ray past it cut short, the rays after it empty), keep (Cs,) of the shown samples whose position
+// is below Ca (a prefix of keep: positions only grow along it), and (2,) int64 totals A, K on the device. Padding:
+// index N - 1 (0 when N is 0: a valid row, and index stays sorted), keep Ca (the consumer's spare row: the shading
+// pass scatters colours by position, and a padding entry must not land on a real sample).
 #pragma once
 
 #include <cmath>
@@ -49,6 +54,24 @@ inline void check_visibility_inputs(const at::Tensor& optical_depth, const at::T
               early_termination);
   TORCH_CHECK(weight_threshold >= 0.0 && weight_threshold < 1.0, op, ": weight_threshold must be in [0, 1), got ",
               weight_threshold);
+}
+
+// visible_samples_capped's output sizes.
+struct VisibleCapacity {
+  int64_t alive, shown;
+};
+
+inline void check_visible_capacity(const VisibleCapacity& capacity) {
+  TORCH_CHECK(capacity.alive >= 0, "visible_samples_capped: alive_capacity must be >= 0, got ", capacity.alive);
+  TORCH_CHECK(capacity.shown >= 0, "visible_samples_capped: shown_capacity must be >= 0, got ", capacity.shown);
+}
+
+// The (size,) index and keep outputs: padded (visible_samples_capped, see the top of this file) or left for the
+// write pass to fill (visible_samples writes every slot).
+inline std::pair<at::Tensor, at::Tensor> visible_outputs(int64_t alive_size, int64_t shown_size, int64_t samples,
+                                                         bool padded, const at::TensorOptions& options) {
+  if (!padded) return {at::empty({alive_size}, options), at::empty({shown_size}, options)};
+  return {at::full({alive_size}, samples > 0 ? samples - 1 : 0, options), at::full({shown_size}, alive_size, options)};
 }
 
 }  // namespace cuda_ext

@@ -71,11 +71,8 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
   if (!kWrite && lane == 0) counts_or_offsets[b] = slot;
 }
 
-}  // namespace
-
-namespace {
-
-// Both ops (as march_packed_cpu): capacity absent, one sync sizes the outputs; given, they have that size.
+// Both ops (as march_packed_cpu): capacity absent, one sync sizes the outputs (and no total: march_rays drops it);
+// given, they have that size and the last output is the (1,) true total, on the device.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_packed_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
@@ -111,9 +108,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_pac
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       ray_offsets.narrow(0, 1, rays).cumsum_(0);
     }
-    total = ray_offsets.narrow(0, rays, 1).clone();  // the true count, on the device
     int64_t size = 0;
     if (capacity) {
+      total = ray_offsets.narrow(0, rays, 1).clone();  // the true count, on the device, before the clamp
       size = *capacity;
       ray_offsets.clamp_max_(size);
     } else {

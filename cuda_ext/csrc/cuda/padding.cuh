@@ -13,8 +13,10 @@ template <typename scalar_t>
 __global__ void zero_rows_from_kernel(scalar_t* __restrict__ rows, int64_t words, int64_t row_words,
                                       const int64_t* __restrict__ first_row) {
   const int64_t first = max(__ldg(first_row), int64_t(0)) * row_words;  // one word for every thread: a broadcast
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words; i += int64_t(gridDim.x) * blockDim.x) {
-    if (i >= first) rows[i] = scalar_t(0);
+  // from the first padding word on: an unpadded pack (first = N) costs the launch alone, no pass over its rows
+  for (int64_t i = first + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    rows[i] = scalar_t(0);
   }
 }
 

@@ -1,0 +1,123 @@
+"""Fixed sample capacities for the training march (``model.capped_samples``): the march and the shading compaction
+write into outputs of given sizes (``march_rays_capped``, ``visible_samples_capped``), so a step has no device sync
+for their counts.
+
+The sizes come from one synchronising step (the plain ops) after every event that changes how many samples a ray
+gets (the start, an occupancy refresh, the grids' growth, the fine grid's arrival): ``HEADROOM`` times what it
+counted, rounded up to a size the decoder's graphs keep (``models.decoder_graphs.graph_rows``). Each capped step's
+true counts are copied to the host without a sync and checked ``LAG`` steps later at the latest (the host never
+runs further ahead than that): a count above its capacity (an overflow: the last rays of that batch lost samples,
+and the shown samples past the capacity went unshaded) grows that size at once to ``GROWTH`` x ``HEADROOM`` times
+the count, so an overflow spoils at most the few steps in flight (early in a run the shown samples multiply as the
+density forms: checked only at log steps, lego lost 0.8 dB). Every ``WINDOW`` checked steps, the peak over them
+shrinks a size it fell below ``1 / SHRINK`` of, so the padding shaded and differentiated stays small as the samples
+per ray fall (lego: ~95 early, ~24 late; the survivors of early termination fall fastest as the density forms).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+
+from models.decoder_graphs import graph_rows
+
+HEADROOM = 1.25
+GROWTH = 2.0  # after an overflow: room for counts still rising
+SHRINK = 1.5
+LAG = 2  # steps whose counts may still be on their way to the host
+WINDOW = 20  # checked steps between two shrinks
+KINDS = ("march", "alive", "shown")  # march_rays' samples, visible_samples' alive ones and shown ones
+
+
+def headroom(count: float) -> int:
+    """The capacity for ``count`` samples: HEADROOM x, at least 1, a size of graph_rows'."""
+    return graph_rows(max(math.ceil(HEADROOM * count), 1))
+
+
+class SampleCapacities:
+    """The three sizes (:data:`KINDS`), None until measured; :attr:`measuring` while the next march must count."""
+
+    def __init__(self):
+        self.sizes: dict[str, int] | None = None
+        self.stale = True
+        self.peak = [0, 0, 0]  # the largest counts of the steps checked since the last shrink
+        self.checked = 0  # how many
+        self.in_flight: collections.deque = collections.deque()  # (event, pinned (3,) counts, the sizes they had)
+        self.overflows = 0  # steps whose counts were above a capacity
+        self.overflows_reviewed = 0  # of them, those found by the last review
+        self.shrinks = 0
+        self.reviews = 0
+
+    @property
+    def measuring(self) -> bool:
+        return self.stale or self.sizes is None
+
+    def invalidate(self) -> None:
+        """The samples a ray gets changed (a refresh, growth): the next march measures."""
+        self.stale = True
+
+    def measured(self, march: int, alive: int, shown: int) -> None:
+        """Sizes from a synchronising march's counts."""
+        self.sizes = {kind: headroom(count) for kind, count in zip(KINDS, (march, alive, shown))}
+        self.stale = False
+        self.peak, self.checked = [0, 0, 0], 0
+
+    def observe(self, march_total: torch.Tensor, visible_totals: torch.Tensor | None) -> None:
+        """A capped step's (1,) true march count and the compaction's (2,) counts (None: no compaction): on the CPU
+        checked now, on a GPU copied to the host without a sync and checked once they arrive (``LAG`` steps at most)."""
+        totals = march_total if visible_totals is None else torch.cat([march_total, visible_totals])
+        totals = torch.nn.functional.pad(totals, (0, 3 - totals.shape[0]))
+        sizes = dict(self.sizes)
+        if totals.device.type != "cuda":
+            self._check(totals.tolist(), sizes)
+            return
+        host = torch.empty(3, dtype=totals.dtype, pin_memory=True)
+        host.copy_(totals, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.in_flight.append((event, host, sizes))
+        self._arrived(wait=False)
+
+    def _arrived(self, wait: bool) -> None:
+        """Check the counts that reached the host; with ``wait``, or beyond ``LAG`` steps in flight, wait for them."""
+        while self.in_flight:
+            event, host, sizes = self.in_flight[0]
+            if not event.query():
+                if not wait and len(self.in_flight) <= LAG:
+                    return
+                event.synchronize()
+            self.in_flight.popleft()
+            self._check(host.tolist(), sizes)
+
+    def _check(self, counts: list[int], sizes: dict[str, int]) -> None:
+        """One step's counts against the sizes it ran with; an overflow grows the current sizes at once, and every
+        ``WINDOW`` steps the window's peak shrinks the sizes it fell well below."""
+        self.peak = [max(p, c) for p, c in zip(self.peak, counts)]
+        self.checked += 1
+        over = [(kind, count) for kind, count in zip(KINDS, counts) if count > sizes[kind]]
+        self.overflows += bool(over)
+        for kind, count in over:
+            self.sizes[kind] = max(self.sizes[kind], headroom(GROWTH * count))
+        if self.checked < WINDOW:
+            return
+        for kind, count in zip(KINDS, self.peak):
+            if count * SHRINK * HEADROOM < self.sizes[kind]:
+                self.sizes[kind] = headroom(count)
+                self.shrinks += 1
+        self.peak, self.checked = [0, 0, 0], 0
+
+    def review(self) -> bool:
+        """At a log step (one sync): every count in flight checked; returns whether a step overflowed since the
+        last review."""
+        if self.sizes is None:
+            return False
+        self._arrived(wait=True)
+        self.reviews += 1
+        found, self.overflows_reviewed = self.overflows > self.overflows_reviewed, self.overflows
+        return found
+
+    def report(self) -> dict:
+        """For metrics.json."""
+        return {"sizes": self.sizes, "overflows": self.overflows, "shrinks": self.shrinks, "reviews": self.reviews}

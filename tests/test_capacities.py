@@ -1,0 +1,143 @@
+"""models.capacities and ``model.capped_samples``: the training march and its shading compaction into fixed sample
+capacities (no device sync for their counts) train what the plain march trains, the capacities follow the counts
+(grow after an overflow, shrink as the samples per ray fall), and the padding rows stay out of the regularisers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_train import run_train, tiny_overrides
+
+from models.capacities import GROWTH, HEADROOM, LAG, WINDOW, SampleCapacities, headroom
+from models.decoder_graphs import graph_rows
+from models.regularizers import RenderedSamples
+
+
+@pytest.fixture(scope="module")
+def scene_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("scene_cache")
+
+
+def test_headroom_is_a_graph_size_above_the_count():
+    for count in (0, 1, 7, 1000, 123_457):
+        size = headroom(count)
+        assert size >= HEADROOM * count and size >= 1 and graph_rows(size) == size
+
+
+def test_sizes_are_measured_then_follow_the_counts():
+    capacities = SampleCapacities()
+    assert capacities.measuring and not capacities.review()
+    capacities.measured(1000, 600, 300)
+    assert not capacities.measuring and capacities.sizes == {"march": 1280, "alive": 768, "shown": 384}
+    capacities.observe(torch.tensor([1100]), torch.tensor([500, 350]))
+    capacities.observe(torch.tensor([900]), torch.tensor([700, 200]))
+    assert not capacities.review()  # 1100, 700, 350: within the sizes
+    assert capacities.sizes == {"march": 1280, "alive": 768, "shown": 384}
+    capacities.observe(torch.tensor([1400]), torch.tensor([650, 100]))  # the march overflowed: grown at once
+    assert capacities.overflows == 1 and capacities.sizes["march"] == headroom(GROWTH * 1400)
+    assert capacities.sizes["alive"] == 768 and capacities.sizes["shown"] == 384
+    assert capacities.review() and not capacities.review()  # found once
+    for _ in range(WINDOW - 3):  # the window's peak (1400, 700, 350): only the grown march is far above it
+        capacities.observe(torch.tensor([300]), torch.tensor([100, 40]))
+    assert capacities.sizes == {"march": headroom(1400), "alive": 768, "shown": 384}
+    for _ in range(WINDOW):  # far fewer samples a ray: every size shrinks to the new peak's
+        capacities.observe(torch.tensor([300]), torch.tensor([100, 40]))
+    assert capacities.sizes == {"march": headroom(300), "alive": headroom(100), "shown": headroom(40)}
+    capacities.invalidate()
+    assert capacities.measuring
+    assert capacities.report() == {"sizes": capacities.sizes, "overflows": 1, "shrinks": 4, "reviews": 3}
+
+
+def test_a_count_rising_fast_grows_its_size_within_the_step():
+    """Early in a run the shown samples multiply as the density forms: each overflow makes room for twice the
+    count, so a hundredfold rise costs a handful of overflowing steps, not the steps to the next log."""
+    capacities = SampleCapacities()
+    capacities.measured(1000, 1000, 10)
+    overflowing = 0
+    for step in range(40):
+        shown = min(10 * 1.2**step, 1000)
+        overflowing += shown > capacities.sizes["shown"]
+        capacities.observe(torch.tensor([1000]), torch.tensor([1000, int(shown)]))
+    assert capacities.overflows == overflowing and 0 < overflowing <= 8
+    assert capacities.sizes["shown"] >= 1000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the counts' copy to the host without a sync")
+def test_counts_on_the_device_are_checked_within_the_lag():
+    capacities = SampleCapacities()
+    capacities.measured(1000, 600, 300)
+    device = torch.device("cuda")
+    capacities.observe(torch.tensor([5000], device=device), torch.tensor([500, 200], device=device))
+    for _ in range(LAG):  # steps within the counts
+        capacities.observe(torch.tensor([900], device=device), torch.tensor([500, 200], device=device))
+    torch.cuda.synchronize()
+    capacities.observe(torch.tensor([900], device=device), torch.tensor([500, 200], device=device))
+    assert capacities.overflows == 1 and capacities.sizes["march"] == headroom(GROWTH * 5000)
+    assert len(capacities.in_flight) <= LAG
+    capacities.observe(torch.tensor([20000], device=device), torch.tensor([500, 200], device=device))
+    assert capacities.review() and capacities.overflows == 2 and not capacities.in_flight
+
+
+def test_the_regularisers_leave_out_the_padding_rows():
+    ray, t = torch.tensor([0, 0, 1, 1, 1, 1]), torch.tensor([0.1, 0.2, 0.1, 0.3, 0.0, 0.0])
+    depth = torch.tensor([0.5, 0.25, 1.0, 0.5, 9.0, 9.0])  # the last two rows: padding (no ray's range)
+    offsets = torch.tensor([0, 2, 4])
+    padded = RenderedSamples(ray, t, depth, 0.1, offsets=offsets, padded=True)
+    plain = RenderedSamples(ray[:4], t[:4], depth[:4], 0.1, offsets=offsets)
+    limit = torch.tensor([1.0, 1.0])
+    torch.testing.assert_close(padded.near_density(limit), plain.near_density(limit))
+    torch.testing.assert_close(padded.weights(2)[:4], plain.weights(2))
+
+
+def _metrics(path) -> dict:
+    return json.loads((path / "metrics.json").read_text())
+
+
+def _common(cache, iters: int, shading: str) -> list[str]:
+    per_sample = ["model.shading=per_sample", "model.upsample=1"] if shading == "per_sample" else []
+    # the occupancy refreshed (the capacities measured again) and reviewed at log steps within the run
+    return tiny_overrides(cache, iters) + per_sample + [
+        "train.turntable_frames=0", "train.log_every=4", "model.occupancy.warmup=3", "model.occupancy.refresh_every=5",
+        "train.near_density_loss=0.01", "train.distortion_loss=0.002",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("shading", ["deferred", "per_sample"])
+def test_capped_samples_train_what_the_plain_march_trains(tmp_path, scene_cache, shading):
+    from training.compact_model import read_model
+
+    runs, histories = {}, {}
+    for capped in (False, True):
+        run = tmp_path / f"capped_{capped}"
+        args = _common(scene_cache, 16, shading) + [
+            f"hydra.run.dir={run}",
+            f"model.capped_samples={str(capped).lower()}",
+        ]
+        result = run_train(args)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        runs[capped], histories[capped] = _metrics(run), read_model(run / "model.pt")[1]["history"]
+    # the same training up to float rounding: the padding rows composite to nothing and get no gradient
+    assert histories[True]["loss"] == pytest.approx(histories[False]["loss"], rel=1e-7)
+    assert runs[True]["psnr"] == pytest.approx(runs[False]["psnr"], abs=1e-6)
+    report = runs[True]["sample_capacity"]
+    assert report["reviews"] >= 3 and report["overflows"] == 0 and runs[False]["sample_capacity"] is None
+
+
+def test_an_overflow_is_counted_and_the_sizes_grow(tmp_path, scene_cache, monkeypatch):
+    """Capacities below the counts (a headroom under 1): the last rays of a batch lose samples, training goes on,
+    the review counts the overflow and grows the sizes past the peak."""
+    from hydra import compose, initialize_config_dir
+    from test_train import REPO
+
+    from models import capacities
+    from training import app as app_module
+
+    monkeypatch.setattr(capacities, "HEADROOM", 0.5)
+    overrides = _common(scene_cache, 12, "per_sample") + ["model.capped_samples=true"]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    assert app_module.run(cfg, tmp_path / "run") == 0
+    metrics = _metrics(tmp_path / "run")
+    assert metrics["sample_capacity"]["overflows"] >= 1 and metrics["psnr"] > 0
