@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from models.field import cell_coords, optical_depth
 from models.regularizers import RenderedSamples
-from models.render import PackedSamples, ray_offsets
+from models.render import PackedSamples
 
 if TYPE_CHECKING:
     from models.model import VoxelNeRF
@@ -53,6 +53,15 @@ class Slabs:
         """(N,) bool: the (N, 3) grid points whose trilinear cell is in this rank's slab."""
         cell = cell_coords(points, shape)[0]
         return cell < self.plane if self.rank == 0 else cell >= self.plane
+
+    def occupancy(self, mask: torch.Tensor) -> torch.Tensor:
+        """The (R0-1, R1-1, R2-1) occupancy ``mask`` cut to this rank's slab: marched with it, ``march_rays`` emits
+        exactly the samples :meth:`owns` (its cells are the lookups' trilinear cells, its sample positions a lattice
+        that the mask only filters), with no filter pass and no count of its own."""
+        slab = torch.zeros_like(mask)
+        part = slice(None, self.plane) if self.rank == 0 else slice(self.plane, None)
+        slab[part] = mask[part]
+        return slab
 
     def in_front(self, directions: torch.Tensor) -> torch.Tensor:
         """(B,) bool: the rays on which this rank's slab comes first (rank 0 towards +x; ties: rank 0)."""
@@ -111,24 +120,29 @@ def _visible_after(model: VoxelNeRF, depth: torch.Tensor, offsets: torch.Tensor,
 
 
 def split_march(
-    model: VoxelNeRF, slabs: Slabs, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor, group=None
+    model: VoxelNeRF,
+    slabs: Slabs,
+    origins: torch.Tensor,
+    directions: torch.Tensor,
+    jitter: torch.Tensor,
+    group=None,
+    occupancy: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Training's march of B rays ((B, 3) origins and unit directions, (B,) sample offsets) by this rank's slab,
     composited with the other rank's over ``group`` (two ranks) -> dict(diffuse (B, 3), features (B, F-3), depth (B,),
     opacity (B,), samples: () this rank's count, packed: this rank's samples' RenderedSamples), what ``model.march``
     returns up to float rounding (bounded space,
     no pose refinement, no touched-row marks). Every rank passes the same rays."""
-    c, space, step, shape = model.config, model.space, model.step_size, model.grid_shape
+    c, space, step = model.config, model.space, model.step_size
     num_rays = origins.shape[0]
     t_start, t_end, t_split, num_samples = space.march_range(
         origins, directions, model.bbox, model.extent, model.near, model.far, step, c.max_samples
     )
-    ray, t, points, _ = model.ops.march_rays(
-        origins, directions, t_start, t_end, jitter, model.occupancy.mask, model.bbox, step, num_samples, t_split
+    occupancy = slabs.occupancy(model.occupancy.mask) if occupancy is None else occupancy
+    ray, t, points, offsets = model.ops.march_rays(
+        origins, directions, t_start, t_end, jitter, occupancy, model.bbox, step, num_samples, t_split
     )
-    mine = slabs.owns(points, shape).nonzero().squeeze(1)
-    samples = PackedSamples(ray, t, points).take(mine)
-    offsets = ray_offsets(samples.ray, num_rays)
+    samples = PackedSamples(ray, t, points)  # this slab's samples alone
     step_scale = space.sample_steps(samples.t, samples.ray, t_split, step / model.base_voxel, model.extent)
     front = slabs.in_front(directions)
     keep = None

@@ -88,6 +88,26 @@ def test_slabs_split_the_cells_at_the_plane():
         Slabs(4, 2)
 
 
+def test_the_slab_occupancy_marches_exactly_the_samples_a_slab_owns():
+    model, origins, directions, jitter = scene("deferred")
+    c, space, step = model.config, model.space, model.step_size
+    t_start, t_end, t_split, count = space.march_range(
+        origins, directions, model.bbox, model.extent, model.near, model.far, step, c.max_samples
+    )
+    args = (origins, directions, t_start, t_end, jitter)
+    ray, t, points, _ = model.ops.march_rays(*args, model.occupancy.mask, model.bbox, step, count, t_split)
+    plane = model.grid_shape[0] // 2
+    for rank in (0, 1):
+        slabs = Slabs(plane, rank)
+        cut = slabs.occupancy(model.occupancy.mask)
+        assert cut.sum() > 0 and not (cut & ~model.occupancy.mask).any()
+        got = model.ops.march_rays(*args, cut, model.bbox, step, count, t_split)
+        mine = slabs.owns(points, model.grid_shape)
+        assert 0 < int(mine.sum()) < len(ray)
+        for value, want in zip(got[:3], (ray[mine], t[mine], points[mine])):
+            assert torch.equal(value, want)
+
+
 def test_two_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
     """Up to float rounding, which Adam amplifies where a gradient is near zero: ~1e-5 after 12 steps here, where
     a missing exchange (the shared plane's gradient) moves the grids by ~0.1-0.3."""

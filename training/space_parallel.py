@@ -13,8 +13,8 @@ the composited per-ray values are exchanged, so every rank computes the same los
 - before a whole-grid read (an occupancy refresh, a growth, an evaluation) the ranks exchange their slabs of the
   grids (two broadcasts a grid), and before a checkpoint their slabs of Adam's moments too, so that every rank
   then holds what one process would.
-Not supported (refused): a fine grid, pose refinement, fixed sample capacities, the distortion loss (pairs of samples across the slabs),
-the near-density loss (a term of one slab's samples outside the exchange).
+Not supported (refused): a fine grid, pose refinement, fixed sample capacities, the distortion loss (pairs of
+samples across the slabs), the near-density loss (a term of one slab's samples outside the exchange).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ class SpaceParallel:
         if mode not in ("off", "occupied"):
             raise ConfigError(f"train.parallel: space steps dense Adam or train.sparse_adam=occupied, not {mode}")
         self.trainer, self.model, self.group = trainer, model, group
+        self._slab_key: tuple | None = None  # what _slab_mask was cut from
+        self._slab_mask: torch.Tensor | None = None
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
 
     @property
@@ -60,7 +62,16 @@ class SpaceParallel:
 
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor) -> dict:
         """Training's march of the whole batch, this rank's slab composited with the other's."""
-        return split_march(self.model, self.slabs, origins, directions, jitter)
+        return split_march(self.model, self.slabs, origins, directions, jitter, occupancy=self._slab_occupancy())
+
+    def _slab_occupancy(self) -> torch.Tensor:
+        """The occupancy mask cut to this rank's slab, cut again only when the mask changed (a refresh, growth or a
+        load replace it or write into it)."""
+        mask = self.model.occupancy.mask
+        key = (id(mask), mask._version, self.plane)
+        if self._slab_key != key:
+            self._slab_mask, self._slab_key = self.slabs.occupancy(mask), key
+        return self._slab_mask
 
     def owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The (K,) flat vertex rows of the grids that this rank steps."""
