@@ -13,9 +13,9 @@ come before the back slab's, so with each slab composited from a transmittance o
     colour = C_front + T_front C_back,  opacity = O_front + T_front O_back,  depth = D_front + T_front D_back,
 
 where T_front = 1 - O_front (rank 0 is in front on rays going towards +x). The back slab's no-grad pass (early
-termination, the weight threshold) starts from the front's optical depth: a virtual leading sample per ray carries
-it through ``visible_samples``. Two exchanges a step, of per-ray values only: the no-grad optical depths, and
-the composited (colour, opacity, depth) with their gradients.
+termination, the weight threshold) starts from the front's optical depth (``visible_samples``' start_depth). Two
+exchanges a step, of per-ray values only: the no-grad optical depths, and the composited (colour, opacity, depth)
+with their gradients.
 """
 
 from __future__ import annotations
@@ -91,34 +91,6 @@ def _gather(values: torch.Tensor, slabs: Slabs, group) -> torch.Tensor:
     return _GatherRays.apply(values, slabs.rank, group)
 
 
-def _visible_after(model: VoxelNeRF, depth: torch.Tensor, offsets: torch.Tensor, start: torch.Tensor):
-    """``visible_samples`` of (N,) optical depths on rays (B + 1 ``offsets``) whose transmittance starts at
-    exp(-start) ((B,)): one virtual sample per ray, in front of its samples, carries ``start``. Returns what
-    ``visible_samples`` returns, in the real samples' numbering."""
-    c = model.config
-    num_rays, count = offsets.shape[0] - 1, depth.shape[0]
-    lengths = offsets.diff()
-    ray = torch.repeat_interleave(torch.arange(num_rays, device=depth.device), lengths, output_size=count)
-    real = torch.arange(count, device=depth.device) + ray + 1  # each ray's samples move past its own virtual one
-    virtual = offsets[:-1] + torch.arange(num_rays, device=depth.device)
-    padded = depth.new_zeros(count + num_rays)
-    padded[real] = depth
-    padded[virtual] = start.clamp(max=OPAQUE_DEPTH).to(depth.dtype)
-    with_virtual = offsets + torch.arange(num_rays + 1, device=offsets.device)
-    index, shown, alive_offsets = model.ops.visible_samples(
-        padded, with_virtual, c.early_termination, c.weight_threshold
-    )
-    # the virtual sample is alive on every ray (nothing before it): drop it, renumber the rest
-    is_real = torch.ones(count + num_rays, dtype=torch.bool, device=depth.device)
-    is_real[virtual] = False
-    keep_alive = is_real[index]
-    slot = torch.cumsum(keep_alive, 0) - 1  # position of each real alive sample among the real ones
-    real_index = index[keep_alive]
-    real_index = real_index - torch.searchsorted(virtual, real_index, right=True)  # minus the virtual ones before it
-    real_shown = slot[shown[keep_alive[shown]]]
-    return real_index, real_shown, alive_offsets - torch.arange(num_rays + 1, device=offsets.device)
-
-
 def split_march(
     model: VoxelNeRF,
     slabs: Slabs,
@@ -153,8 +125,10 @@ def split_march(
             totals = torch.zeros(num_rays, dtype=depth.dtype, device=depth.device).index_add_(0, samples.ray, clipped)
             parts = [torch.empty_like(totals) for _ in range(2)]
             dist.all_gather(parts, totals, group=group)
-            start = torch.where(front, 0.0, parts[1 - slabs.rank])  # the front slab's optical depth, if that is not us
-            index, shown, offsets = _visible_after(model, depth, offsets, start)
+            start = torch.where(front, 0.0, parts[1 - slabs.rank])  # the front slab's optical depth, if not ours
+            index, shown, offsets = model.ops.visible_samples(
+                depth, offsets, c.early_termination, c.weight_threshold, start_depth=start
+            )
             samples = samples.take(index)
             step_scale = step_scale[index] if isinstance(step_scale, torch.Tensor) else step_scale
             keep = shown if c.weight_threshold > 0 else None
