@@ -21,15 +21,15 @@ with their gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from models.field import cell_coords, optical_depth
-from models.regularizers import RenderedSamples
-from models.render import PackedSamples
+from models import render_views
+from models.decoder import DIFFUSE_CHANNELS
+from models.field import cell_coords
+from models.render import rows_in_rays
 
 if TYPE_CHECKING:
     from models.model import VoxelNeRF
@@ -91,6 +91,28 @@ def _gather(values: torch.Tensor, slabs: Slabs, group) -> torch.Tensor:
     return _GatherRays.apply(values, slabs.rank, group)
 
 
+@dataclass(frozen=True)
+class SlabPass:
+    """What :func:`models.render_views.march` needs to march one rank's slab: the occupancy cut to it
+    (:meth:`Slabs.occupancy`) and, before the no-grad pass, the front slab's optical depth on each ray."""
+
+    occupancy: torch.Tensor
+    front: torch.Tensor  # (B,) bool: the rays on which this slab comes first
+    rank: int
+    group: Any = None
+
+    def start_depth(self, depth: torch.Tensor, ray: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """(B,) the optical depth in front of this slab's samples on each ray: 0 where this slab is in front, else
+        the other slab's clamped sum, exchanged (this rank sends its own: (N,) optical depths of the (N,) rays'
+        samples, the rows past ``offsets[-1]`` padding)."""
+        inside = rows_in_rays(depth.shape[0], offsets)
+        clipped = torch.where(inside, depth.clamp(max=OPAQUE_DEPTH), torch.zeros_like(depth))
+        totals = depth.new_zeros(offsets.shape[0] - 1).index_add_(0, ray, clipped)
+        parts = [torch.empty_like(totals) for _ in range(2)]
+        dist.all_gather(parts, totals, group=self.group)
+        return torch.where(self.front, 0.0, parts[1 - self.rank])
+
+
 def split_march(
     model: VoxelNeRF,
     slabs: Slabs,
@@ -99,67 +121,33 @@ def split_march(
     jitter: torch.Tensor,
     group=None,
     occupancy: torch.Tensor | None = None,
+    views: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Training's march of B rays ((B, 3) origins and unit directions, (B,) sample offsets) by this rank's slab,
-    composited with the other rank's over ``group`` (two ranks) -> dict(diffuse (B, 3), features (B, F-3), depth (B,),
-    opacity (B,), samples: () this rank's count, packed: this rank's samples' RenderedSamples), what ``model.march``
-    returns up to float rounding (bounded space,
-    no pose refinement, no touched-row marks). Every rank passes the same rays."""
-    c, space, step = model.config, model.space, model.step_size
-    num_rays = origins.shape[0]
-    t_start, t_end, t_split, num_samples = space.march_range(
-        origins, directions, model.bbox, model.extent, model.near, model.far, step, c.max_samples
-    )
+    """Training's march of B rays ((B, 3) origins and unit directions, (B,) sample offsets, optional (B,) training
+    images) by this rank's slab, composited with the other rank's over ``group`` (two ranks) -> dict(diffuse (B, 3),
+    features (B, F-3), depth (B,), opacity (B,), samples: this rank's count, packed: this rank's samples'
+    RenderedSamples), what ``model.march`` returns up to float rounding (bounded space, no pose refinement, no
+    touched-row marks). Every rank passes the same rays; ``occupancy``: the occupancy mask cut to the slab
+    (:meth:`Slabs.occupancy`, kept by the caller between refreshes), else cut here. The slab's own march is
+    :func:`models.render_views.march` (with ``model.capped_samples``, in fixed sample capacities)."""
     occupancy = slabs.occupancy(model.occupancy.mask) if occupancy is None else occupancy
-    ray, t, points, offsets = model.ops.march_rays(
-        origins, directions, t_start, t_end, jitter, occupancy, model.bbox, step, num_samples, t_split
-    )
-    samples = PackedSamples(ray, t, points)  # this slab's samples alone
-    step_scale = space.sample_steps(samples.t, samples.ray, t_split, step / model.base_voxel, model.extent)
-    front = slabs.in_front(directions)
-    keep = None
-    if c.early_termination > 0 or c.weight_threshold > 0:
-        with torch.no_grad():
-            depth = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
-            clipped = depth.clamp(max=OPAQUE_DEPTH)
-            totals = torch.zeros(num_rays, dtype=depth.dtype, device=depth.device).index_add_(0, samples.ray, clipped)
-            parts = [torch.empty_like(totals) for _ in range(2)]
-            dist.all_gather(parts, totals, group=group)
-            start = torch.where(front, 0.0, parts[1 - slabs.rank])  # the front slab's optical depth, if not ours
-            index, shown, offsets = model.ops.visible_samples(
-                depth, offsets, c.early_termination, c.weight_threshold, start_depth=start
-            )
-            samples = samples.take(index)
-            step_scale = step_scale[index] if isinstance(step_scale, torch.Tensor) else step_scale
-            keep = shown if c.weight_threshold > 0 else None
-    sigma_delta = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
-    shaded = samples if keep is None else samples.take(keep)
-    feats = model.query_features(shaded.points)
-    values = model.decode_samples(feats, directions, shaded.ray) if model.per_sample else _deferred(feats)
-    if keep is not None:
-        values = values.new_zeros(len(samples), values.shape[1]).index_copy(0, keep, values)
-    colour, opacity, depth = model.ops.volume_render(sigma_delta, values, samples.t, offsets, 0.0)
-    local = torch.cat([colour, opacity[:, None], depth[:, None]], 1)
+    slab = SlabPass(occupancy, slabs.in_front(directions), slabs.rank, group)
+    out = render_views.march(model, origins, directions, jitter, views, slab=slab)
+    local = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None], out["depth"][:, None]], 1)
     both = _gather(local, slabs, group)  # (2, B, C + 2)
     rank0_in_front = (directions[:, 0] >= 0)[:, None]
     first = torch.where(rank0_in_front, both[0], both[1])
     second = torch.where(rank0_in_front, both[1], both[0])
     seen = first + (1.0 - first[:, -2:-1]) * second  # every channel, opacity and depth included, composites alike
-    march = partial(space.march_coordinate, samples.t, samples.ray, t_split, model.extent)
     return {
-        "diffuse": seen[:, :3],
-        "features": seen[:, 3:-2],
+        "diffuse": seen[:, :DIFFUSE_CHANNELS],
+        "features": seen[:, DIFFUSE_CHANNELS:-2],
         "opacity": seen[:, -2],
         "depth": seen[:, -1],
-        "samples": torch.tensor(len(samples)),
+        "samples": out["samples"],
         # this rank's samples only: a regulariser summed over a ray's samples gets this slab's part of the sum
-        "packed": RenderedSamples(samples.ray, samples.t, sigma_delta, step, march, offsets),
+        "packed": out["packed"],
     }
 
 
-def _deferred(feats: torch.Tensor) -> torch.Tensor:
-    """Deferred shading's composited channels: the diffuse colour squashed, the rest as they are."""
-    return torch.cat([torch.sigmoid(feats[:, :3]), feats[:, 3:]], dim=1)
-
-
-__all__ = ["Slabs", "split_march"]
+__all__ = ["Slabs", "SlabPass", "split_march"]

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_model import make_model, randomize_density, rays_towards_centre
 
+from models.capacities import SampleCapacities
 from models.render_views import march
 from models.space_split import Slabs, split_march
 
@@ -39,10 +40,13 @@ def gradients(model) -> dict:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _rank(rank: int, init_file: str, out: str, shading: str) -> None:
+def _rank(rank: int, init_file: str, out: str, shading: str, capped: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         model, origins, directions, jitter = scene(shading)
+        if capped:  # fixed sample capacities with room to spare: padding rows past every slab's samples
+            model.capacities = SampleCapacities()
+            model.capacities.measured(40_000, 30_000, 20_000)
         slabs = Slabs(model.grid_shape[0] // 2, rank)
         result = split_march(model, slabs, origins, directions, jitter)
         (loss_of(result) / 2).backward()  # each rank half the loss (models.space_split._GatherRays)
@@ -52,9 +56,9 @@ def _rank(rank: int, init_file: str, out: str, shading: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shading", ["deferred", "per_sample"])
-def test_two_slabs_render_and_differentiate_what_one_march_does(tmp_path, shading):
-    mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path / "out"), shading), nprocs=2)
+@pytest.mark.parametrize("shading, capped", [("deferred", False), ("per_sample", False), ("per_sample", True)])
+def test_two_slabs_render_and_differentiate_what_one_march_does(tmp_path, shading, capped):
+    mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path / "out"), shading, capped), nprocs=2)
     ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
     model, origins, directions, jitter = scene(shading)
     want = march(model, origins, directions, jitter)
@@ -117,8 +121,9 @@ def test_two_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
 
     cache = tmp_path / "cache"
     close = {"rtol": 1e-3, "atol": 1e-4}
-    for name, adam in (("dense", "false"), ("occupied", "occupied")):
-        extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6"]
+    cases = (("dense", "false", "false"), ("occupied", "occupied", "false"), ("capped", "occupied", "true"))
+    for name, adam, capped in cases:  # capped: every rank's march in fixed sample capacities (models/capacities.py)
+        extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6", f"model.capped_samples={capped}"]
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
         assert result.returncode == 0, result.stderr[-2000:]
         pair = torchrun(2, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])

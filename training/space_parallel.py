@@ -13,8 +13,8 @@ the composited per-ray values are exchanged, so every rank computes the same los
 - before a whole-grid read (an occupancy refresh, a growth, an evaluation) the ranks exchange their slabs of the
   grids (two broadcasts a grid), and before a checkpoint their slabs of Adam's moments too, so that every rank
   then holds what one process would.
-Not supported (refused): a fine grid, pose refinement, fixed sample capacities, the distortion loss (pairs of
-samples across the slabs), the near-density loss (a term of one slab's samples outside the exchange).
+Not supported (refused): a fine grid, pose refinement, the distortion loss (pairs of samples across the slabs), the
+near-density loss (a term of one slab's samples outside the exchange).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class SpaceParallel:
         for bad, reason in (
             (c.fine.factor > 0 and not model.fine.declined, "model.fine (a fine grid that this scene would get)"),
             (model.poses.enabled, "model.pose_refinement"),
-            (model.capacities is not None, "model.capped_samples"),
             (float(cfg.get("distortion_loss", 0.0)) > 0, "train.distortion_loss"),
             (float(cfg.get("near_density_loss", 0.0)) > 0, "train.near_density_loss"),
         ):
@@ -60,9 +59,10 @@ class SpaceParallel:
     def slabs(self) -> Slabs:
         return Slabs(self.plane, self.group.rank)
 
-    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor) -> dict:
+    def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor, views=None) -> dict:
         """Training's march of the whole batch, this rank's slab composited with the other's."""
-        return split_march(self.model, self.slabs, origins, directions, jitter, occupancy=self._slab_occupancy())
+        occupancy = self._slab_occupancy()
+        return split_march(self.model, self.slabs, origins, directions, jitter, occupancy=occupancy, views=views)
 
     def _slab_occupancy(self) -> torch.Tensor:
         """The occupancy mask cut to this rank's slab, cut again only when the mask changed (a refresh, growth or a
