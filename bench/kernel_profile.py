@@ -1,6 +1,7 @@
 """Kernel-level profile of a training run: ``torch.profiler`` over steps [first, first + steps) of ``train.py``.
 
     python bench/kernel_profile.py --out prof.txt --first 2800 --steps 30 -- +experiment=capture data.root=PATH
+    (under torchrun every rank profiles itself: rank r > 0 writes prof.txt.rank<r>)
     (--python: then as many steps under cProfile)
 
 Runs train.py in this process with every override after ``--``. The ``steps`` steps just before ``first`` are timed
@@ -28,6 +29,7 @@ import collections
 import contextlib
 import cProfile
 import io
+import os
 import pstats
 import runpy
 import sys
@@ -309,7 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 1 or args.first < args.steps:
         raise SystemExit(f"--first ({args.first}) must be >= --steps ({args.steps}) >= 1")
     mark_sections()
-    install(args.out, args.first, args.steps, args.python, args.syncs)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank r > 0 writes OUT.rank<r>
+    out = args.out if rank == 0 else args.out.with_name(f"{args.out.name}.rank{rank}")
+    install(out, args.first, args.steps, args.python, args.syncs)
     sys.argv = [str(REPO / "train.py"), *args.overrides]
     runpy.run_path(str(REPO / "train.py"), run_name="__main__")
 
