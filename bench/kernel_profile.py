@@ -1,6 +1,7 @@
 """Kernel-level profile of a training run: ``torch.profiler`` over steps [first, first + steps) of ``train.py``.
 
     python bench/kernel_profile.py --out prof.txt --first 2800 --steps 30 -- +experiment=capture data.root=PATH
+    (under torchrun every rank profiles itself: rank r > 0 writes prof.txt.rank<r>)
     (--python: then as many steps under cProfile)
 
 Runs train.py in this process with every override after ``--``. The ``steps`` steps just before ``first`` are timed
@@ -13,6 +14,9 @@ loss_backward, ...), the top-level ATen calls and, on a GPU, the kernel launches
 the device waited for the host: every idle stretch between two kernels, charged to the section and top-level call
 that launched the kernel after it (the profiler slows the host, so the stretches are longer than in a plain step;
 their places are what to read).
+``--syncs``: then as many steps again with ``torch.cuda.set_sync_debug_mode("warn")``: every host sync the step
+makes (a count read back, an ``.item()``, a ``nonzero``), by the innermost line of this repository's code that led
+to it, per step: what a captured step (one CUDA graph) must not contain, and where the host waits for the device.
 Pick ``first`` away from the periodic evaluations (``train.eval_every``) and the grids' growth. Without a GPU it
 profiles the host alone (the tests run it so on the CPU).
 """
@@ -25,10 +29,13 @@ import collections
 import contextlib
 import cProfile
 import io
+import os
 import pstats
 import runpy
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -158,14 +165,74 @@ def python_tables(profile: cProfile.Profile, steps: int, rows: int = 35) -> str:
     return text.getvalue()
 
 
-def install(out: Path, first: int, steps: int, python: bool = False) -> None:
+def repo_site(stack: list[traceback.FrameSummary]) -> str:
+    """``path:line function`` of the innermost frame of ``stack`` in this repository's code, this script's aside."""
+    for frame in reversed(stack):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(REPO) and path != Path(__file__).resolve():
+            return f"{path.relative_to(REPO)}:{frame.lineno} {frame.name}"
+    return "(outside the repository)"
+
+
+class SyncSites:
+    """The host syncs of the steps between :meth:`start` and :meth:`report` (CUDA's sync debug mode, "warn": each
+    synchronising call warns), counted by :func:`repo_site`. Without CUDA it records nothing."""
+
+    def __init__(self):
+        self.sites: collections.Counter = collections.Counter()
+        self._warnings: contextlib.AbstractContextManager | None = None
+
+    def record(self, message) -> bool:
+        """Count ``message`` if it is a sync's warning, from where it was raised; False for any other warning."""
+        if "synchroniz" not in str(message):
+            return False
+        self.sites[repo_site(traceback.extract_stack()[:-1])] += 1
+        return True
+
+    def start(self) -> SyncSites:
+        if not torch.cuda.is_available():
+            return self
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")  # every sync, not the first from each line
+        show = warnings.showwarning
+
+        def show_or_count(message, category, filename, lineno, file=None, line=None):
+            if not self.record(message):
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show_or_count
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def report(self, steps: int) -> str:
+        """Stop recording; :meth:`table`."""
+        if self._warnings is None:
+            return "(no CUDA device)\n"
+        torch.cuda.set_sync_debug_mode("default")
+        self._warnings.__exit__(None, None, None)
+        self._warnings = None
+        return self.table(steps)
+
+    def table(self, steps: int) -> str:
+        """The sites by syncs a step, most first."""
+        lines = [f"{sum(self.sites.values()) / steps:.2f} syncs a step"]
+        lines += [f"  {count / steps:6.2f}  {site}" for site, count in self.sites.most_common()]
+        return "\n".join(lines) + "\n"
+
+
+def install(out: Path, first: int, steps: int, python: bool = False, syncs: bool = False) -> None:
     """Wrap Trainer.train_step: time steps [first - steps, first), profile [first, first + steps), write ``out``;
-    ``python``: then the next ``steps`` steps under cProfile (the host's Python functions), appended to ``out``."""
+    ``python``: then the next ``steps`` steps under cProfile (the host's Python functions), appended to ``out``;
+    ``syncs``: then the next ``steps`` steps' host syncs (:class:`SyncSites`), appended to ``out``."""
     plain_step = trainer.Trainer.train_step
     state: dict = {}
+    sync_first = first + steps * (2 if python else 1)
 
     def train_step(self):
         step = self.step
+        if syncs and step == sync_first:
+            state["syncs"] = SyncSites().start()
         if python and step == first + steps:
             state["python"] = cProfile.Profile()
             state["python"].enable()
@@ -219,6 +286,10 @@ def install(out: Path, first: int, steps: int, python: bool = False) -> None:
                 + "\n"
             )
             print(head, end="", flush=True)
+        if syncs and step == sync_first + steps - 1:
+            with out.open("a") as text:
+                text.write(f"\nhost syncs, steps {sync_first}..{sync_first + steps}\n")
+                text.write(state.pop("syncs").report(steps))
         return result
 
     trainer.Trainer.train_step = train_step
@@ -232,12 +303,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--python", action="store_true", help="then as many steps again under cProfile (train.iters > first + 2 steps)"
     )
+    parser.add_argument(
+        "--syncs", action="store_true", help="then as many steps again counting the host syncs by where they happen"
+    )
     parser.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.first < args.steps:
         raise SystemExit(f"--first ({args.first}) must be >= --steps ({args.steps}) >= 1")
     mark_sections()
-    install(args.out, args.first, args.steps, args.python)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank r > 0 writes OUT.rank<r>
+    out = args.out if rank == 0 else args.out.with_name(f"{args.out.name}.rank{rank}")
+    install(out, args.first, args.steps, args.python, args.syncs)
     sys.argv = [str(REPO / "train.py"), *args.overrides]
     runpy.run_path(str(REPO / "train.py"), run_name="__main__")
 

@@ -11,8 +11,8 @@ from test_train import REPO, scene_cache, tiny_overrides  # noqa: F401 (scene_ca
 
 def test_tiny_run_writes_the_timings_and_tables(tmp_path, scene_cache):  # noqa: F811
     out = tmp_path / "profile.txt"
-    args = ["--out", str(out), "--first", "4", "--steps", "2", "--python", "--"]
-    args += tiny_overrides(scene_cache, 9) + [f"hydra.run.dir={tmp_path / 'run'}", "train.turntable_frames=0"]
+    args = ["--out", str(out), "--first", "4", "--steps", "2", "--python", "--syncs", "--"]
+    args += tiny_overrides(scene_cache, 11) + [f"hydra.run.dir={tmp_path / 'run'}", "train.turntable_frames=0"]
     result = subprocess.run(
         [sys.executable, "bench/kernel_profile.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
     )
@@ -26,7 +26,24 @@ def test_tiny_run_writes_the_timings_and_tables(tmp_path, scene_cache):  # noqa:
     assert all(" ATen calls, " in line for line in sections if line.strip())
     python = text[text.index("Python functions, steps 6..8 under cProfile") :]
     assert "tottime" in python and "train_step" in python  # the host's Python functions of steps 6 and 7
+    assert "host syncs, steps 8..10\n(no CUDA device)" in text  # on a GPU: the syncs by site
     assert (tmp_path / "run" / "metrics.json").exists()  # the run itself went on to its end
+
+
+def test_syncs_are_counted_by_the_repository_line_that_made_them():
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_profile import SyncSites
+
+    sites = SyncSites()
+
+    def read_back():  # a line of this repository that syncs
+        return sites.record("called a synchronizing CUDA operation")
+
+    assert read_back() and read_back() and not sites.record("some other warning")
+    ((site, count),) = sites.sites.items()
+    assert count == 2 and site.startswith("tests/test_kernel_profile.py:") and site.endswith(" read_back")
+    report = sites.table(steps=4)
+    assert report.splitlines()[0] == "0.50 syncs a step" and "0.50  tests/test_kernel_profile.py:" in report
 
 
 def test_rejects_a_window_before_the_plain_steps(tmp_path):
