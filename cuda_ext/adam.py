@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cuda_ext import _step_checks
+from cuda_ext import _adam_checks
 
 __all__ = ["sparse_adam_step", "masked_adam_step", "adam_replay_rows"]
 
@@ -60,7 +60,7 @@ def sparse_adam_step(
         TypeError: an argument of the wrong type, a dtype other than float32/float64, mixed dtypes, rows not int64.
         ValueError: a shape, device or contiguity mismatch, a value out of its range, rows outside [0, M).
     """
-    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
+    _adam_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
     if check_rows and rows.numel():  # a data check: one small reduction and one sync
         low, high = torch.stack(torch.aminmax(rows)).tolist()
         if low < 0 or high >= param.shape[0]:
@@ -73,7 +73,7 @@ def sparse_adam_step(
 @torch.library.register_fake("cuda_ext::sparse_adam_step")
 def _sparse_adam_step_fake(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad=False):
     # In place, no output: the fake kernel only checks the metadata (rows' values are data, not checked here).
-    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
+    _adam_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
 
 
 def masked_adam_step(
@@ -108,7 +108,7 @@ def masked_adam_step(
         TypeError: an argument of the wrong type, a dtype other than float32/float64, mixed dtypes.
         ValueError: a shape, device or contiguity mismatch, a value out of its range.
     """
-    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
+    _adam_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
     torch.ops.cuda_ext.masked_adam_step(
         param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps), clear_grad
     )
@@ -116,7 +116,7 @@ def masked_adam_step(
 
 @torch.library.register_fake("cuda_ext::masked_adam_step")
 def _masked_adam_step_fake(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad=False) -> None:
-    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
+    _adam_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
 
 
 def adam_replay_rows(
@@ -154,7 +154,7 @@ def adam_replay_rows(
         TypeError: an argument of the wrong type or dtype.
         ValueError: a shape, device or contiguity mismatch, a value out of its range.
     """
-    done = _step_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)
+    done = _adam_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)
     torch.ops.cuda_ext.adam_replay_rows(
         param, exp_avg, exp_avg_sq, mask, last, replay, done, float(beta1), float(beta2)
     )
@@ -162,4 +162,4 @@ def adam_replay_rows(
 
 @torch.library.register_fake("cuda_ext::adam_replay_rows")
 def _adam_replay_rows_fake(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2) -> None:
-    _step_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)
+    _adam_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)

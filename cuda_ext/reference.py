@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from cuda_ext import _brick_checks, _checks, _step_checks
+from cuda_ext import _adam_checks, _brick_checks, _checks
 from cuda_ext._gelu_rows_checks import check_gelu_rows_inputs
 from cuda_ext._reference_rays import (
     OPAQUE_DEPTH,
@@ -204,7 +204,7 @@ def sparse_adam_step(
     listed, bit for bit torch.optim.Adam. Rows not listed are neither read nor written (masked Adam).
     ``clear_grad``: then ``grad``'s listed rows zeroed.
     """
-    _step_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
+    _adam_checks.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, rows, step, lr, beta1, beta2, eps, clear_grad)
     if check_rows and rows.numel():
         low, high = torch.stack(torch.aminmax(rows)).tolist()
         if low < 0 or high >= param.shape[0]:
@@ -229,7 +229,7 @@ def masked_adam_step(
     """torch.optim.Adam's update on the elements of (M, C) ``param`` whose gradient is non-zero, in place; the
     elements with a zero gradient untouched (value and moments): :func:`sparse_adam_step`'s ops on the gathered
     elements, scattered back. ``clear_grad``: then ``grad`` zeroed."""
-    _step_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
+    _adam_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
     _adam_at(param, grad, exp_avg, exp_avg_sq, grad != 0, step, lr, beta1, beta2, eps)  # NaN != 0: stepped
     if clear_grad:
         grad.zero_()
@@ -261,7 +261,7 @@ def adam_replay_rows(
 ) -> None:
     """Dense Adam's zero-gradient steps since ``last`` replayed on the masked rows, in place (cuda_ext.adam's
     docstring): the rows gathered, updated with tensor ops in param's dtype, and scattered back."""
-    done = _step_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)
+    done = _adam_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)
     with torch.no_grad():
         rows = (mask.bool() & (last != done)).nonzero().squeeze(1)
         t0 = last[rows]
