@@ -177,7 +177,8 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
         entry["initial_lr"] = entry["lr"]
     eps = float(cfg.get("adam_eps", 1e-8))
     mode = sparse_adam_mode(cfg.get("sparse_adam", False))
-    split = model.space_split is not None  # train.parallel=space: no gradient exchange but the plane's
+    space = getattr(model, "space_split", None)  # train.parallel=space: no gradient exchange but the plane's
+    split = space is not None
     sharded = mode == "off" and not split and shard_optimizer(cfg.get("shard_optimizer", "auto"), group)
     touched_sync = group.active and not sharded and not split and cfg.get("dist_grad_sync", "touched") != "dense"
     # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
@@ -185,7 +186,7 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
     model.touched.enabled = (mode in ("masked", "exact") and not group.active) or touched_sync
     model.touched.reader = model.touched.flusher = model.touched.union = None
     if split:  # the ranks' slabs exchanged before every whole-grid read
-        model.touched.flusher = model.space_split.gather
+        model.touched.flusher = space.gather
     if mode == "exact" and group.active and not touched_sync:
         raise ConfigError("train.sparse_adam: exact under torchrun steps the touched rows: dist_grad_sync=touched")
     if mode == "exact":  # under torchrun: every rank replays the union of the rows read, steps the synced union
@@ -204,8 +205,8 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
         # the fine pool (bricks on the surfaces seen) by gradient: stepped whole, it cost mic 800 more than its rays
         # and every grid's gradient kept between steps (no fill of the grids' size a step)
         ops, rows_fn = trainer.ops, OccupiedRows(model.occupancy)
-        if model.space_split is not None:  # train.parallel=space: this rank's slab of them
-            occupied, owned = rows_fn, model.space_split.owned_rows
+        if split:  # train.parallel=space: this rank's slab of them
+            occupied, owned = rows_fn, space.owned_rows
             rows_fn = OwnedRows(occupied, owned)
         return SparseGridAdam(
             groups, ops.sparse_adam_step, betas=betas, eps=eps, rows_fn=rows_fn,
