@@ -7,8 +7,9 @@ it marches, looks up, shades and steps only those, and the ranks exchange a few 
 
 How: rank 0 owns the grid vertices with x <= p, rank 1 those with x >= p (the vertex plane p is shared). Every rank
 marches the whole batch through the occupancy cut to its slab, so it emits only the samples whose trilinear cell
-lies there (cell x < p: rank 0), and a sample's lookups read only its rank's vertices. Compositing is associative: on a ray the front slab's samples
-come before the back slab's, so with each slab composited from a transmittance of 1,
+lies there (cell x < p: rank 0), and a sample's lookups read only its rank's vertices. Compositing is associative:
+on a ray the front slab's samples come before the back slab's, so with each slab composited from a transmittance
+of 1,
 
     colour = C_front + T_front C_back,  opacity = O_front + T_front O_back,  depth = D_front + T_front D_back,
 
