@@ -67,8 +67,10 @@ class SampleCapacities:
     def observe(self, march_total: torch.Tensor, visible_totals: torch.Tensor | None) -> None:
         """A capped step's (1,) true march count and the compaction's (2,) counts (None: no compaction): on the CPU
         checked now, on a GPU copied to the host without a sync and checked once they arrive (``LAG`` steps at most)."""
-        totals = march_total if visible_totals is None else torch.cat([march_total, visible_totals])
-        totals = torch.nn.functional.pad(totals, (0, 3 - totals.shape[0]))
+        if visible_totals is None:  # no compaction: nothing alive or shown past the march
+            totals = torch.nn.functional.pad(march_total, (0, 2))
+        else:
+            totals = torch.cat([march_total, visible_totals])
         sizes = dict(self.sizes)
         if totals.device.type != "cuda":
             self._check(totals.tolist(), sizes)

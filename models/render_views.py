@@ -286,12 +286,12 @@ def infer_image(
     return _view(model, lambda o, d: infer_march(model, o, d), c2w, height, width, focal, chunk, lens)
 
 
-__all__ = ["upsample_channels", "render_patches", "march", "infer_march", "render_image", "infer_image"]
-
-
 def composited_count(march_total: torch.Tensor, visible_totals: torch.Tensor | None, config) -> torch.Tensor:
     """() int64 on the device: the samples a capped march composites, as ``len(samples)`` counts them uncapped (the
     survivors of early termination, or every marched sample)."""
     if visible_totals is None or not config.early_termination > 0:
         return march_total[0]
     return visible_totals[0]
+
+
+__all__ = ["upsample_channels", "render_patches", "march", "infer_march", "render_image", "infer_image"]

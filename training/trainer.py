@@ -109,7 +109,7 @@ class Trainer:
         self.rays_done = 0
         self.pixels_done = 0
         self.samples_done = 0
-        self.pending_samples: torch.Tensor | None = None  # model.capped_samples: counts on the device, read at logs
+        self.pending_samples: list[torch.Tensor] = []  # model.capped_samples: () counts on the device, read at logs
         self.checkpoint_seconds = 0.0  # kept out of train_seconds, reported beside it
         self.last_saved_step: int | None = None
         self.step_checkpoints: StepCheckpoints | None = None  # train.keep_checkpoints > 1: built at the first save
@@ -212,15 +212,15 @@ class Trainer:
             return
         if count.device.type == "cpu":
             self.samples_done += int(count)
-        else:
-            self.pending_samples = count if self.pending_samples is None else self.pending_samples + count
+        else:  # kept as they are: no launch a step
+            self.pending_samples.append(count)
 
     def _settle_counts(self) -> None:
         """At a log step (the device is synced there anyway): the device's sample counts, and the capacities'
         review (models/capacities.py)."""
-        if self.pending_samples is not None:
-            self.samples_done += int(self.pending_samples)
-            self.pending_samples = None
+        if self.pending_samples:
+            self.samples_done += int(torch.stack(self.pending_samples).sum())
+            self.pending_samples = []
         if self.model.capacities is not None:
             self.model.capacities.review()
 
