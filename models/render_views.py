@@ -142,7 +142,7 @@ def march(
                     chosen &= rows_in_rays(len(samples), offsets)
                 model.fine.collect(samples.points[chosen], model.grid_shape)
             thresholds = (depth, offsets, c.early_termination, c.weight_threshold)
-            start = None if slab is None else slab.start_depth(depth, samples.ray, offsets)  # (B,): the other slab's
+            start = None if slab is None else slab.start_depth(depth, offsets)  # (B,): the other slab's
             if sizes is None:  # the pass's one sync: the survivors (a prefix of each ray) and the shown ones
                 index, shown, alive_offsets = model.ops.visible_samples(*thresholds, start_depth=start)
                 counts[1:] = [len(index), len(shown)]

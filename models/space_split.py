@@ -30,7 +30,6 @@ import torch.distributed as dist
 from models import render_views
 from models.decoder import DIFFUSE_CHANNELS
 from models.field import cell_coords
-from models.render import rows_in_rays
 
 if TYPE_CHECKING:
     from models.model import VoxelNeRF
@@ -102,16 +101,22 @@ class SlabPass:
     rank: int
     group: Any = None
 
-    def start_depth(self, depth: torch.Tensor, ray: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def start_depth(self, depth: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """(B,) the optical depth in front of this slab's samples on each ray: 0 where this slab is in front, else
-        the other slab's clamped sum, exchanged (this rank sends its own: (N,) optical depths of the (N,) rays'
-        samples, the rows past ``offsets[-1]`` padding)."""
-        inside = rows_in_rays(depth.shape[0], offsets)
-        clipped = torch.where(inside, depth.clamp(max=OPAQUE_DEPTH), torch.zeros_like(depth))
-        totals = depth.new_zeros(offsets.shape[0] - 1).index_add_(0, ray, clipped)
+        the other slab's clamped sum, exchanged (this rank sends its own: the (N,) optical depths of its samples,
+        packed by ray along the (B + 1,) ``offsets``, the rows past ``offsets[-1]`` padding)."""
+        totals = ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets)
         parts = [torch.empty_like(totals) for _ in range(2)]
         dist.all_gather(parts, totals, group=self.group)
         return torch.where(self.front, 0.0, parts[1 - self.rank])
+
+
+def ray_sums(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(N,) values of samples packed by ray, (B + 1,) offsets ending at most at N -> (B,) each ray's sum, the rows
+    past ``offsets[-1]`` (padding) left out. A difference of float64 prefix sums, not an ``index_add``: padding rows
+    all name the last ray, and millions of atomics on one address serialise."""
+    prefix = torch.cat([values.new_zeros(1, dtype=torch.float64), values.double().cumsum(0)])
+    return (prefix[offsets[1:]] - prefix[offsets[:-1]]).to(values.dtype)
 
 
 def split_march(
@@ -151,4 +156,4 @@ def split_march(
     }
 
 
-__all__ = ["Slabs", "SlabPass", "split_march"]
+__all__ = ["Slabs", "SlabPass", "ray_sums", "split_march"]

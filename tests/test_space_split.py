@@ -4,6 +4,8 @@ are one process's: each rank's on its own vertices, their sum on the shared plan
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,8 +13,10 @@ import torch.multiprocessing as mp
 from test_model import make_model, randomize_density, rays_towards_centre
 
 from models.capacities import SampleCapacities
+from models.grid_tv import DeferredTV
 from models.render_views import march
-from models.space_split import Slabs, split_march
+from models.space_split import Slabs, ray_sums, split_march
+from training.space_parallel import SpaceParallel
 
 OUTPUTS = ("diffuse", "features", "depth", "opacity")
 
@@ -92,6 +96,84 @@ def test_slabs_split_the_cells_at_the_plane():
         Slabs(4, 2)
 
 
+def test_ray_sums_sum_each_ray_and_leave_the_padding_out():
+    counts = [3, 0, 5, 1, 0, 4]
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    values = torch.rand(int(offsets[-1]) + 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 0.5
+    values[int(offsets[-1]) :] = float("nan")  # padding rows: never read
+    want = torch.stack([values[a:b].sum() for a, b in zip(offsets[:-1], offsets[1:])])
+    torch.testing.assert_close(ray_sums(values, offsets), want, atol=1e-12, rtol=0)
+    got = ray_sums(values.float(), offsets)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+
+
+def space_split_of(model, rank: int) -> SpaceParallel:
+    """A rank's SpaceParallel on ``model`` without a trainer or a process group (its TV draws need neither)."""
+    split = SpaceParallel.__new__(SpaceParallel)
+    split.model, split.group = model, SimpleNamespace(rank=rank, world=2)
+    return split
+
+
+def test_the_tv_cells_are_stratified_by_slab_and_each_rank_keeps_its_own():
+    model = scene("deferred")[0]
+    r0, r1, r2 = model.grid_shape
+    plane, samples, count = r0 // 2, 4000, (r0 - 1) * (r1 - 1) * (r2 - 1)
+    draws, parts = [], []
+    for rank in (0, 1):
+        torch.manual_seed(11)
+        split = space_split_of(model, rank)
+        draws.append(split.draw_cells(samples, torch.device("cpu")))
+        parts.append(split.owned_cells(draws[-1]))
+    assert torch.equal(draws[0], draws[1])  # the ranks' random streams stay in step
+    (mine0, share0), (mine1, share1) = parts
+    assert len(mine0) + len(mine1) == samples and abs(len(mine0) / samples - share0) < 1 / samples
+    x0, x1 = (torch.div(m, (r1 - 1) * (r2 - 1), rounding_mode="floor") for m in (mine0, mine1))
+    assert (x0 < plane).all() and (x1 >= plane).all() and x0.min() == 0 and x1.max() == r0 - 2
+    assert share0 + share1 == pytest.approx(1.0) and share0 == pytest.approx(plane / (r0 - 1))
+    # the stratified estimate of a cell function's mean is unbiased: here the mean flat cell index
+    estimate = share0 * mine0.double().mean() + share1 * mine1.double().mean()
+    assert float(estimate) == pytest.approx((count - 1) / 2, rel=0.02)
+
+
+def test_each_rank_steps_its_own_slab_by_its_stratum_of_the_tv():
+    """DeferredTV under a split: each rank's gradient lies in its slab, and the ranks' values sum to the stratified
+    estimate: each stratum's mean through the plain op, weighted by its slab's share of the cells."""
+    model = make_model(seed=2, tv_samples=300).double()
+    randomize_density(model, mean=-1.0, std=3.0)
+    with torch.no_grad():
+        model.features.grid.normal_(generator=torch.Generator().manual_seed(4))
+    grids, plane = (model.density.grid, model.features.grid), model.grid_shape[0] // 2
+    assert DeferredTV.applies(model)
+
+    def apply(cells=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for grid in grids:
+            grid.grad = None
+        tv = DeferredTV()
+        if cells is None:
+            torch.manual_seed(11)
+            tv.draw(model)
+        else:
+            tv.cells = [cells, None]
+        return tv.apply(model), [grid.grad.clone() for grid in grids]
+
+    parts = []
+    for rank in (0, 1):
+        model.space_split = space_split_of(model, rank)
+        parts.append(apply())
+    torch.manual_seed(11)
+    cells = space_split_of(model, 0).draw_cells(300, torch.device("cpu"))
+    model.space_split = None
+    want = 0.0
+    for rank in (0, 1):
+        mine, share = space_split_of(model, rank).owned_cells(cells)
+        want = want + share * apply(mine)[0]
+    torch.testing.assert_close(parts[0][0] + parts[1][0], want, atol=1e-12, rtol=1e-10)
+    for grad in parts[0][1]:
+        assert grad[: plane + 1].abs().sum() > 0 and not grad[plane + 1 :].any()
+    for grad in parts[1][1]:
+        assert grad[plane:].abs().sum() > 0 and not grad[:plane].any()
+
+
 def test_the_slab_occupancy_marches_exactly_the_samples_a_slab_owns():
     model, origins, directions, jitter = scene("deferred")
     c, space, step = model.config, model.space, model.step_size
@@ -124,6 +206,7 @@ def test_two_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
     cases = (("dense", "false", "false"), ("occupied", "occupied", "false"), ("capped", "occupied", "true"))
     for name, adam, capped in cases:  # capped: every rank's march in fixed sample capacities (models/capacities.py)
         extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6", f"model.capped_samples={capped}"]
+        extra += ["model.tv_density=0", "model.tv_features=0"]  # the split's TV is stratified: a test of its own
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
         assert result.returncode == 0, result.stderr[-2000:]
         pair = torchrun(2, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])
@@ -143,7 +226,9 @@ def test_two_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
 def test_a_space_split_refuses_what_it_does_not_support(tmp_path):
     from test_distributed import ranks_output, tiny, torchrun
 
-    pair = torchrun(
-        2, tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.parallel=space", "train.sparse_adam=nonzero"]
-    )
-    assert pair.returncode != 0 and "train.parallel: space steps dense Adam" in ranks_output(pair)
+    for extra, message in (
+        (["train.sparse_adam=nonzero"], "train.parallel: space steps dense Adam"),
+        (["model.tv_samples=0"], "train.parallel: space does not support a whole-grid TV"),
+    ):
+        pair = torchrun(2, tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.parallel=space", *extra])
+        assert pair.returncode != 0 and message in ranks_output(pair)

@@ -9,7 +9,8 @@ the composited per-ray values are exchanged, so every rank computes the same los
   shared plane (both ranks read it); nothing else moves;
 - Adam: the occupied voxels of this rank's slab (``train.sparse_adam=occupied``) or dense Adam (the other slab's
   rows then move on their moments alone, unread, and are overwritten at the next gather);
-- the TV estimate: the drawn cells of this rank's slab, scaled so that the two ranks' parts sum to the estimate;
+- the TV estimate: stratified by slab (each rank's draws over its own cells, in proportion to them), each rank's
+  stratum scaled by its slab's share, so that the two parts sum to the estimate;
 - before a whole-grid read (an occupancy refresh, a growth, an evaluation) the ranks exchange their slabs of the
   grids (two broadcasts a grid), and before a checkpoint their slabs of Adam's moments too, so that every rank
   then holds what one process would.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from models.grid_tv import DeferredTV
 from models.space_split import Slabs, split_march
 from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
@@ -35,11 +37,13 @@ class SpaceParallel:
         if group.world != 2:
             raise ConfigError(f"train.parallel: space splits the grids over exactly 2 ranks, got {group.world}")
         c = model.config
+        whole_tv = max(c.tv_density, c.tv_features) > 0 and not DeferredTV.applies(model)  # in each rank's loss
         for bad, reason in (
             (c.fine.factor > 0 and not model.fine.declined, "model.fine (a fine grid that this scene would get)"),
             (model.poses.enabled, "model.pose_refinement"),
             (float(cfg.get("distortion_loss", 0.0)) > 0, "train.distortion_loss"),
             (float(cfg.get("near_density_loss", 0.0)) > 0, "train.near_density_loss"),
+            (whole_tv, "a whole-grid TV (it needs model.tv_sparse_grad and 0 < model.tv_samples < the grid's cells)"),
         ):
             if bad:
                 raise ConfigError(f"train.parallel: space does not support {reason} yet")
@@ -79,13 +83,35 @@ class SpaceParallel:
         x = torch.div(rows, r1 * r2, rounding_mode="floor")
         return rows[x <= self.plane] if self.group.rank == 0 else rows[x >= self.plane]
 
-    def owned_cells(self, cells: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """This rank's share of the TV estimate's drawn (S,) flat cells, and the factor on its scale that makes the
-        two shares sum to the whole estimate (its mean over all S cells)."""
+    def _strata(self, samples: int) -> tuple[int, int, int]:
+        """(cells, rank 0's cells, rank 0's draws) of the TV estimate's ``samples`` draws: rank 0 owns the flat cells
+        below ``plane * (R1 - 1)(R2 - 1)`` (x-major), and gets draws in proportion, at least one each when it can."""
         r0, r1, r2 = self.model.grid_shape
-        x = torch.div(cells, (r1 - 1) * (r2 - 1), rounding_mode="floor")
-        mine = cells[x < self.plane] if self.group.rank == 0 else cells[x >= self.plane]
-        return mine, mine.numel() / max(cells.numel(), 1)
+        count, front = (r0 - 1) * (r1 - 1) * (r2 - 1), self.plane * (r1 - 1) * (r2 - 1)
+        draws = round(samples * front / count)
+        if samples >= 2:
+            draws = min(max(draws, 1), samples - 1)
+        return count, front, draws
+
+    def draw_cells(self, samples: int, device: torch.device) -> torch.Tensor:
+        """The TV estimate's (samples,) flat cells, stratified by slab: rank 0's draws uniform over its cells, then
+        rank 1's over its own. Every rank draws both strata (the ranks' random streams stay in step) and
+        :meth:`owned_cells` keeps its own by position: no count of a filter to wait for."""
+        count, front, draws = self._strata(samples)
+        return torch.cat(
+            [
+                torch.randint(0, front, (draws,), device=device),
+                torch.randint(front, count, (samples - draws,), device=device),
+            ]
+        )
+
+    def owned_cells(self, cells: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """This rank's stratum of the (S,) cells :meth:`draw_cells` drew, and the factor on the estimate's scale
+        (its slab's fraction of the cells) that makes the two strata's means sum to the estimate of the whole mean."""
+        count, front, draws = self._strata(cells.numel())
+        if self.group.rank == 0:
+            return cells[:draws], front / count
+        return cells[draws:], (count - front) / count
 
     def sync_gradients(self) -> None:
         """The decoder's gradients summed over the ranks; the grids' shared plane summed."""

@@ -102,9 +102,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_packed_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       for (int row = 0; row < 2; ++row) counts[row].narrow(0, 1, rays).cumsum_(0);
     }
-    totals = counts.select(1, rays).clone();  // A and K, on the device
+    totals = counts.select(1, rays);  // A and K, on the device
     int64_t alive_size = 0, shown_size = 0;
     if (capacity) {
+      totals = totals.clone();  // the clamp below writes into counts' last column
       alive_size = capacity->alive;
       shown_size = capacity->shown;
       counts[0].clamp_max_(alive_size);
