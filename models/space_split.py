@@ -69,26 +69,38 @@ class Slabs:
         return towards_plus if self.rank == 0 else ~towards_plus
 
 
-class _GatherRays(torch.autograd.Function):
-    """Every rank's (B, C) per-ray values -> (2, B, C). Every rank computes the same loss L from the gathered values
-    and backpropagates L / 2: what comes after the exchange (a per-pixel decoder, an appearance transform) then gets
-    half its gradient on each rank, which the sum over the ranks makes whole, and rank r's own values get row r of
-    the incoming gradient, times 2 (no reduction): their whole gradient."""
+class _CompositeSlabs(torch.autograd.Function):
+    """This rank's (B, C) per-ray values (colour, features, opacity, depth: the opacity in column C - 2), composited
+    with the other rank's, exchanged: -> the rays' (B, C) values, split as (diffuse, features, opacity, depth).
+
+    Every rank computes the same loss L from the composite and backpropagates L / 2: what comes after the exchange
+    (a per-pixel decoder, an appearance transform) then gets half its gradient on each rank, which the sum over the
+    ranks makes whole, and this rank's own values get their whole gradient (twice the half). One node with its
+    backward written out, where the gather, the front/back selects, the composite and the column slices were ~20
+    autograd nodes: ~40 host calls a step on the rank's critical path."""
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, rank: int, group) -> torch.Tensor:
+    def forward(ctx, values: torch.Tensor, in_front: torch.Tensor, rank: int, group) -> tuple[torch.Tensor, ...]:
+        values = values.contiguous()
         parts = [torch.empty_like(values) for _ in range(2)]
-        dist.all_gather(parts, values.contiguous(), group=group)
-        ctx.rank = rank
-        return torch.stack(parts)
+        dist.all_gather(parts, values, group=group)
+        mine = in_front[:, None]
+        first = torch.where(mine, values, parts[1 - rank])
+        second = torch.where(mine, parts[1 - rank], values)
+        seen = torch.addcmul(first, 1.0 - first[:, -2:-1], second)  # every channel, opacity and depth included
+        ctx.save_for_backward(mine, first, second)
+        ctx.features = values.shape[1] - DIFFUSE_CHANNELS - 2
+        diffuse, features, opacity, depth = seen.split([DIFFUSE_CHANNELS, ctx.features, 1, 1], 1)
+        return diffuse, features, opacity.squeeze(1), depth.squeeze(1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad[ctx.rank] * 2.0, None, None
-
-
-def _gather(values: torch.Tensor, slabs: Slabs, group) -> torch.Tensor:
-    return _GatherRays.apply(values, slabs.rank, group)
+    def backward(ctx, diffuse, features, opacity, depth):
+        mine, first, second = ctx.saved_tensors
+        grad = torch.cat([diffuse, features, opacity[:, None], depth[:, None]], 1)
+        through_front = grad.clone()  # d seen / d first: 1, and on the opacity -sum_c grad_c second_c
+        through_front[:, -2] -= (grad * second).sum(1)
+        through_back = grad * (1.0 - first[:, -2:-1])  # d seen / d second: the front's transmittance
+        return torch.where(mine, through_front, through_back) * 2.0, None, None, None
 
 
 @dataclass(frozen=True)
@@ -140,16 +152,12 @@ def split_march(
     slab = SlabPass(occupancy, slabs.in_front(directions), slabs.rank, group)
     out = render_views.march(model, origins, directions, jitter, views, slab=slab)
     local = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None], out["depth"][:, None]], 1)
-    both = _gather(local, slabs, group)  # (2, B, C + 2)
-    rank0_in_front = (directions[:, 0] >= 0)[:, None]
-    first = torch.where(rank0_in_front, both[0], both[1])
-    second = torch.where(rank0_in_front, both[1], both[0])
-    seen = first + (1.0 - first[:, -2:-1]) * second  # every channel, opacity and depth included, composites alike
+    diffuse, features, opacity, depth = _CompositeSlabs.apply(local, slab.front, slabs.rank, group)
     return {
-        "diffuse": seen[:, :DIFFUSE_CHANNELS],
-        "features": seen[:, DIFFUSE_CHANNELS:-2],
-        "opacity": seen[:, -2],
-        "depth": seen[:, -1],
+        "diffuse": diffuse,
+        "features": features,
+        "opacity": opacity,
+        "depth": depth,
         "samples": out["samples"],
         # this rank's samples only: a regulariser summed over a ray's samples gets this slab's part of the sum
         "packed": out["packed"],
