@@ -151,17 +151,19 @@ def visible_samples(
     ray_offsets: torch.Tensor,
     early_termination: float = 0.0,
     weight_threshold: float = 0.0,
+    start_depth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """cuda_ext.visible_samples with torch ops: each sample's exclusive per-ray sum S_i of clamped optical depths
-    (:func:`_ray_exclusive`), alive where S_i < -log(early_termination), shown where also
-    exp(-S_i) (1 - exp(-s_i)) > weight_threshold; the alive samples and the shown ones' positions among them by
-    nonzero(). A sample in no ray (offsets not covering [0, N): CUDA does not check them) is never alive."""
+    (:func:`_ray_exclusive`, from the ray's ``start_depth`` when given), alive where S_i < -log(early_termination),
+    shown where also exp(-S_i) (1 - exp(-s_i)) > weight_threshold; the alive samples and the shown ones' positions
+    among them by nonzero(). A sample in no ray (offsets not covering [0, N): CUDA does not check them) is never
+    alive."""
     early_termination, weight_threshold = _step_checks.check_visibility_inputs(
-        optical_depth, ray_offsets, early_termination, weight_threshold
+        optical_depth, ray_offsets, early_termination, weight_threshold, start_depth=start_depth
     )
     _step_checks.check_render_offsets(optical_depth, ray_offsets, "visible_samples")
     ray, inside = _sample_rays(optical_depth, ray_offsets)
-    above = _ray_exclusive(optical_depth.clamp(max=OPAQUE_DEPTH), ray_offsets, ray)
+    above = _ray_exclusive(optical_depth.clamp(max=OPAQUE_DEPTH), ray_offsets, ray, start_depth)
     alive = inside & (above < -math.log(early_termination)) if early_termination > 0 else inside
     shown = alive & (torch.exp(-above) * -torch.expm1(-optical_depth) > weight_threshold)
     index = alive.nonzero()[:, 0]
@@ -176,13 +178,14 @@ def visible_samples_capped(
     weight_threshold: float,
     alive_capacity: int,
     shown_capacity: int,
+    start_depth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """visible_samples' outputs in fixed sizes (cuda_ext.visible_samples_capped's contract): the first
     ``alive_capacity`` alive samples (padding: N - 1, or 0 without samples), the offsets clamped to it, the first
     ``shown_capacity`` shown positions below it (padding: ``alive_capacity``), and the (2,) int64 totals."""
     alive_size = _step_checks.check_capacity(alive_capacity, "visible_samples_capped", "alive_capacity")
     shown_size = _step_checks.check_capacity(shown_capacity, "visible_samples_capped", "shown_capacity")
-    index, keep, offsets = visible_samples(optical_depth, ray_offsets, early_termination, weight_threshold)
+    index, keep, offsets = visible_samples(optical_depth, ray_offsets, early_termination, weight_threshold, start_depth)
     alive = index[:alive_size]
     shown = keep[keep < alive_size][:shown_size]
     return (
@@ -213,13 +216,17 @@ def _packed_weights(
     return ray, torch.where(keep, transmittance * -torch.expm1(-s), torch.zeros_like(s))
 
 
-def _ray_exclusive(values: torch.Tensor, ray_offsets: torch.Tensor, ray: torch.Tensor) -> torch.Tensor:
-    """(N,) per-ray exclusive prefix sums of (N,) values: one global cumulative sum in float64 (per-ray
-    differences stay accurate) minus its value at the ray's first sample; in ``values``' dtype. One-dimensional:
-    CUDA's cumsum down the rows of an (N, 2) tensor runs a scan per column, ~1000x slower (6.5 s at 47 M rows)."""
+def _ray_exclusive(
+    values: torch.Tensor, ray_offsets: torch.Tensor, ray: torch.Tensor, start: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(N,) per-ray exclusive prefix sums of (N,) values, from each ray's (B,) ``start`` when given: one global
+    cumulative sum in float64 (per-ray differences stay accurate) minus its value at the ray's first sample; in
+    ``values``' dtype. One-dimensional: CUDA's cumsum down the rows of an (N, 2) tensor runs a scan per column,
+    ~1000x slower (6.5 s at 47 M rows)."""
     if values.shape[0] == 0:
         return values
     wide = values.double()
     exclusive = torch.cumsum(wide, 0) - wide
     first = ray_offsets[ray].clamp(0, values.shape[0] - 1)
-    return (exclusive - exclusive[first]).to(values.dtype)
+    within = exclusive - exclusive[first]
+    return (within if start is None else start.double()[ray] + within).to(values.dtype)

@@ -107,14 +107,40 @@ def check_distortion_inputs(
 
 
 def check_visibility_inputs(
-    optical_depth: Any, ray_offsets: Any, early_termination: Any, weight_threshold: Any, op: str = "visible_samples"
+    optical_depth: Any,
+    ray_offsets: Any,
+    early_termination: Any,
+    weight_threshold: Any,
+    op: str = "visible_samples",
+    start_depth: Any = None,
 ) -> tuple[float, float]:
-    """visible_samples' packed samples (optical_depth (N,), ray_offsets (B + 1,) int64) and its two thresholds, numbers
-    in [0, 1); returns the thresholds as floats."""
+    """visible_samples' packed samples (optical_depth (N,), ray_offsets (B + 1,) int64), its two thresholds, numbers
+    in [0, 1), and the optional (B,) start_depth of optical_depth's dtype and device; returns the thresholds as
+    floats."""
     check_packed_samples(op, optical_depth, ray_offsets)
     _check_numbers(
         op, (("early_termination", early_termination, 0.0, 1.0), ("weight_threshold", weight_threshold, 0.0, 1.0))
     )
+    if start_depth is not None:
+        check_tensor(op, "start_depth", start_depth)
+        rays = ray_offsets.shape[0] - 1
+        require(
+            start_depth.shape == (rays,),
+            ValueError,
+            lambda: f"{op}: start_depth must have shape (B,) = ({rays},), got {_shape(start_depth)}",
+        )
+        require(
+            start_depth.dtype == optical_depth.dtype,
+            TypeError,
+            lambda: f"{op}: start_depth must have optical_depth's dtype {optical_depth.dtype}, got {start_depth.dtype}",
+        )
+        require(
+            start_depth.device == optical_depth.device,
+            ValueError,
+            lambda: (
+                f"{op}: start_depth must be on optical_depth's device {optical_depth.device}, got {start_depth.device}"
+            ),
+        )
     return float(early_termination), float(weight_threshold)
 
 

@@ -139,18 +139,22 @@ def visible_samples(
     ray_offsets: torch.Tensor,
     early_termination: float = 0.0,
     weight_threshold: float = 0.0,
+    start_depth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed samples a ray still sees, and those worth a colour: early ray termination and the weight threshold
     in one pass (the training march's no-grad pass; the survivors keep their transmittance and weight).
 
-    With S_i the sum of ``min(s_j, OPAQUE_DEPTH)`` over the samples j before i on its ray (in float64, rounded to the
-    input's dtype), sample i is alive when ``S_i < -log(early_termination)`` (always when it is 0) and shown when it
-    is alive and ``exp(-S_i) * (1 - exp(-s_i)) > weight_threshold``. A ray's alive samples are a prefix of it.
+    With S_i the ray's start depth plus the sum of ``min(s_j, OPAQUE_DEPTH)`` over the samples j before i on its
+    ray (in float64, rounded to the input's dtype), sample i is alive when ``S_i < -log(early_termination)``
+    (always when it is 0) and shown when it is alive and ``exp(-S_i) * (1 - exp(-s_i)) > weight_threshold``. A
+    ray's alive samples are a prefix of it.
 
     Args:
         optical_depth: (N,) s_i >= 0 of each sample, float32 or float64.
         ray_offsets: (B + 1,) int64, as for :func:`volume_render` (checked on the CPU; clamped on CUDA).
         early_termination, weight_threshold: numbers in [0, 1).
+        start_depth: optional (B,) >= 0 of optical_depth's dtype: the optical depth in front of each ray's first
+            sample (what a part of the ray rendered elsewhere leaves: the space split's back slab), else 0.
     Returns:
         index (A,) int64: the alive samples, increasing; keep (K,) int64: the positions in ``index`` of the shown
         samples, increasing; offsets (B + 1,) int64: ray b's alive samples are ``index[offsets[b]:offsets[b + 1]]``.
@@ -158,15 +162,19 @@ def visible_samples(
         reference's: a sample within float rounding of a threshold may be decided the other way.
     """
     early_termination, weight_threshold = _step_checks.check_visibility_inputs(
-        optical_depth, ray_offsets, early_termination, weight_threshold
+        optical_depth, ray_offsets, early_termination, weight_threshold, start_depth=start_depth
     )
     _step_checks.check_render_offsets(optical_depth, ray_offsets, "visible_samples")
-    return torch.ops.cuda_ext.visible_samples(optical_depth, ray_offsets, early_termination, weight_threshold)
+    return torch.ops.cuda_ext.visible_samples(
+        optical_depth, ray_offsets, early_termination, weight_threshold, start_depth
+    )
 
 
 @torch.library.register_fake("cuda_ext::visible_samples")
-def _visible_samples_fake(optical_depth, ray_offsets, early_termination, weight_threshold):
-    _step_checks.check_visibility_inputs(optical_depth, ray_offsets, early_termination, weight_threshold)
+def _visible_samples_fake(optical_depth, ray_offsets, early_termination, weight_threshold, start_depth=None):
+    _step_checks.check_visibility_inputs(
+        optical_depth, ray_offsets, early_termination, weight_threshold, start_depth=start_depth
+    )
     ctx = torch.library.get_ctx()  # data-dependent: how many samples stay alive, how many are shown
     alive, shown = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     return ray_offsets.new_empty((alive,)), ray_offsets.new_empty((shown,)), torch.empty_like(ray_offsets)
@@ -179,6 +187,7 @@ def visible_samples_capped(
     weight_threshold: float,
     alive_capacity: int,
     shown_capacity: int,
+    start_depth: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`visible_samples`' outputs in fixed sizes, with no device sync: what a CUDA graph can replay.
 
@@ -199,20 +208,22 @@ def visible_samples_capped(
     alive_capacity = _step_checks.check_capacity(alive_capacity, op, "alive_capacity")
     shown_capacity = _step_checks.check_capacity(shown_capacity, op, "shown_capacity")
     early_termination, weight_threshold = _step_checks.check_visibility_inputs(
-        optical_depth, ray_offsets, early_termination, weight_threshold, op=op
+        optical_depth, ray_offsets, early_termination, weight_threshold, op=op, start_depth=start_depth
     )
     _step_checks.check_render_offsets(optical_depth, ray_offsets, op)
     return torch.ops.cuda_ext.visible_samples_capped(
-        optical_depth, ray_offsets, early_termination, weight_threshold, alive_capacity, shown_capacity
+        optical_depth, ray_offsets, early_termination, weight_threshold, alive_capacity, shown_capacity, start_depth
     )
 
 
 @torch.library.register_fake("cuda_ext::visible_samples_capped")
 def _visible_samples_capped_fake(
-    optical_depth, ray_offsets, early_termination, weight_threshold, alive_capacity, shown_capacity
+    optical_depth, ray_offsets, early_termination, weight_threshold, alive_capacity, shown_capacity, start_depth=None
 ):
     op = "visible_samples_capped"
-    _step_checks.check_visibility_inputs(optical_depth, ray_offsets, early_termination, weight_threshold, op=op)
+    _step_checks.check_visibility_inputs(
+        optical_depth, ray_offsets, early_termination, weight_threshold, op=op, start_depth=start_depth
+    )
     return (
         ray_offsets.new_empty((_step_checks.check_capacity(alive_capacity, op, "alive_capacity"),)),
         ray_offsets.new_empty((_step_checks.check_capacity(shown_capacity, op, "shown_capacity"),)),

@@ -62,6 +62,9 @@ class DeferredTV:
             if touched.enabled:
                 touched.mask(shape, rows.device)[rows] = True
             touched.before_read_rows(rows, shape)
+        share = 1.0
+        if model.space_split is not None and cells[0] is not None:  # this rank's slab's cells (training.space_parallel)
+            cells[0], share = model.space_split.owned_cells(cells[0])
         total = None
         for drawn, (shape, pairs, inside, outside) in zip(cells, self.groups(model)):
             for scale, param in pairs:
@@ -79,7 +82,7 @@ class DeferredTV:
                     shape,
                     inside,
                     outside,
-                    scale,
+                    scale * share if drawn is cells[0] else scale,
                     check_cells=False,
                 )
                 total = value if total is None else total + value
@@ -93,7 +96,9 @@ def draw_cells(model) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     the fine bricks' (None without allocated bricks). Density and features of one grid share them."""
     device, samples = model.bbox.device, model.config.tv_samples
     count = math.prod(r - 1 for r in model.grid_shape)
-    coarse = torch.randint(count, (samples,), device=device) if 0 < samples < count else None
+    coarse, split = None, getattr(model, "space_split", None)
+    if 0 < samples < count:  # under a space split stratified by slab (training.space_parallel)
+        coarse = torch.randint(count, (samples,), device=device) if split is None else split.draw_cells(samples, device)
     fine = model.fine
     sampled = fine.active and fine.brick >= 2 and samples > 0
     return coarse, torch.randint(fine.tv_cells(), (samples,), device=device) if sampled else None

@@ -104,6 +104,7 @@ class VoxelNeRF(nn.Module):
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
         self.row_grads = RowGradients()  # model.tv_sparse_grad: the TV rows' gradients, added after the backward
         self.deferred_tv = DeferredTV()  # the trainer's TV: cells drawn before the forward, applied after the backward
+        self.space_split = None  # train.parallel=space: this rank's half of the voxels (training.space_parallel)
 
     # the schedule's state travels with the weights: state_dict "_extra_state" = (resolution, shrunk) int64
     def get_extra_state(self) -> torch.Tensor:
@@ -332,6 +333,8 @@ class VoxelNeRF(nn.Module):
     # ------------------------------------------------------------------ rendering
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:
         """Composite B rays with gradients, as training does: :func:`models.render_views.march`."""
+        if self.space_split is not None and self.training and torch.is_grad_enabled():
+            return self.space_split.march(origins, directions, jitter, views)  # this slab, composited with the other's
         return render_views.march(self, origins, directions, jitter, views)
 
     def decode_samples(

@@ -32,8 +32,9 @@ from models.pose_refinement import points_with_ray_gradients
 from models.regularizers import RenderedSamples
 from models.render import PackedSamples, rows_in_rays, survivors_and_weights
 
-if TYPE_CHECKING:  # models.model imports this module
+if TYPE_CHECKING:  # models.model imports this module, models.space_split imports it
     from models.model import VoxelNeRF
+    from models.space_split import SlabPass
 
 Composite = Callable[[torch.Tensor, torch.Tensor], dict]  # (B, 3) origins, directions -> march()'s channels
 
@@ -86,10 +87,16 @@ def render_patches(model: VoxelNeRF, batch: PatchBatch, background: torch.Tensor
 
 
 def march(
-    model: VoxelNeRF, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None
+    model: VoxelNeRF,
+    origins: torch.Tensor,
+    directions: torch.Tensor,
+    jitter: bool | torch.Tensor,
+    views=None,
+    slab: SlabPass | None = None,
 ) -> dict:
     """Training's march of B rays: (B, 3) origins and unit directions, ``jitter`` (True: random offsets, False:
-    midpoints, or (B,) offsets), ``views``: (B,) training images or None ->
+    midpoints, or (B,) offsets), ``views``: (B,) training images or None, ``slab``: one rank's part of the voxels
+    (``train.parallel=space``: its occupancy, and the front slab's optical depth before the no-grad pass) ->
 
     dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count,
     packed: the samples' models.regularizers.RenderedSamples, with gradients, for the regularisers).
@@ -106,7 +113,8 @@ def march(
     if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
         jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
     jitter = jitter.reshape(num_rays).to(origins.device, origins.dtype)
-    march_args = (*rays, t_start, t_end, jitter, model.occupancy.mask, model.bbox, step, num_samples)
+    occupancy = model.occupancy.mask if slab is None else slab.occupancy
+    march_args = (*rays, t_start, t_end, jitter, occupancy, model.bbox, step, num_samples)
     # model.capped_samples: fixed sizes, no sync for the counts (models/capacities.py); None when off or measuring
     capacities = model.capacities if model.capacities is not None and torch.is_grad_enabled() else None
     sizes = None if capacities is None or capacities.measuring else capacities.sizes
@@ -122,7 +130,7 @@ def march(
     step_scale = space.sample_steps(samples.t, samples.ray, t_split, step / model.base_voxel, model.extent)
     keep = None  # (N,) which samples are shaded (None: all)
     visible_totals = None
-    if (c.early_termination > 0 or c.weight_threshold > 0) and len(samples) > 0:
+    if (c.early_termination > 0 or c.weight_threshold > 0) and (len(samples) > 0 or slab is not None):
         # one no-grad pass: drop samples behind an opaque prefix (early termination; the survivors keep their
         # transmittance) and skip the colour of samples that barely show (DVGO's fast_color_thres)
         with torch.no_grad():
@@ -134,13 +142,14 @@ def march(
                     chosen &= rows_in_rays(len(samples), offsets)
                 model.fine.collect(samples.points[chosen], model.grid_shape)
             thresholds = (depth, offsets, c.early_termination, c.weight_threshold)
+            start = None if slab is None else slab.start_depth(depth, offsets)  # (B,): the other slab's
             if sizes is None:  # the pass's one sync: the survivors (a prefix of each ray) and the shown ones
-                index, shown, alive_offsets = model.ops.visible_samples(*thresholds)
+                index, shown, alive_offsets = model.ops.visible_samples(*thresholds, start_depth=start)
                 counts[1:] = [len(index), len(shown)]
             else:  # positions are rows when nothing is dropped: then the alive capacity is the march's
                 alive_size = sizes["alive"] if c.early_termination > 0 else sizes["march"]
                 index, shown, alive_offsets, visible_totals = model.ops.visible_samples_capped(
-                    *thresholds, alive_size, sizes["shown"]
+                    *thresholds, alive_size, sizes["shown"], start_depth=start
                 )
             if c.early_termination > 0:
                 samples, offsets = samples.take(index), alive_offsets

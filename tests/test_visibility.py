@@ -31,8 +31,9 @@ def packed(counts: list[int], dtype=torch.float64, device="cpu", seed: int = 0, 
     return sd.to(dtype).to(device), offsets.to(device)
 
 
-def definition(sd, offsets, early_termination, weight_threshold):
-    """Per ray, as written, in float64: S_i the sum of min(s_j, 100) over the earlier samples, alive where
+def definition(sd, offsets, early_termination, weight_threshold, start=None):
+    """Per ray, as written, in float64: S_i the ray's start (0 without) plus the sum of min(s_j, 100) over the
+    earlier samples, alive where
     S_i < -log(early_termination), shown where also exp(-S_i) (1 - exp(-s_i)) > weight_threshold. Returns the (N,)
     bool masks alive, shown and the (N,) margins by which each decision cleared its threshold (in log space)."""
     sd, offsets = sd.detach().cpu().double(), offsets.cpu()
@@ -40,7 +41,7 @@ def definition(sd, offsets, early_termination, weight_threshold):
     margin = torch.full((len(sd),), math.inf, dtype=torch.float64)
     limit = -math.log(early_termination) if early_termination > 0 else math.inf
     for b in range(offsets.shape[0] - 1):
-        above = 0.0
+        above = 0.0 if start is None else float(start[b])
         for i in range(int(offsets[b]), int(offsets[b + 1])):
             weight = math.exp(-above) * -math.expm1(-float(sd[i]))
             alive[i] = above < limit
@@ -118,6 +119,56 @@ def test_no_samples_and_no_rays(device, fn):
 def test_opcheck():
     sd, offsets = packed(COUNTS, seed=3)
     torch.library.opcheck(torch.ops.cuda_ext.visible_samples.default, (sd, offsets, 1e-3, 1e-3))
+    start = starts(len(offsets) - 1, sd.dtype, "cpu")
+    torch.library.opcheck(torch.ops.cuda_ext.visible_samples.default, (sd, offsets, 1e-3, 1e-3, start))
+
+
+def starts(rays: int, dtype, device, seed: int = 9) -> torch.Tensor:
+    """(B,) start depths: a third 0, the rest in (0, 8) (past -log(1e-3) = 6.9 a ray is dead from its start)."""
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.rand(rays, generator=generator, dtype=torch.float64) * 8.0
+    start[torch.rand(rays, generator=generator) < 1 / 3] = 0.0
+    return start.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("thresholds", THRESHOLDS)
+def test_a_start_depth_matches_the_definition_in_float64(device, fn, thresholds):
+    """start_depth: the optical depth in front of each ray's first sample (the space split's back slab)."""
+    sd, offsets = packed(COUNTS * 3, device=device, seed=6)
+    start = starts(len(offsets) - 1, sd.dtype, device)
+    alive, shown, margin = definition(sd, offsets, *thresholds, start=start.cpu())
+    assert bool((margin > 1e-9).all())
+    got_alive, got_shown = as_masks(fn(sd, offsets, *thresholds, start_depth=start), len(sd))
+    assert torch.equal(got_alive, alive) and torch.equal(got_shown, shown)
+    without, _, _ = definition(sd, offsets, *thresholds)
+    if thresholds[0] > 0:  # the start ends some rays early and others before their first sample
+        assert int(alive.sum()) < int(without.sum())
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_start_depth_on_cuda_equals_cpu(dtype, poison_cuda_cache):
+    sd, offsets = packed(COUNTS * 500, dtype=dtype, seed=7)
+    start = starts(len(offsets) - 1, dtype, "cpu")
+    want = cuda_ext.visible_samples(sd, offsets, 1e-3, 1e-3, start)
+    want_capped = cuda_ext.visible_samples_capped(sd, offsets, 1e-3, 1e-3, 5000, 2000, start)
+    poison_cuda_cache()
+    got = cuda_ext.visible_samples(sd.cuda(), offsets.cuda(), 1e-3, 1e-3, start.cuda())
+    got_capped = cuda_ext.visible_samples_capped(sd.cuda(), offsets.cuda(), 1e-3, 1e-3, 5000, 2000, start.cuda())
+    for g, w in zip((*got, *got_capped), (*want, *want_capped)):
+        assert g.device.type == "cuda" and torch.equal(g.cpu(), w)
+
+
+@pytest.mark.parametrize("fn", [cuda_ext.visible_samples_capped, reference.visible_samples_capped])
+def test_the_capped_op_takes_the_start_depth_too(fn):
+    sd, offsets = packed(COUNTS * 3, seed=8)
+    start = starts(len(offsets) - 1, sd.dtype, "cpu")
+    index, keep, alive_offsets = reference.visible_samples(sd, offsets, 1e-3, 1e-3, start)
+    got = fn(sd, offsets, 1e-3, 1e-3, len(index) + 5, len(keep) + 3, start_depth=start)
+    assert torch.equal(got[0][: len(index)], index) and torch.equal(got[1][: len(keep)], keep)
+    assert torch.equal(got[2], alive_offsets) and got[3].tolist() == [len(index), len(keep)]
 
 
 @pytest.mark.parametrize("fn", FNS)
@@ -137,6 +188,13 @@ def test_opcheck():
             TypeError,
             "optical_depth must be a torch.Tensor",
         ),
+        (
+            lambda a: {**a, "start_depth": torch.zeros(3, dtype=torch.float64)},
+            ValueError,
+            r"start_depth must have shape",
+        ),
+        (lambda a: {**a, "start_depth": torch.zeros(len(COUNTS))}, TypeError, "start_depth must have optical_depth's"),
+        (lambda a: {**a, "start_depth": [0.0] * len(COUNTS)}, TypeError, "start_depth must be a torch.Tensor"),
     ],
 )
 def test_bad_input_names_the_argument(fn, change, error, match):
@@ -153,3 +211,7 @@ def test_the_cpu_kernel_checks_what_the_wrapper_checks():
         torch.ops.cuda_ext.visible_samples(sd, past_the_end(offsets), 1e-3, 1e-3)
     with pytest.raises(RuntimeError, match="early_termination must be in"):
         torch.ops.cuda_ext.visible_samples(sd, offsets, -1.0, 1e-3)
+    with pytest.raises(RuntimeError, match="start_depth must have shape"):
+        torch.ops.cuda_ext.visible_samples(sd, offsets, 1e-3, 1e-3, sd[:3])
+    with pytest.raises(RuntimeError, match="start_depth must have optical_depth's dtype"):
+        torch.ops.cuda_ext.visible_samples_capped(sd, offsets, 1e-3, 1e-3, 8, 8, sd.new_zeros(len(COUNTS)).float())

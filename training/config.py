@@ -119,6 +119,7 @@ class TrainConfig:
     tf32: bool = True  # CUDA matmuls (the decoder) on TF32 tensor cores
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0
+    parallel: str = "data"  # under torchrun: data | space (training.space_parallel)
     dist_grad_sync: str = "touched"  # touched | dense (training.distributed)
     shard_optimizer: Any = "auto"  # auto | true | false: the grids' Adam sharded over the ranks (training.sharded_adam)
     random_background: bool = False

@@ -196,6 +196,7 @@ def _check_train(cfg: DictConfig) -> None:
     _check_batch_form(cfg)
     _check_nonnegative_number(cfg, "train.dist_timeout")
     _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
+    _check_choice(cfg, "train.parallel", ("data", "space"), "parallel split")
     shard = _get(cfg, "train.shard_optimizer")
     if shard is not _ABSENT and str(shard).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"train.shard_optimizer: expected auto, true or false, got {shard!r}")

@@ -149,6 +149,22 @@ class OccupiedRows:
         return self._rows
 
 
+class OwnedRows:
+    """``rows_fn`` of a rank of ``train.parallel=space``: the rows of ``rows_fn`` in its slab (``owned``), computed
+    again only when ``rows_fn`` returns other rows."""
+
+    def __init__(self, rows_fn, owned):
+        self.rows_fn, self.owned = rows_fn, owned
+        self._source: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        source = self.rows_fn()
+        if source is not self._source:
+            self._rows, self._source = self.owned(source), source
+        return self._rows
+
+
 def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """The trainer's Adam over its model's param_groups: dense (``torch.optim.Adam``, fused on CUDA), sharded over
     torchrun's ranks (:class:`ShardedGridAdam`), masked or on the occupied voxels (:class:`SparseGridAdam`), exact
@@ -161,12 +177,16 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
         entry["initial_lr"] = entry["lr"]
     eps = float(cfg.get("adam_eps", 1e-8))
     mode = sparse_adam_mode(cfg.get("sparse_adam", False))
-    sharded = mode == "off" and shard_optimizer(cfg.get("shard_optimizer", "auto"), group)
-    touched_sync = group.active and not sharded and cfg.get("dist_grad_sync", "touched") != "dense"
+    space = getattr(model, "space_split", None)  # train.parallel=space: no gradient exchange but the plane's
+    split = space is not None
+    sharded = mode == "off" and not split and shard_optimizer(cfg.get("shard_optimizer", "auto"), group)
+    touched_sync = group.active and not sharded and not split and cfg.get("dist_grad_sync", "touched") != "dense"
     # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
     # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
     model.touched.enabled = (mode in ("masked", "exact") and not group.active) or touched_sync
     model.touched.reader = model.touched.flusher = model.touched.union = None
+    if split:  # the ranks' slabs exchanged before every whole-grid read
+        model.touched.flusher = space.gather
     if mode == "exact" and group.active and not touched_sync:
         raise ConfigError("train.sparse_adam: exact under torchrun steps the touched rows: dist_grad_sync=touched")
     if mode == "exact":  # under torchrun: every rank replays the union of the rows read, steps the synced union
@@ -185,6 +205,9 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
         # the fine pool (bricks on the surfaces seen) by gradient: stepped whole, it cost mic 800 more than its rays
         # and every grid's gradient kept between steps (no fill of the grids' size a step)
         ops, rows_fn = trainer.ops, OccupiedRows(model.occupancy)
+        if split:  # train.parallel=space: this rank's slab of them
+            occupied, owned = rows_fn, space.owned_rows
+            rows_fn = OwnedRows(occupied, owned)
         return SparseGridAdam(
             groups, ops.sparse_adam_step, betas=betas, eps=eps, rows_fn=rows_fn,
             masked_fn=ops.masked_adam_step, by_gradient=("fine",), keep_listed=True,

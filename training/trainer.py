@@ -30,6 +30,7 @@ from training.resume import restore_trainer
 from training.run_checkpoints import RunCheckpoints
 from training.run_dir import RunPaths, write_json
 from training.sharded_adam import ShardedGridAdam
+from training.space_parallel import SpaceParallel
 from training.timing import process_seconds
 
 EXIT_OK = 0
@@ -98,6 +99,8 @@ class Trainer:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.sampler: RaySampler | PatchSampler | None = None  # built by fit(): render_only needs none
+        split = self.group.active and cfg.train.get("parallel", "data") == "space"
+        self.space = SpaceParallel(self) if split else None  # train.parallel=space: this rank's half of the voxels
         self.optimizer = self._new_optimizer()
         self.step = 0
         self.history: dict[str, list[float]] = {"step": [], "loss": [], "psnr": []}
@@ -164,7 +167,8 @@ class Trainer:
             self._set_learning_rates()
             with profiler.section("sampling"):
                 batch = self.sampler.sample()  # the global batch: every rank draws the same one
-                batch = batch.shard(self.group.rank, self.group.world) if self.group.active else batch
+                shard = self.group.active and self.space is None  # data-parallel: this rank's share of the rays
+                batch = batch.shard(self.group.rank, self.group.world) if shard else batch
                 background, target = self._training_background(batch)
             # the TV estimate before the forward: a replaying Adam catches up the rows it reads in place, which
             # must not happen to a grid the forward's lookups have already saved for their backward; through
@@ -179,18 +183,13 @@ class Trainer:
             with profiler.section("loss_backward"):
                 loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                (loss if self.space is None else loss / 2.0).backward()  # space: see models.space_split
                 self.model.row_grads.scatter()  # model.tv_sparse_grad: the TV rows' gradients onto the grids'
             with profiler.section("tv_gradient"):
                 deferred = self.model.deferred_regularization()  # the TV's value, its gradient added in place
                 loss = loss if deferred is None else loss.detach() + deferred
-            with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients averaged
-                grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
-                sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
-                sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
-                touched = self.group.active and self.model.touched.enabled  # the touched-rows sync reads the marks
-                marks = self.model.touched.mask(self.model.grid_shape) if touched else None
-                self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
+            with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients combined
+                self._sync_gradients()
             with profiler.section("optimizer"):
                 self.optimizer.step()
             if profiler.enabled and not isinstance(self.optimizer, (SparseGridAdam, LazyGridAdam)):  # dense only
@@ -199,10 +198,10 @@ class Trainer:
             with profiler.section("schedule"):
                 if self.model.on_step(self.step, self.iters):
                     self._rebuild_optimizer()
-        rays = batch.origins.numel() // 3 * self.group.world  # the job's rays, for rays/s
+        rays = batch.origins.numel() // 3 * (self.group.world if self.space is None else 1)  # the job's rays
         self.rays_done += rays
         self._count_samples(out.get("samples"))
-        self.pixels_done += batch.rgb.numel() // 3 * self.group.world
+        self.pixels_done += batch.rgb.numel() // 3 * (self.group.world if self.space is None else 1)
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
 
@@ -224,6 +223,19 @@ class Trainer:
             self.pending_samples = []
         if self.model.capacities is not None:
             self.model.capacities.review()
+
+    def _sync_gradients(self) -> None:
+        """Under torchrun: the gradients averaged over the ranks' shares of the rays (data-parallel), or combined
+        over their halves of the voxels (``train.parallel=space``)."""
+        if self.space is not None:  # the decoder's summed, the grids' shared plane
+            self.space.sync_gradients()
+            return
+        grids = [self.model.density.grid, self.model.features.grid]  # row-sparse: voxels touched
+        sharded = isinstance(self.optimizer, ShardedGridAdam)  # it reduce-scatters the grids itself
+        sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
+        touched = self.group.active and self.model.touched.enabled  # the touched-rows sync reads the marks
+        marks = self.model.touched.mask(self.model.grid_shape) if touched else None
+        self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
 
     def _training_background(self, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(background, target) for a batch: with ``train.random_background`` and a scene with alpha, a random
@@ -349,6 +361,8 @@ class Trainer:
     def _gather_optimizer_state(self) -> None:
         """Before a save, on every rank: the optimiser's state whole and current (training.optim)."""
         prepare_for_whole_reads(self.optimizer)
+        if self.space is not None:  # every rank's slab of the grids and their moments, for rank 0's checkpoint
+            self.space.gather(moments=True)
 
     def restore(self, state: dict, with_training_state: bool) -> None:
         """Load a checkpoint (training.resume.restore_trainer)."""

@@ -62,12 +62,13 @@ std::tuple<at::Tensor, at::Tensor> volume_render_backward_cpu(
 // threshold) -> (index (A,), keep (K,) positions in index, offsets (B + 1,) of the alive samples per ray).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> visible_samples_cpu(const at::Tensor& optical_depth,
                                                                    const at::Tensor& ray_offsets,
-                                                                   double early_termination, double weight_threshold);
+                                                                   double early_termination, double weight_threshold,
+                                                                   const std::optional<at::Tensor>& start_depth);
 // visible_samples_capped: the same into outputs of fixed sizes with no host sync (visibility.h) -> (index (Ca,),
 // keep (Cs,), offsets (B + 1,) clamped to Ca, totals (2,) int64: A and K).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_samples_capped_cpu(
     const at::Tensor& optical_depth, const at::Tensor& ray_offsets, double early_termination, double weight_threshold,
-    int64_t alive_capacity, int64_t shown_capacity);
+    int64_t alive_capacity, int64_t shown_capacity, const std::optional<at::Tensor>& start_depth);
 
 // march_rays: packed samples of (B, 3) rays where the (R0, R1, R2) occupancy grid is set -> (ray (N,),
 // t (N,), points (N, 3) in grid coordinates, ray_offsets (B + 1,)); t_split given: the contracted space.
@@ -137,10 +138,11 @@ std::tuple<at::Tensor, at::Tensor> volume_render_backward_cuda(
     const at::Tensor& out, const at::Tensor& opacity, const at::Tensor& depth, double early_stop);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> visible_samples_cuda(const at::Tensor& optical_depth,
                                                                     const at::Tensor& ray_offsets,
-                                                                    double early_termination, double weight_threshold);
+                                                                    double early_termination, double weight_threshold,
+                                                                    const std::optional<at::Tensor>& start_depth);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_samples_capped_cuda(
     const at::Tensor& optical_depth, const at::Tensor& ray_offsets, double early_termination, double weight_threshold,
-    int64_t alive_capacity, int64_t shown_capacity);
+    int64_t alive_capacity, int64_t shown_capacity, const std::optional<at::Tensor>& start_depth);
 at::Tensor trilinear_interpolate_cuda(const at::Tensor& feats, const at::Tensor& points);
 std::tuple<at::Tensor, at::Tensor> trilinear_interpolate_backward_cuda(const at::Tensor& grad_out,
                                                                        const at::Tensor& feats,

@@ -52,11 +52,12 @@ TORCH_LIBRARY(cuda_ext, m) {
       "distortion_loss_backward(Tensor grad, Tensor optical_depth, Tensor t_start, Tensor t_end, "
       "Tensor ray_offsets) -> Tensor");
   m.def(
-      "visible_samples(Tensor optical_depth, Tensor ray_offsets, float early_termination, float weight_threshold) "
-      "-> (Tensor, Tensor, Tensor)");
+      "visible_samples(Tensor optical_depth, Tensor ray_offsets, float early_termination, float weight_threshold, "
+      "Tensor? start_depth=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "visible_samples_capped(Tensor optical_depth, Tensor ray_offsets, float early_termination, "
-      "float weight_threshold, int alive_capacity, int shown_capacity) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float weight_threshold, int alive_capacity, int shown_capacity, Tensor? start_depth=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "march_rays(Tensor origins, Tensor directions, Tensor t_start, Tensor t_end, Tensor offset, "
       "Tensor occupancy, Tensor box, float step, int max_samples, Tensor? t_split=None) "

@@ -3,7 +3,8 @@
 // CPU kernel (cpu/visibility.cpp) and the CUDA kernel (cuda/visibility.cu).
 //
 // For the samples i of ray b, [ray_offsets[b], ray_offsets[b + 1]), in order along the ray:
-//   S_i = sum_{j<i} min(s_j, OPAQUE)   (summed in float64, then rounded to the input's type),
+//   S_i = start_b + sum_{j<i} min(s_j, OPAQUE)   (summed in float64, then rounded to the input's type; start_b:
+//   the optional start_depth (B,), the optical depth in front of the ray's first sample, else 0),
 //   alive_i = S_i < -log(early_termination)   (every sample when early_termination = 0),
 //   w_i = exp(-S_i) * -expm1(-s_i),   shown_i = alive_i and w_i > weight_threshold.
 // S only grows along a ray, so its alive samples are a prefix of it. The outputs list them compactly:
@@ -19,6 +20,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 
 #include "kernel_common.h"
 
@@ -37,7 +39,8 @@ inline scalar_t alive_limit(double early_termination) {
 }
 
 inline void check_visibility_inputs(const at::Tensor& optical_depth, const at::Tensor& ray_offsets,
-                                    double early_termination, double weight_threshold, at::DeviceType device) {
+                                    double early_termination, double weight_threshold,
+                                    const std::optional<at::Tensor>& start_depth, at::DeviceType device) {
   const char* op = "visible_samples";
   TORCH_CHECK(optical_depth.dim() == 1, op, ": optical_depth must have shape (N,), got ", optical_depth.sizes());
   TORCH_CHECK(optical_depth.scalar_type() == at::kFloat || optical_depth.scalar_type() == at::kDouble, op,
@@ -54,6 +57,15 @@ inline void check_visibility_inputs(const at::Tensor& optical_depth, const at::T
               early_termination);
   TORCH_CHECK(weight_threshold >= 0.0 && weight_threshold < 1.0, op, ": weight_threshold must be in [0, 1), got ",
               weight_threshold);
+  if (!start_depth) return;
+  TORCH_CHECK(start_depth->dim() == 1 && start_depth->size(0) == ray_offsets.size(0) - 1, op,
+              ": start_depth must have shape (B,) = (", ray_offsets.size(0) - 1, ",), got ", start_depth->sizes());
+  TORCH_CHECK(start_depth->scalar_type() == optical_depth.scalar_type(), op,
+              ": start_depth must have optical_depth's dtype (", optical_depth.scalar_type(), "), got ",
+              start_depth->scalar_type());
+  TORCH_CHECK(start_depth->device() == optical_depth.device(), op,
+              ": start_depth must be on the same device as optical_depth (", optical_depth.device(), "), got ",
+              start_depth->device());
 }
 
 // visible_samples_capped's output sizes.

@@ -29,9 +29,10 @@ constexpr int kBlockThreads = 256;  // 8 rays per block
 // then hold the scanned offsets, alive clamped to the capacity when capped).
 template <typename scalar_t, bool kWrite>
 __global__ void __launch_bounds__(kBlockThreads)
-    visibility_kernel(const scalar_t* __restrict__ sd, const int64_t* __restrict__ offsets, int64_t rays, int64_t n,
-                      scalar_t limit, scalar_t threshold, int64_t* __restrict__ alive, int64_t* __restrict__ shown,
-                      int64_t* __restrict__ index, int64_t* __restrict__ keep, int64_t shown_size) {
+    visibility_kernel(const scalar_t* __restrict__ sd, const int64_t* __restrict__ offsets,
+                      const scalar_t* __restrict__ start, int64_t rays, int64_t n, scalar_t limit, scalar_t threshold,
+                      int64_t* __restrict__ alive, int64_t* __restrict__ shown, int64_t* __restrict__ index,
+                      int64_t* __restrict__ keep, int64_t shown_size) {
   const int lane = threadIdx.x % kWarp;
   const int64_t b = (int64_t(blockIdx.x) * kBlockThreads + threadIdx.x) / kWarp;
   if (b >= rays) return;  // whole warps leave together
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   int64_t a = kWrite ? alive[b] : 0, k = kWrite ? shown[b] : 0;
   const int64_t stop = kWrite ? alive[b + 1] : 0;  // the ray's room in index
   if (kWrite && a >= stop) return;
-  double carry = 0.0;  // the clamped optical depth of the chunks before
+  double carry = start ? double(start[b]) : 0.0;  // the start, then the clamped optical depth of the chunks before
   for (int64_t base = range.first; base < range.last; base += kWarp) {
     const int64_t i = base + lane;
     const bool valid = i < range.last;
@@ -76,11 +77,12 @@ namespace {
 // Both ops (as visible_packed_cpu): capacity absent, one sync sizes the outputs; given, they have its sizes.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_packed_cuda(
     const at::Tensor& optical_depth_in, const at::Tensor& ray_offsets_in, double early_termination,
-    double weight_threshold, std::optional<VisibleCapacity> capacity) {
-  check_visibility_inputs(optical_depth_in, ray_offsets_in, early_termination, weight_threshold, at::kCUDA);
+    double weight_threshold, const std::optional<at::Tensor>& start_in, std::optional<VisibleCapacity> capacity) {
+  check_visibility_inputs(optical_depth_in, ray_offsets_in, early_termination, weight_threshold, start_in, at::kCUDA);
   if (capacity) check_visible_capacity(*capacity);
   const c10::cuda::CUDAGuard device_guard(optical_depth_in.device());
   const at::Tensor sd = optical_depth_in.contiguous(), offsets = ray_offsets_in.contiguous();
+  const at::Tensor start_depth = start_in ? start_in->contiguous() : at::Tensor();
   const int64_t rays = offsets.size(0) - 1, n = sd.size(0);
   // row 0: the alive counts, row 1: the shown counts, at [1, B]; scanned in place into offsets
   at::Tensor counts = at::zeros({2, rays + 1}, offsets.options());
@@ -92,16 +94,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_packed_cuda(
     const auto stream = c10::cuda::getCurrentCUDAStream();
     int64_t* alive = counts.data_ptr<int64_t>();
     int64_t* shown = alive + rays + 1;
+    const scalar_t* start = start_depth.defined() ? start_depth.const_data_ptr<scalar_t>() : nullptr;
     if (rays > 0) {
-      visibility_kernel<scalar_t, false>
-          <<<blocks, kBlockThreads, 0, stream>>>(sd.const_data_ptr<scalar_t>(), offsets.const_data_ptr<int64_t>(), rays,
-                                                 n, limit, threshold, alive + 1, shown + 1, nullptr, nullptr, 0);
+      visibility_kernel<scalar_t, false><<<blocks, kBlockThreads, 0, stream>>>(
+          sd.const_data_ptr<scalar_t>(), offsets.const_data_ptr<int64_t>(), start, rays, n, limit, threshold, alive + 1,
+          shown + 1, nullptr, nullptr, 0);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       for (int row = 0; row < 2; ++row) counts[row].narrow(0, 1, rays).cumsum_(0);
     }
-    totals = counts.select(1, rays).clone();  // A and K, on the device
+    totals = counts.select(1, rays);  // A and K, on the device
     int64_t alive_size = 0, shown_size = 0;
     if (capacity) {
+      totals = totals.clone();  // the clamp below writes into counts' last column
       alive_size = capacity->alive;
       shown_size = capacity->shown;
       counts[0].clamp_max_(alive_size);
@@ -113,8 +117,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_packed_cuda(
     std::tie(index, keep) = visible_outputs(alive_size, shown_size, n, capacity.has_value(), offsets.options());
     if (alive_size > 0 && rays > 0) {
       visibility_kernel<scalar_t, true><<<blocks, kBlockThreads, 0, stream>>>(
-          sd.const_data_ptr<scalar_t>(), offsets.const_data_ptr<int64_t>(), rays, n, limit, threshold, alive, shown,
-          index.data_ptr<int64_t>(), keep.data_ptr<int64_t>(), shown_size);
+          sd.const_data_ptr<scalar_t>(), offsets.const_data_ptr<int64_t>(), start, rays, n, limit, threshold, alive,
+          shown, index.data_ptr<int64_t>(), keep.data_ptr<int64_t>(), shown_size);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
@@ -125,16 +129,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_packed_cuda(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> visible_samples_cuda(const at::Tensor& optical_depth,
                                                                     const at::Tensor& ray_offsets,
-                                                                    double early_termination, double weight_threshold) {
+                                                                    double early_termination, double weight_threshold,
+                                                                    const std::optional<at::Tensor>& start_depth) {
   auto [index, keep, offsets, totals] =
-      visible_packed_cuda(optical_depth, ray_offsets, early_termination, weight_threshold, std::nullopt);
+      visible_packed_cuda(optical_depth, ray_offsets, early_termination, weight_threshold, start_depth, std::nullopt);
   return {index, keep, offsets};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_samples_capped_cuda(
     const at::Tensor& optical_depth, const at::Tensor& ray_offsets, double early_termination, double weight_threshold,
-    int64_t alive_capacity, int64_t shown_capacity) {
-  return visible_packed_cuda(optical_depth, ray_offsets, early_termination, weight_threshold,
+    int64_t alive_capacity, int64_t shown_capacity, const std::optional<at::Tensor>& start_depth) {
+  return visible_packed_cuda(optical_depth, ray_offsets, early_termination, weight_threshold, start_depth,
                              VisibleCapacity{alive_capacity, shown_capacity});
 }
 
