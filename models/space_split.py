@@ -1,5 +1,4 @@
-"""Training's march split by space over two ranks (issue 33; a prototype: the march and its compositing, not yet
-the trainer's step).
+"""Training's march split by space over two ranks (issue 33; the trainer's side: training.space_parallel).
 
 Why: data-parallel ranks each pay a step's whole fixed cost (Adam over the occupied voxels, the gradient clears,
 the TV) and exchange every touched voxel's gradient. Split by space instead, each rank owns half of the voxels:

@@ -1,5 +1,5 @@
 """``train.parallel=space`` under torchrun with two ranks: the voxels split by space instead of the rays (issue 33;
-a prototype, built and tested on gloo; not yet timed on GPUs).
+two H200s: 1.07x one GPU on lego at the same PSNR, bench/README "The space split without its syncs").
 
 Every rank draws the whole batch and marches, shades and differentiates only the samples of its slab of the grids
 (models.space_split: rank 0 the vertices x <= p, rank 1 x >= p, p the middle vertex plane of the first axis);
@@ -15,7 +15,8 @@ the composited per-ray values are exchanged, so every rank computes the same los
   grids (two broadcasts a grid), and before a checkpoint their slabs of Adam's moments too, so that every rank
   then holds what one process would.
 Not supported (refused): a fine grid, pose refinement, the distortion loss (pairs of samples across the slabs), the
-near-density loss (a term of one slab's samples outside the exchange).
+near-density loss (a term of one slab's samples outside the exchange), a whole-grid TV (a term of each rank's loss,
+where its other slab is stale).
 """
 
 from __future__ import annotations
