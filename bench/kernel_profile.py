@@ -17,6 +17,8 @@ their places are what to read).
 ``--syncs``: then as many steps again with ``torch.cuda.set_sync_debug_mode("warn")``: every host sync the step
 makes (a count read back, an ``.item()``, a ``nonzero``), by the innermost line of this repository's code that led
 to it, per step: what a captured step (one CUDA graph) must not contain, and where the host waits for the device.
+Syncs inside this repository's C++ ops warn in C++ only (stderr), uncounted there: the profiled steps' last table
+counts every synchronising runtime call, those included, by the section and top-level call that made it.
 Pick ``first`` away from the periodic evaluations (``train.eval_every``) and the grids' growth. Without a GPU it
 profiles the host alone (the tests run it so on the CPU).
 """
@@ -150,6 +152,20 @@ def idle_by_launcher(events, steps: int, rows: int = 25) -> str:
     return "\n".join(lines)
 
 
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def waits_by_call(events, steps: int, rows: int = 15) -> str:
+    """The host's waits on the device in the profiled steps (the runtime's synchronising calls: a stream sync, a
+    blocking copy), a step, by the section and top-level call that made them. It sees the syncs inside this
+    repository's C++ ops (a count read back), which reach ``--syncs``' Python warnings only as C++ warnings on
+    stderr."""
+    waits = collections.Counter(_top_level(e) for e in events if e.name in HOST_WAITS)
+    lines = [f"{sum(waits.values()) / steps:.2f} waits a step"]
+    lines += [f"  {count / steps:6.2f}  {section:14s} {call}" for (section, call), count in waits.most_common(rows)]
+    return "\n".join(lines)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -273,6 +289,7 @@ def install(out: Path, first: int, steps: int, python: bool = False, syncs: bool
             ]
             sections = calls_by_section(profiler.events(), steps)
             idle = idle_by_launcher(profiler.events(), steps) if torch.cuda.is_available() else "(no CUDA device)"
+            waits = waits_by_call(profiler.events(), steps) if torch.cuda.is_available() else "(no CUDA device)"
             out.write_text(
                 head
                 + "\nby device time\n"
@@ -283,6 +300,8 @@ def install(out: Path, first: int, steps: int, python: bool = False, syncs: bool
                 + sections
                 + "\n\nwhere the device waited for the host\n"
                 + idle
+                + "\n\nwhere the host waited for the device (the runtime's synchronising calls)\n"
+                + waits
                 + "\n"
             )
             print(head, end="", flush=True)

@@ -89,3 +89,26 @@ def test_idle_time_is_charged_to_the_launch_before_the_kernel_after_it():
     assert lines[0] == "device span 0.10 ms a step, idle 0.06 ms a step between kernels"
     assert "0.040 ms  loss_backward  aten::mm" in text and "0.015 ms  forward        aten::cumsum" in text
     assert lines[1].split() == ["loss_backward", "0.040", "ms"] and lines[2].split() == ["forward", "0.015", "ms"]
+
+
+def test_host_waits_are_counted_by_the_call_that_made_them():
+    """Syncs inside a C++ op (a stream sync under cuda_ext::visible_samples) count, charged to that op."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_profile import waits_by_call
+
+    forward, optimizer = _event("section:forward"), _event("section:optimizer")
+    visible = _event("cuda_ext::visible_samples", forward)
+    copy = _event("aten::copy_", _event("aten::to", visible))
+    item = _event("aten::item", optimizer)
+    events = [
+        _event("cudaStreamSynchronize", copy),
+        _event("cudaMemcpyAsync", copy),  # no wait by itself
+        _event("cudaStreamSynchronize", _event("aten::_local_scalar_dense", item)),
+        _event("cudaLaunchKernel", visible),
+    ] * 2
+    lines = waits_by_call(events, steps=2).splitlines()
+    assert lines[0] == "2.00 waits a step"
+    assert sorted(line.split() for line in lines[1:]) == [
+        ["1.00", "forward", "cuda_ext::visible_samples"],
+        ["1.00", "optimizer", "aten::item"],
+    ]
