@@ -232,3 +232,12 @@ def test_a_space_split_refuses_what_it_does_not_support(tmp_path):
     ):
         pair = torchrun(2, tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.parallel=space", *extra])
         assert pair.returncode != 0 and message in ranks_output(pair)
+
+
+def test_one_process_asked_for_a_space_split_says_so_and_trains_the_whole_grids(tmp_path):
+    from test_distributed import single, tiny
+
+    result = single(tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.parallel=space"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "train.parallel=space splits a torchrun job of 2 ranks" in result.stdout
+    assert (tmp_path / "run" / "metrics.json").exists()

@@ -99,8 +99,10 @@ class Trainer:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.sampler: RaySampler | PatchSampler | None = None  # built by fit(): render_only needs none
-        split = self.group.active and cfg.train.get("parallel", "data") == "space"
-        self.space = SpaceParallel(self) if split else None  # train.parallel=space: this rank's half of the voxels
+        split = cfg.train.get("parallel", "data") == "space"
+        if split and not self.group.active:
+            print("train.parallel=space splits a torchrun job of 2 ranks; one process trains the whole grids")
+        self.space = SpaceParallel(self) if split and self.group.active else None  # this rank's half of the voxels
         self.optimizer = self._new_optimizer()
         self.step = 0
         self.history: dict[str, list[float]] = {"step": [], "loss": [], "psnr": []}
