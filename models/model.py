@@ -104,7 +104,7 @@ class VoxelNeRF(nn.Module):
         self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
         self.row_grads = RowGradients()  # model.tv_sparse_grad: the TV rows' gradients, added after the backward
         self.deferred_tv = DeferredTV()  # the trainer's TV: cells drawn before the forward, applied after the backward
-        self.space_split = None  # train.parallel=space: this rank's half of the voxels (training.space_parallel)
+        self.space_split = None  # train.parallel=space: this rank's slab of the voxels (training.space_parallel)
 
     # the schedule's state travels with the weights: state_dict "_extra_state" = (resolution, shrunk) int64
     def get_extra_state(self) -> torch.Tensor:

@@ -1,21 +1,20 @@
-"""Training's march split by space over two ranks (issue 33; the trainer's side: training.space_parallel).
+"""Training's march split by space over S ranks (issue 33; the trainer's side: training.space_parallel).
 
 Why: data-parallel ranks each pay a step's whole fixed cost (Adam over the occupied voxels, the gradient clears,
-the TV) and exchange every touched voxel's gradient. Split by space instead, each rank owns half of the voxels:
+the TV) and exchange every touched voxel's gradient. Split by space instead, each rank owns a slab of the voxels:
 it marches, looks up, shades and steps only those, and the ranks exchange a few values per ray.
 
-How: rank 0 owns the grid vertices with x <= p, rank 1 those with x >= p (the vertex plane p is shared). Every rank
-marches the whole batch through the occupancy cut to its slab, so it emits only the samples whose trilinear cell
-lies there (cell x < p: rank 0), and a sample's lookups read only its rank's vertices. Compositing is associative:
-on a ray the front slab's samples come before the back slab's, so with each slab composited from a transmittance
-of 1,
+How: the grids' first axis is cut at S - 1 vertex planes; rank r owns the vertices from plane r to plane r + 1
+(neighbours share their plane) and the cells between them (:class:`Slabs`). Every rank marches the whole batch
+through the occupancy cut to its slab, so it emits only the samples whose trilinear cell lies there, and a
+sample's lookups read only its rank's vertices. Compositing is associative: along a ray the slabs come in rank
+order (towards +x) or the reverse, and with each slab composited from a transmittance of 1,
 
-    colour = C_front + T_front C_back,  opacity = O_front + T_front O_back,  depth = D_front + T_front D_back,
+    colour = sum_k T_k C_k,  opacity = sum_k T_k O_k,  depth = sum_k T_k D_k,  T_k = prod_{j<k} (1 - O_j)
 
-where T_front = 1 - O_front (rank 0 is in front on rays going towards +x). The back slab's no-grad pass (early
-termination, the weight threshold) starts from the front's optical depth (``visible_samples``' start_depth). Two
-exchanges a step, of per-ray values only: the no-grad optical depths, and the composited (colour, opacity, depth)
-with their gradients.
+over the slabs k by position. A slab's no-grad pass (early termination, the weight threshold) starts from the
+optical depth of the slabs in front (``visible_samples``' start_depth). Two exchanges a step, of per-ray values
+only: the no-grad optical depths, and the composited (colour, opacity, depth) with their gradients.
 """
 
 from __future__ import annotations
@@ -38,88 +37,122 @@ OPAQUE_DEPTH = 100.0  # visible_samples clips each sample's optical depth at thi
 
 @dataclass(frozen=True)
 class Slabs:
-    """Rank ``rank`` of two owns the vertices x <= ``plane`` (rank 0) or x >= ``plane`` (rank 1) of the grids' first
-    axis."""
+    """Rank ``rank`` of ``len(planes) + 1`` owns a slab of the grids' first axis: the vertices from plane ``rank``
+    to plane ``rank + 1`` (``planes``: the interior vertex planes, increasing; the grid's first and last vertex
+    close the outer slabs), and the cells between them. Neighbours share their plane's vertices, not its cells."""
 
-    plane: int
+    planes: tuple[int, ...]
     rank: int
 
     def __post_init__(self):
-        if self.rank not in (0, 1) or self.plane < 1:
-            raise ValueError(f"Slabs: rank must be 0 or 1 and plane >= 1, got rank {self.rank}, plane {self.plane}")
+        edges = (0, *self.planes)
+        if not 0 <= self.rank <= len(self.planes) or not self.planes or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ValueError(
+                f"Slabs: planes must be increasing and >= 1, rank in [0, {len(self.planes)}], got planes "
+                f"{self.planes}, rank {self.rank}"
+            )
+
+    @staticmethod
+    def even(vertices: int, ranks: int, rank: int) -> Slabs:
+        """``ranks`` slabs of a first axis of ``vertices`` vertices, as even as whole cells allow."""
+        return Slabs(tuple(k * vertices // ranks for k in range(1, ranks)), rank)
+
+    @property
+    def ranks(self) -> int:
+        return len(self.planes) + 1
+
+    @property
+    def cells(self) -> tuple[int, int | None]:
+        """(first, end) cells of this slab on the first axis (end None: to the grid's last cell)."""
+        first = self.planes[self.rank - 1] if self.rank > 0 else 0
+        return first, self.planes[self.rank] if self.rank < len(self.planes) else None
 
     def owns(self, points: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
         """(N,) bool: the (N, 3) grid points whose trilinear cell is in this rank's slab."""
-        cell = cell_coords(points, shape)[0]
-        return cell < self.plane if self.rank == 0 else cell >= self.plane
+        cell, (first, end) = cell_coords(points, shape)[0], self.cells
+        return (cell >= first) & (cell < end) if end is not None else cell >= first
 
     def occupancy(self, mask: torch.Tensor) -> torch.Tensor:
         """The (R0-1, R1-1, R2-1) occupancy ``mask`` cut to this rank's slab: marched with it, ``march_rays`` emits
         exactly the samples :meth:`owns` (its cells are the lookups' trilinear cells, its sample positions a lattice
         that the mask only filters), with no filter pass and no count of its own."""
-        slab = torch.zeros_like(mask)
-        part = slice(None, self.plane) if self.rank == 0 else slice(self.plane, None)
+        slab, part = torch.zeros_like(mask), slice(*self.cells)
         slab[part] = mask[part]
         return slab
 
-    def in_front(self, directions: torch.Tensor) -> torch.Tensor:
-        """(B,) bool: the rays on which this rank's slab comes first (rank 0 towards +x; ties: rank 0)."""
-        towards_plus = directions[:, 0] >= 0
-        return towards_plus if self.rank == 0 else ~towards_plus
+
+def _in_ray_order(values: torch.Tensor, plus: torch.Tensor) -> torch.Tensor:
+    """(S, B, ...) values of the S slabs by rank -> by position along each ray: rank order on the (B,) ``plus`` rays
+    (towards +x), reversed on the others."""
+    plus = plus.view(1, -1, *([1] * (values.dim() - 2)))
+    return torch.where(plus, values, values.flip(0))
+
+
+def _gather(values: torch.Tensor, ranks: int, group) -> torch.Tensor:
+    """Every rank's ``values`` -> (ranks, *values.shape), by rank."""
+    parts = [torch.empty_like(values) for _ in range(ranks)]
+    dist.all_gather(parts, values.contiguous(), group=group)
+    return torch.stack(parts)
 
 
 class _CompositeSlabs(torch.autograd.Function):
     """This rank's (B, C) per-ray values (colour, features, opacity, depth: the opacity in column C - 2), composited
-    with the other rank's, exchanged: -> the rays' (B, C) values, split as (diffuse, features, opacity, depth).
+    with the other ranks', exchanged: -> the rays' (B, C) values, split as (diffuse, features, opacity, depth).
+    Along a ray, slab k (by position) adds T_k v_k, T_k = prod_{j<k} (1 - O_j) (every channel, opacity and depth
+    included); so d/dv_k = T_k, and through O_k, -T_k R_k, R_k being the slabs behind k composited from 1.
 
-    Every rank computes the same loss L from the composite and backpropagates L / 2: what comes after the exchange
-    (a per-pixel decoder, an appearance transform) then gets half its gradient on each rank, which the sum over the
-    ranks makes whole, and this rank's own values get their whole gradient (twice the half). One node with its
-    backward written out, where the gather, the front/back selects, the composite and the column slices were ~20
+    Every rank computes the same loss L from the composite and backpropagates L / S (S ranks): what comes after the
+    exchange (a per-pixel decoder, an appearance transform) then gets 1/S of its gradient on each rank, which the sum
+    over the ranks makes whole, and this rank's own values get their whole gradient (S times the share). One node
+    with its backward written out, where the gather, the selects, the composite and the column slices were ~20
     autograd nodes: ~40 host calls a step on the rank's critical path."""
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, in_front: torch.Tensor, rank: int, group) -> tuple[torch.Tensor, ...]:
-        values = values.contiguous()
-        parts = [torch.empty_like(values) for _ in range(2)]
-        dist.all_gather(parts, values, group=group)
-        mine = in_front[:, None]
-        first = torch.where(mine, values, parts[1 - rank])
-        second = torch.where(mine, parts[1 - rank], values)
-        seen = torch.addcmul(first, 1.0 - first[:, -2:-1], second)  # every channel, opacity and depth included
-        ctx.save_for_backward(mine, first, second)
+    def forward(ctx, values: torch.Tensor, plus: torch.Tensor, slabs: Slabs, group) -> tuple[torch.Tensor, ...]:
+        ordered = _in_ray_order(_gather(values, slabs.ranks, group), plus)  # (S, B, C) by position
+        clear = 1.0 - ordered[:, :, -2]  # (S, B): each slab's transmittance
+        trans = torch.cat([torch.ones_like(clear[:1]), clear[:-1].cumprod(0)])  # (S, B): T_k, in front of slab k
+        seen = (trans[:, :, None] * ordered).sum(0)
+        ctx.save_for_backward(plus, ordered, trans)
+        ctx.slabs = slabs
         ctx.features = values.shape[1] - DIFFUSE_CHANNELS - 2
         diffuse, features, opacity, depth = seen.split([DIFFUSE_CHANNELS, ctx.features, 1, 1], 1)
         return diffuse, features, opacity.squeeze(1), depth.squeeze(1)
 
     @staticmethod
     def backward(ctx, diffuse, features, opacity, depth):
-        mine, first, second = ctx.saved_tensors
+        plus, ordered, trans = ctx.saved_tensors
+        slabs = ctx.slabs
         grad = torch.cat([diffuse, features, opacity[:, None], depth[:, None]], 1)
-        through_front = grad.clone()  # d seen / d first: 1, and on the opacity -sum_c grad_c second_c
-        through_front[:, -2] -= (grad * second).sum(1)
-        through_back = grad * (1.0 - first[:, -2:-1])  # d seen / d second: the front's transmittance
-        return torch.where(mine, through_front, through_back) * 2.0, None, None, None
+        behind = [torch.zeros_like(grad)]  # R_k from the back: R_last = 0, R_k = v_{k+1} + (1 - O_{k+1}) R_{k+1}
+        for k in range(slabs.ranks - 1, 0, -1):
+            behind.append(torch.addcmul(ordered[k], 1.0 - ordered[k, :, -2:-1], behind[-1]))
+        behind = torch.stack(behind[::-1])  # (S, B, C) by position
+        position = (slabs.rank, slabs.ranks - 1 - slabs.rank)  # this rank's on the plus rays, on the others
+        mine_trans = torch.where(plus, trans[position[0]], trans[position[1]])[:, None]  # (B, 1)
+        mine_behind = torch.where(plus[:, None], behind[position[0]], behind[position[1]])
+        through = grad * mine_trans
+        through[:, -2] -= mine_trans[:, 0] * (grad * mine_behind).sum(1)
+        return through * float(slabs.ranks), None, None, None
 
 
 @dataclass(frozen=True)
 class SlabPass:
     """What :func:`models.render_views.march` needs to march one rank's slab: the occupancy cut to it
-    (:meth:`Slabs.occupancy`) and, before the no-grad pass, the front slab's optical depth on each ray."""
+    (:meth:`Slabs.occupancy`) and, before the no-grad pass, the optical depth of the slabs in front on each ray."""
 
     occupancy: torch.Tensor
-    front: torch.Tensor  # (B,) bool: the rays on which this slab comes first
-    rank: int
+    plus: torch.Tensor  # (B,) bool: the rays towards +x (the slabs in rank order)
+    slabs: Slabs
     group: Any = None
 
     def start_depth(self, depth: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """(B,) the optical depth in front of this slab's samples on each ray: 0 where this slab is in front, else
-        the other slab's clamped sum, exchanged (this rank sends its own: the (N,) optical depths of its samples,
-        packed by ray along the (B + 1,) ``offsets``, the rows past ``offsets[-1]`` padding)."""
-        totals = ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets)
-        parts = [torch.empty_like(totals) for _ in range(2)]
-        dist.all_gather(parts, totals, group=self.group)
-        return torch.where(self.front, 0.0, parts[1 - self.rank])
+        """(B,) the optical depth in front of this slab's samples on each ray: the clamped sums of the slabs in front,
+        exchanged (this rank sends its own: the (N,) optical depths of its samples, packed by ray along the (B + 1,)
+        ``offsets``, the rows past ``offsets[-1]`` padding)."""
+        totals = _gather(ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets), self.slabs.ranks, self.group)  # (S, B)
+        rank = self.slabs.rank
+        return torch.where(self.plus, totals[:rank].sum(0), totals[rank + 1 :].sum(0))
 
 
 def ray_sums(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -141,17 +174,17 @@ def split_march(
     views: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Training's march of B rays ((B, 3) origins and unit directions, (B,) sample offsets, optional (B,) training
-    images) by this rank's slab, composited with the other rank's over ``group`` (two ranks) -> dict(diffuse (B, 3),
+    images) by this rank's slab, composited with the other ranks' over ``group`` -> dict(diffuse (B, 3),
     features (B, F-3), depth (B,), opacity (B,), samples: this rank's count, packed: this rank's samples'
     RenderedSamples), what ``model.march`` returns up to float rounding (bounded space, no pose refinement, no
     touched-row marks). Every rank passes the same rays; ``occupancy``: the occupancy mask cut to the slab
     (:meth:`Slabs.occupancy`, kept by the caller between refreshes), else cut here. The slab's own march is
     :func:`models.render_views.march` (with ``model.capped_samples``, in fixed sample capacities)."""
     occupancy = slabs.occupancy(model.occupancy.mask) if occupancy is None else occupancy
-    slab = SlabPass(occupancy, slabs.in_front(directions), slabs.rank, group)
+    slab = SlabPass(occupancy, directions[:, 0] >= 0, slabs, group)
     out = render_views.march(model, origins, directions, jitter, views, slab=slab)
     local = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None], out["depth"][:, None]], 1)
-    diffuse, features, opacity, depth = _CompositeSlabs.apply(local, slab.front, slabs.rank, group)
+    diffuse, features, opacity, depth = _CompositeSlabs.apply(local, slab.plus, slabs, group)
     return {
         "diffuse": diffuse,
         "features": features,

@@ -1,6 +1,7 @@
-"""models.space_split (issue 33, prototype): two gloo ranks, each marching, shading and differentiating only the
+"""models.space_split (issue 33): gloo ranks (two and three), each marching, shading and differentiating only the
 samples of its slab, composite across the slabs what one process's ``model.march`` renders, and their gradients
-are one process's: each rank's on its own vertices, their sum on the shared plane, their sum for the decoder."""
+are one process's: each rank's on its own vertices, the two owners' sum on a shared plane, their sum for the
+decoder."""
 
 from __future__ import annotations
 
@@ -44,56 +45,76 @@ def gradients(model) -> dict:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _rank(rank: int, init_file: str, out: str, shading: str, capped: bool) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _rank(rank: int, ranks: int, init_file: str, out: str, shading: str, capped: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks)
     try:
         model, origins, directions, jitter = scene(shading)
         if capped:  # fixed sample capacities with room to spare: padding rows past every slab's samples
             model.capacities = SampleCapacities()
             model.capacities.measured(40_000, 30_000, 20_000)
-        slabs = Slabs(model.grid_shape[0] // 2, rank)
+        slabs = Slabs.even(model.grid_shape[0], ranks, rank)
         result = split_march(model, slabs, origins, directions, jitter)
-        (loss_of(result) / 2).backward()  # each rank half the loss (models.space_split._GatherRays)
+        (loss_of(result) / ranks).backward()  # each rank 1/S of the loss (models.space_split._CompositeSlabs)
         detached = {key: result[key].detach() for key in OUTPUTS}
         torch.save({"out": detached, "grads": gradients(model), "samples": int(result["samples"])}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shading, capped", [("deferred", False), ("per_sample", False), ("per_sample", True)])
-def test_two_slabs_render_and_differentiate_what_one_march_does(tmp_path, shading, capped):
-    mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path / "out"), shading, capped), nprocs=2)
-    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(2)]
+def vertex_rows(slabs: Slabs, vertices: int) -> tuple[int, int]:
+    """(first, last) vertex rows of ``slabs``' rank on the first axis, its planes included."""
+    first, end = slabs.cells
+    return first, vertices - 1 if end is None else end
+
+
+@pytest.mark.parametrize(
+    "shading, capped, count",
+    [("deferred", False, 2), ("per_sample", False, 2), ("per_sample", True, 2), ("per_sample", False, 3),
+     ("deferred", True, 3)],
+)  # fmt: skip
+def test_slabs_render_and_differentiate_what_one_march_does(tmp_path, shading, capped, count):
+    mp.spawn(_rank, args=(count, str(tmp_path / "init"), str(tmp_path / "out"), shading, capped), nprocs=count)
+    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in range(count)]
     model, origins, directions, jitter = scene(shading)
     want = march(model, origins, directions, jitter)
     loss_of(want).backward()
     for rank in ranks:
         for key in OUTPUTS:
             torch.testing.assert_close(rank["out"][key], want[key].detach(), atol=1e-10, rtol=1e-9)
-    assert ranks[0]["samples"] > 0 and ranks[1]["samples"] > 0
-    assert ranks[0]["samples"] + ranks[1]["samples"] == int(want["samples"])
-    plane = model.grid_shape[0] // 2
-    reference = gradients(model)
-    for name, grad in reference.items():
+    assert all(rank["samples"] > 0 for rank in ranks)
+    assert sum(rank["samples"] for rank in ranks) == int(want["samples"])
+    r0 = model.grid_shape[0]
+    slabs = [Slabs.even(r0, count, rank) for rank in range(count)]
+    close = {"atol": 1e-10, "rtol": 1e-9}
+    for name, grad in gradients(model).items():
         got = [rank["grads"].get(name, torch.zeros_like(grad)) for rank in ranks]
-        if name.endswith(".grid"):  # each rank's own vertices; the plane's from both
-            assert got[0][plane + 1 :].abs().max() == 0 and got[1][:plane].abs().max() == 0
-            torch.testing.assert_close(got[0][:plane], grad[:plane], atol=1e-10, rtol=1e-9)
-            torch.testing.assert_close(got[1][plane + 1 :], grad[plane + 1 :], atol=1e-10, rtol=1e-9)
-            torch.testing.assert_close(got[0][plane] + got[1][plane], grad[plane], atol=1e-10, rtol=1e-9)
-            assert grad[:plane].abs().sum() > 0 and grad[plane + 1 :].abs().sum() > 0
-        else:  # the decoder: each rank's samples' share
-            torch.testing.assert_close(got[0] + got[1], grad, atol=1e-10, rtol=1e-9)
+        if not name.endswith(".grid"):  # the decoder: each rank's samples' share
+            torch.testing.assert_close(sum(got), grad, **close)
+            continue
+        for rank, slab in enumerate(slabs):  # each rank's own vertices; a plane's from its two owners
+            first, last = vertex_rows(slab, r0)
+            assert not got[rank][:first].any() and not got[rank][last + 1 :].any()
+            torch.testing.assert_close(got[rank][first + 1 : last], grad[first + 1 : last], **close)
+            assert grad[first + 1 : last].abs().sum() > 0
+        for plane in slabs[0].planes:
+            torch.testing.assert_close(sum(g[plane] for g in got), grad[plane], **close)
+        torch.testing.assert_close(got[0][0], grad[0], **close)
+        torch.testing.assert_close(got[-1][-1], grad[-1], **close)
 
 
-def test_slabs_split_the_cells_at_the_plane():
+def test_slabs_split_the_cells_at_their_planes():
     shape = (9, 5, 5)
     x = torch.linspace(-1.0, 1.0, 41, dtype=torch.float64)
     points = torch.stack([x, torch.zeros_like(x), torch.zeros_like(x)], 1)
-    zero, one = Slabs(4, 0).owns(points, shape), Slabs(4, 1).owns(points, shape)
+    zero, one = Slabs((4,), 0).owns(points, shape), Slabs((4,), 1).owns(points, shape)
     assert torch.equal(zero, ~one) and zero[:20].all() and one[20:].all()  # cell 4 starts at x = 0
-    with pytest.raises(ValueError, match="rank must be 0 or 1"):
-        Slabs(4, 2)
+    three = [Slabs.even(9, 3, rank) for rank in range(3)]
+    assert three[0].planes == (3, 6) and [slab.cells for slab in three] == [(0, 3), (3, 6), (6, None)]
+    owned = torch.stack([slab.owns(points, shape) for slab in three]).int()
+    assert torch.equal(owned.sum(0), torch.ones(41, dtype=torch.int))  # every point in exactly one slab
+    for bad in (((4,), 2), ((), 0), ((4, 4), 0), ((0,), 0)):
+        with pytest.raises(ValueError, match="planes must be increasing"):
+            Slabs(*bad)
 
 
 def test_ray_sums_sum_each_ray_and_leave_the_padding_out():
@@ -107,42 +128,50 @@ def test_ray_sums_sum_each_ray_and_leave_the_padding_out():
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
 
 
-def space_split_of(model, rank: int) -> SpaceParallel:
+def space_split_of(model, rank: int, ranks: int = 2) -> SpaceParallel:
     """A rank's SpaceParallel on ``model`` without a trainer or a process group (its TV draws need neither)."""
     split = SpaceParallel.__new__(SpaceParallel)
-    split.model, split.group = model, SimpleNamespace(rank=rank, world=2)
+    split.model, split.group = model, SimpleNamespace(rank=rank, world=ranks)
     return split
 
 
-def test_the_tv_cells_are_stratified_by_slab_and_each_rank_keeps_its_own():
+@pytest.mark.parametrize("count", [2, 3])
+def test_the_tv_cells_are_stratified_by_slab_and_each_rank_keeps_its_own(count):
     model = scene("deferred")[0]
     r0, r1, r2 = model.grid_shape
-    plane, samples, count = r0 // 2, 4000, (r0 - 1) * (r1 - 1) * (r2 - 1)
+    samples, cells, layer = 4000, (r0 - 1) * (r1 - 1) * (r2 - 1), (r1 - 1) * (r2 - 1)
     draws, parts = [], []
-    for rank in (0, 1):
+    for rank in range(count):
         torch.manual_seed(11)
-        split = space_split_of(model, rank)
+        split = space_split_of(model, rank, count)
         draws.append(split.draw_cells(samples, torch.device("cpu")))
         parts.append(split.owned_cells(draws[-1]))
-    assert torch.equal(draws[0], draws[1])  # the ranks' random streams stay in step
-    (mine0, share0), (mine1, share1) = parts
-    assert len(mine0) + len(mine1) == samples and abs(len(mine0) / samples - share0) < 1 / samples
-    x0, x1 = (torch.div(m, (r1 - 1) * (r2 - 1), rounding_mode="floor") for m in (mine0, mine1))
-    assert (x0 < plane).all() and (x1 >= plane).all() and x0.min() == 0 and x1.max() == r0 - 2
-    assert share0 + share1 == pytest.approx(1.0) and share0 == pytest.approx(plane / (r0 - 1))
+    assert all(torch.equal(draw, draws[0]) for draw in draws)  # the ranks' random streams stay in step
+    assert sum(len(mine) for mine, _ in parts) == samples and sum(share for _, share in parts) == pytest.approx(1.0)
+    for rank, (mine, share) in enumerate(parts):
+        first, end = Slabs.even(r0, count, rank).cells
+        x = torch.div(mine, layer, rounding_mode="floor")
+        assert x.min() == first and x.max() == (r0 - 2 if end is None else end - 1)  # its own cells, all of them
+        assert share == pytest.approx(((r0 - 1 if end is None else end) - first) / (r0 - 1))
+        assert abs(len(mine) / samples - share) < count / samples  # in proportion, to a draw or two
     # the stratified estimate of a cell function's mean is unbiased: here the mean flat cell index
-    estimate = share0 * mine0.double().mean() + share1 * mine1.double().mean()
-    assert float(estimate) == pytest.approx((count - 1) / 2, rel=0.02)
+    estimate = sum(share * mine.double().mean() for mine, share in parts)
+    assert float(estimate) == pytest.approx((cells - 1) / 2, rel=0.02)
+    few = space_split_of(model, 0, count).draw_cells(count, torch.device("cpu"))  # one draw a stratum at least
+    assert len(few) == count and all(
+        len(space_split_of(model, r, count).owned_cells(few)[0]) == 1 for r in range(count)
+    )
 
 
-def test_each_rank_steps_its_own_slab_by_its_stratum_of_the_tv():
+@pytest.mark.parametrize("count", [2, 3])
+def test_each_rank_steps_its_own_slab_by_its_stratum_of_the_tv(count):
     """DeferredTV under a split: each rank's gradient lies in its slab, and the ranks' values sum to the stratified
     estimate: each stratum's mean through the plain op, weighted by its slab's share of the cells."""
     model = make_model(seed=2, tv_samples=300).double()
     randomize_density(model, mean=-1.0, std=3.0)
     with torch.no_grad():
         model.features.grid.normal_(generator=torch.Generator().manual_seed(4))
-    grids, plane = (model.density.grid, model.features.grid), model.grid_shape[0] // 2
+    grids, r0 = (model.density.grid, model.features.grid), model.grid_shape[0]
     assert DeferredTV.applies(model)
 
     def apply(cells=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -157,21 +186,21 @@ def test_each_rank_steps_its_own_slab_by_its_stratum_of_the_tv():
         return tv.apply(model), [grid.grad.clone() for grid in grids]
 
     parts = []
-    for rank in (0, 1):
-        model.space_split = space_split_of(model, rank)
+    for rank in range(count):
+        model.space_split = space_split_of(model, rank, count)
         parts.append(apply())
     torch.manual_seed(11)
-    cells = space_split_of(model, 0).draw_cells(300, torch.device("cpu"))
+    cells = space_split_of(model, 0, count).draw_cells(300, torch.device("cpu"))
     model.space_split = None
     want = 0.0
-    for rank in (0, 1):
-        mine, share = space_split_of(model, rank).owned_cells(cells)
+    for rank in range(count):
+        mine, share = space_split_of(model, rank, count).owned_cells(cells)
         want = want + share * apply(mine)[0]
-    torch.testing.assert_close(parts[0][0] + parts[1][0], want, atol=1e-12, rtol=1e-10)
-    for grad in parts[0][1]:
-        assert grad[: plane + 1].abs().sum() > 0 and not grad[plane + 1 :].any()
-    for grad in parts[1][1]:
-        assert grad[plane:].abs().sum() > 0 and not grad[:plane].any()
+    torch.testing.assert_close(sum(value for value, _ in parts), want, atol=1e-12, rtol=1e-10)
+    for rank, (_, grads) in enumerate(parts):
+        first, last = vertex_rows(Slabs.even(r0, count, rank), r0)
+        for grad in grads:
+            assert grad[first : last + 1].abs().sum() > 0 and not grad[:first].any() and not grad[last + 1 :].any()
 
 
 def test_the_slab_occupancy_marches_exactly_the_samples_a_slab_owns():
@@ -182,9 +211,8 @@ def test_the_slab_occupancy_marches_exactly_the_samples_a_slab_owns():
     )
     args = (origins, directions, t_start, t_end, jitter)
     ray, t, points, _ = model.ops.march_rays(*args, model.occupancy.mask, model.bbox, step, count, t_split)
-    plane = model.grid_shape[0] // 2
-    for rank in (0, 1):
-        slabs = Slabs(plane, rank)
+    for ranks, rank in ((2, 0), (2, 1), (3, 0), (3, 1), (3, 2)):
+        slabs = Slabs.even(model.grid_shape[0], ranks, rank)
         cut = slabs.occupancy(model.occupancy.mask)
         assert cut.sum() > 0 and not (cut & ~model.occupancy.mask).any()
         got = model.ops.march_rays(*args, cut, model.bbox, step, count, t_split)
@@ -194,7 +222,7 @@ def test_the_slab_occupancy_marches_exactly_the_samples_a_slab_owns():
             assert torch.equal(value, want)
 
 
-def test_two_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
+def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
     """Up to float rounding, which Adam amplifies where a gradient is near zero: ~1e-5 after 12 steps here, where
     a missing exchange (the shared plane's gradient) moves the grids by ~0.1-0.3."""
     from test_distributed import ranks_output, single, tiny, torchrun
@@ -203,13 +231,14 @@ def test_two_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
 
     cache = tmp_path / "cache"
     close = {"rtol": 1e-3, "atol": 1e-4}
-    cases = (("dense", "false", "false"), ("occupied", "occupied", "false"), ("capped", "occupied", "true"))
-    for name, adam, capped in cases:  # capped: every rank's march in fixed sample capacities (models/capacities.py)
+    cases = (("dense", "false", "false", 2), ("occupied", "occupied", "false", 2), ("capped", "occupied", "true", 2))
+    cases += (("three", "occupied", "false", 3),)  # three slabs: two planes, a middle rank that owns both
+    for name, adam, capped, count in cases:  # capped: every rank's march in fixed sample capacities
         extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6", f"model.capped_samples={capped}"]
         extra += ["model.tv_density=0", "model.tv_features=0"]  # the split's TV is stratified: a test of its own
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
         assert result.returncode == 0, result.stderr[-2000:]
-        pair = torchrun(2, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])
+        pair = torchrun(count, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])
         assert pair.returncode == 0, ranks_output(pair)
         assert pair.stdout.count("eval on") == 1
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
@@ -239,5 +268,5 @@ def test_one_process_asked_for_a_space_split_says_so_and_trains_the_whole_grids(
 
     result = single(tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.parallel=space"])
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "train.parallel=space splits a torchrun job of 2 ranks" in result.stdout
+    assert "train.parallel=space splits a torchrun job of 2 or more ranks" in result.stdout
     assert (tmp_path / "run" / "metrics.json").exists()

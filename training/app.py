@@ -206,7 +206,9 @@ def _run(cfg: DictConfig, run_dir: str | os.PathLike, group: Group) -> int:
 
 def check_split(cfg: DictConfig, group: Group) -> None:
     """The global batch (train.batch_rays, or train.patches_per_batch with model.upsample > 1) must split into
-    equal shards, one per rank."""
+    equal shards, one per rank (data-parallel; split by space, every rank takes the whole batch)."""
+    if OmegaConf.select(cfg, "train.parallel", default="data") == "space":
+        return
     key = "train.batch_rays" if int(cfg.model.upsample) == 1 else "train.patches_per_batch"
     size = int(OmegaConf.select(cfg, key))
     if size % group.world:

@@ -1,22 +1,22 @@
-"""``train.parallel=space`` under torchrun with two ranks: the voxels split by space instead of the rays (issue 33;
+"""``train.parallel=space`` under torchrun: the voxels split by space instead of the rays, one slab a rank (issue 33;
 two H200s: 1.07x one GPU on lego at the same PSNR, bench/README "The space split without its syncs").
 
 Every rank draws the whole batch and marches, shades and differentiates only the samples of its slab of the grids
-(models.space_split: rank 0 the vertices x <= p, rank 1 x >= p, p the middle vertex plane of the first axis);
-the composited per-ray values are exchanged, so every rank computes the same loss. Then:
-- gradients: every rank backpropagates half the loss (models.space_split), so the decoder's are summed over the
-  ranks (its samples' part from each, and half of what acts after the exchange from each); the grids' only on the
-  shared plane (both ranks read it); nothing else moves;
-- Adam: the occupied voxels of this rank's slab (``train.sparse_adam=occupied``) or dense Adam (the other slab's
+(models.space_split: S ranks cut the first axis at S - 1 vertex planes; neighbours share their plane); the
+composited per-ray values are exchanged, so every rank computes the same loss. Then:
+- gradients: every rank backpropagates 1/S of the loss (models.space_split), so the decoder's are summed over the
+  ranks (its samples' part from each, and 1/S of what acts after the exchange from each); the grids' only on the
+  shared planes (their two owners read them); nothing else moves; one all-reduce for all of it;
+- Adam: the occupied voxels of this rank's slab (``train.sparse_adam=occupied``) or dense Adam (the other slabs'
   rows then move on their moments alone, unread, and are overwritten at the next gather);
 - the TV estimate: stratified by slab (each rank's draws over its own cells, in proportion to them), each rank's
-  stratum scaled by its slab's share, so that the two parts sum to the estimate;
+  stratum scaled by its slab's share, so that the parts sum to the estimate;
 - before a whole-grid read (an occupancy refresh, a growth, an evaluation) the ranks exchange their slabs of the
-  grids (two broadcasts a grid), and before a checkpoint their slabs of Adam's moments too, so that every rank
-  then holds what one process would.
+  grids (S broadcasts a grid), and before a checkpoint their slabs of Adam's moments too, so that every rank then
+  holds what one process would.
 Not supported (refused): a fine grid, pose refinement, the distortion loss (pairs of samples across the slabs), the
 near-density loss (a term of one slab's samples outside the exchange), a whole-grid TV (a term of each rank's loss,
-where its other slab is stale).
+where the other slabs are stale).
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ from training.config_rules import sparse_adam_mode
 
 
 class SpaceParallel:
-    """The split of one two-rank job; set on the model (``model.space_split``) and the trainer."""
+    """The split of one torchrun job, a slab a rank; set on the model (``model.space_split``) and the trainer."""
 
     def __init__(self, trainer):
         group, model, cfg = trainer.group, trainer.model, trainer.train_cfg
-        if group.world != 2:
-            raise ConfigError(f"train.parallel: space splits the grids over exactly 2 ranks, got {group.world}")
+        if group.world < 2 or model.grid_shape[0] < 2 * group.world:
+            raise ConfigError(
+                f"train.parallel: space splits the grids over 2 or more ranks, at least 2 vertices of the first axis "
+                f"each: {group.world} ranks for {model.grid_shape[0]} (model.resolution_start)"
+            )
         c = model.config
         whole_tv = max(c.tv_density, c.tv_features) > 0 and not DeferredTV.applies(model)  # in each rank's loss
         for bad, reason in (
@@ -57,12 +60,9 @@ class SpaceParallel:
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
 
     @property
-    def plane(self) -> int:
-        return self.model.grid_shape[0] // 2
-
-    @property
     def slabs(self) -> Slabs:
-        return Slabs(self.plane, self.group.rank)
+        """This rank's slab of the grids as they are now (they grow)."""
+        return Slabs.even(self.model.grid_shape[0], self.group.world, self.group.rank)
 
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor, views=None) -> dict:
         """Training's march of the whole batch, this rank's slab composited with the other's."""
@@ -73,72 +73,81 @@ class SpaceParallel:
         """The occupancy mask cut to this rank's slab, cut again only when the mask changed (a refresh, growth or a
         load replace it or write into it)."""
         mask = self.model.occupancy.mask
-        key = (id(mask), mask._version, self.plane)
+        key = (id(mask), mask._version, self.model.grid_shape)
         if self._slab_key != key:
             self._slab_mask, self._slab_key = self.slabs.occupancy(mask), key
         return self._slab_mask
 
     def owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The (K,) flat vertex rows of the grids that this rank steps."""
+        """The (K,) flat vertex rows of the grids that this rank steps: those of its slab, its planes included."""
         r0, r1, r2 = self.model.grid_shape
+        first, end = self.slabs.cells
         x = torch.div(rows, r1 * r2, rounding_mode="floor")
-        return rows[x <= self.plane] if self.group.rank == 0 else rows[x >= self.plane]
+        return rows[(x >= first) & (x <= (r0 - 1 if end is None else end))]
 
-    def _strata(self, samples: int) -> tuple[int, int, int]:
-        """(cells, rank 0's cells, rank 0's draws) of the TV estimate's ``samples`` draws: rank 0 owns the flat cells
-        below ``plane * (R1 - 1)(R2 - 1)`` (x-major), and gets draws in proportion, at least one each when it can."""
+    def _strata(self, samples: int) -> list[tuple[int, int, int]]:
+        """(first cell, end cell, draws) a slab of the TV estimate's ``samples`` draws over the flat cells (x-major:
+        a slab's cells are one range): draws in proportion to the cells, at least one each when there are enough."""
         r0, r1, r2 = self.model.grid_shape
-        count, front = (r0 - 1) * (r1 - 1) * (r2 - 1), self.plane * (r1 - 1) * (r2 - 1)
-        draws = round(samples * front / count)
-        if samples >= 2:
-            draws = min(max(draws, 1), samples - 1)
-        return count, front, draws
+        layer, count = (r1 - 1) * (r2 - 1), (r0 - 1) * (r1 - 1) * (r2 - 1)
+        edges = [0, *(plane * layer for plane in self.slabs.planes), count]
+        floor = 1 if samples >= len(edges) - 1 else 0
+        spare = samples - floor * (len(edges) - 1)
+        bounds = [floor * k + spare * edge // count for k, edge in enumerate(edges)]
+        return [(a, b, d1 - d0) for a, b, d0, d1 in zip(edges, edges[1:], bounds, bounds[1:])]
 
     def draw_cells(self, samples: int, device: torch.device) -> torch.Tensor:
         """The TV estimate's (samples,) flat cells, stratified by slab: rank 0's draws uniform over its cells, then
-        rank 1's over its own. Every rank draws both strata (the ranks' random streams stay in step) and
+        rank 1's over its own, and so on. Every rank draws every stratum (the ranks' random streams stay in step) and
         :meth:`owned_cells` keeps its own by position: no count of a filter to wait for."""
-        count, front, draws = self._strata(samples)
-        return torch.cat(
-            [
-                torch.randint(0, front, (draws,), device=device),
-                torch.randint(front, count, (samples - draws,), device=device),
-            ]
-        )
+        strata = self._strata(samples)
+        return torch.cat([torch.randint(first, end, (draws,), device=device) for first, end, draws in strata])
 
     def owned_cells(self, cells: torch.Tensor) -> tuple[torch.Tensor, float]:
         """This rank's stratum of the (S,) cells :meth:`draw_cells` drew, and the factor on the estimate's scale
-        (its slab's fraction of the cells) that makes the two strata's means sum to the estimate of the whole mean."""
-        count, front, draws = self._strata(cells.numel())
-        if self.group.rank == 0:
-            return cells[:draws], front / count
-        return cells[draws:], (count - front) / count
+        (its slab's fraction of the cells) that makes the strata's means sum to the estimate of the whole mean."""
+        strata = self._strata(cells.numel())
+        start = sum(draws for _, _, draws in strata[: self.group.rank])
+        first, end, draws = strata[self.group.rank]
+        return cells[start : start + draws], (end - first) / strata[-1][1]
 
+    @torch.no_grad()
     def sync_gradients(self) -> None:
-        """The decoder's gradients summed over the ranks; the grids' shared plane summed."""
-        grids = {id(self.model.density.grid), id(self.model.features.grid)}
-        others = [p for p in self.model.parameters() if id(p) not in grids and p.grad is not None]
-        if others:
-            flat = torch.cat([p.grad.reshape(-1) for p in others])
-            dist.all_reduce(flat)
-            for p, part in zip(others, flat.split([p.grad.numel() for p in others])):
-                p.grad.copy_(part.view_as(p.grad))
-        for grid in (self.model.density.grid, self.model.features.grid):
-            if grid.grad is not None:
-                plane = grid.grad[self.plane].contiguous()
-                dist.all_reduce(plane)
-                grid.grad[self.plane] = plane
+        """The decoder's gradients and the grids' shared planes summed over the ranks, in one all-reduce (a collective
+        costs the host ~0.1 ms to issue, more than these few MB cost to copy into one buffer and back). A plane's
+        two owners send their part of its gradient, the other ranks zeros; each owner takes the sum back."""
+        ids = {id(self.model.density.grid), id(self.model.features.grid)}
+        grids = [grid for grid in (self.model.density.grid, self.model.features.grid) if grid.grad is not None]
+        parts = [p.grad for p in self.model.parameters() if id(p) not in ids and p.grad is not None]
+        kept = [True] * len(parts)
+        slabs = self.slabs
+        first, end = slabs.cells
+        for plane in slabs.planes:
+            owned = plane in (first, end)
+            for grid in grids:
+                parts.append(grid.grad[plane] if owned else grid.grad.new_zeros(grid.grad.shape[1:]))
+                kept.append(owned)
+        if not parts:
+            return
+        flat = torch.cat([part.reshape(-1) for part in parts])
+        dist.all_reduce(flat)
+        chunks = flat.split([part.numel() for part in parts])
+        targets = [part for part, keep in zip(parts, kept) if keep]
+        torch._foreach_copy_(targets, [chunk.view_as(part) for part, chunk, keep in zip(parts, chunks, kept) if keep])
 
     @torch.no_grad()
     def gather(self, moments: bool = False) -> None:
-        """Every rank's slab of the grids (and with ``moments`` of their Adam moments) onto the other rank."""
+        """Every rank's slab of the grids (and with ``moments`` of their Adam moments) onto the other ranks: rank r
+        broadcasts its rows past its lower plane up to its upper plane (the last rank: to the end)."""
         tensors = [self.model.density.grid, self.model.features.grid]
         if moments:
             state = self.trainer.optimizer.state
             tensors += [state[g][key] for g in tensors if g in state for key in ("exp_avg", "exp_avg_sq")]
+        planes = self.slabs.planes
         for tensor in tensors:
-            low, high = tensor[: self.plane], tensor[self.plane + 1 :]  # rank 0's, rank 1's (the plane: both)
-            for part, source in ((low, 0), (high, 1)):
+            for source in range(len(planes) + 1):
+                first = planes[source - 1] + 1 if source > 0 else 0
+                part = tensor[first : planes[source] + 1] if source < len(planes) else tensor[first:]
                 buffer = part.contiguous()
                 dist.broadcast(buffer, src=source)
                 if self.group.rank != source:

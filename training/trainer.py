@@ -101,8 +101,8 @@ class Trainer:
         self.sampler: RaySampler | PatchSampler | None = None  # built by fit(): render_only needs none
         split = cfg.train.get("parallel", "data") == "space"
         if split and not self.group.active:
-            print("train.parallel=space splits a torchrun job of 2 ranks; one process trains the whole grids")
-        self.space = SpaceParallel(self) if split and self.group.active else None  # this rank's half of the voxels
+            print("train.parallel=space splits a torchrun job of 2 or more ranks; one process trains the whole grids")
+        self.space = SpaceParallel(self) if split and self.group.active else None  # this rank's slab of the voxels
         self.optimizer = self._new_optimizer()
         self.step = 0
         self.history: dict[str, list[float]] = {"step": [], "loss": [], "psnr": []}
@@ -185,7 +185,7 @@ class Trainer:
             with profiler.section("loss_backward"):
                 loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
                 self.optimizer.zero_grad(set_to_none=True)
-                (loss if self.space is None else loss / 2.0).backward()  # space: see models.space_split
+                (loss if self.space is None else loss / self.group.world).backward()  # space: see models.space_split
                 self.model.row_grads.scatter()  # model.tv_sparse_grad: the TV rows' gradients onto the grids'
             with profiler.section("tv_gradient"):
                 deferred = self.model.deferred_regularization()  # the TV's value, its gradient added in place
