@@ -81,25 +81,47 @@ class Slabs:
         return slab
 
 
-def _in_ray_order(values: torch.Tensor, plus: torch.Tensor) -> torch.Tensor:
-    """(S, B, ...) values of the S slabs by rank -> by position along each ray: rank order on the (B,) ``plus`` rays
-    (towards +x), reversed on the others."""
-    plus = plus.view(1, -1, *([1] * (values.dim() - 2)))
-    return torch.where(plus, values, values.flip(0))
-
-
-def _gather(values: torch.Tensor, ranks: int, group) -> torch.Tensor:
-    """Every rank's ``values`` -> (ranks, *values.shape), by rank."""
+def _gather(values: torch.Tensor, ranks: int, group) -> list[torch.Tensor]:
+    """Every rank's ``values``, by rank."""
     parts = [torch.empty_like(values) for _ in range(ranks)]
     dist.all_gather(parts, values.contiguous(), group=group)
-    return torch.stack(parts)
+    return parts
+
+
+def _composite(slabs: list[torch.Tensor]) -> torch.Tensor | None:
+    """(B, C) per-ray values of slabs in ray order (the opacity in column C - 2), each composited from a
+    transmittance of 1 -> the whole run's (None for no slabs)."""
+    out = None
+    for values in reversed(slabs):
+        out = values if out is None else torch.addcmul(values, 1.0 - values[:, -2:-1], out)
+    return out
+
+
+def _transmittance(slabs: list[torch.Tensor]) -> torch.Tensor | None:
+    """(B, 1) the transmittance through ``slabs`` (None for no slabs: 1)."""
+    out = None
+    for values in slabs:
+        clear = 1.0 - values[:, -2:-1]
+        out = clear if out is None else out * clear
+    return out
+
+
+def _per_ray(plus: torch.Tensor, on_plus: torch.Tensor | None, on_minus: torch.Tensor | None, empty: float):
+    """(B, C) ``on_plus`` on the rays towards +x, ``on_minus`` on the others; None stands for ``empty`` everywhere
+    (a slab with none in front or behind on those rays: no op spent on it)."""
+    if on_plus is None and on_minus is None:
+        return None
+    first = on_plus if on_plus is not None else empty
+    second = on_minus if on_minus is not None else empty
+    return torch.where(plus[:, None], first, second)
 
 
 class _CompositeSlabs(torch.autograd.Function):
     """This rank's (B, C) per-ray values (colour, features, opacity, depth: the opacity in column C - 2), composited
     with the other ranks', exchanged: -> the rays' (B, C) values, split as (diffuse, features, opacity, depth).
-    Along a ray, slab k (by position) adds T_k v_k, T_k = prod_{j<k} (1 - O_j) (every channel, opacity and depth
-    included); so d/dv_k = T_k, and through O_k, -T_k R_k, R_k being the slabs behind k composited from 1.
+    Along a ray the slabs come in rank order (towards +x) or the reverse; this slab adds T v (T: the transmittance
+    through the slabs in front; every channel, opacity and depth included), so d/dv = T, and through its opacity
+    -T R, R being the slabs behind it composited from 1.
 
     Every rank computes the same loss L from the composite and backpropagates L / S (S ranks): what comes after the
     exchange (a per-pixel decoder, an appearance transform) then gets 1/S of its gradient on each rank, which the sum
@@ -109,11 +131,9 @@ class _CompositeSlabs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, plus: torch.Tensor, slabs: Slabs, group) -> tuple[torch.Tensor, ...]:
-        ordered = _in_ray_order(_gather(values, slabs.ranks, group), plus)  # (S, B, C) by position
-        clear = 1.0 - ordered[:, :, -2]  # (S, B): each slab's transmittance
-        trans = torch.cat([torch.ones_like(clear[:1]), clear[:-1].cumprod(0)])  # (S, B): T_k, in front of slab k
-        seen = (trans[:, :, None] * ordered).sum(0)
-        ctx.save_for_backward(plus, ordered, trans)
+        parts = _gather(values, slabs.ranks, group)  # by rank
+        seen = torch.where(plus[:, None], _composite(parts), _composite(parts[::-1]))
+        ctx.save_for_backward(plus, *parts)
         ctx.slabs = slabs
         ctx.features = values.shape[1] - DIFFUSE_CHANNELS - 2
         diffuse, features, opacity, depth = seen.split([DIFFUSE_CHANNELS, ctx.features, 1, 1], 1)
@@ -121,19 +141,17 @@ class _CompositeSlabs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, diffuse, features, opacity, depth):
-        plus, ordered, trans = ctx.saved_tensors
-        slabs = ctx.slabs
+        plus, *parts = ctx.saved_tensors
+        rank, ranks = ctx.slabs.rank, ctx.slabs.ranks
         grad = torch.cat([diffuse, features, opacity[:, None], depth[:, None]], 1)
-        behind = [torch.zeros_like(grad)]  # R_k from the back: R_last = 0, R_k = v_{k+1} + (1 - O_{k+1}) R_{k+1}
-        for k in range(slabs.ranks - 1, 0, -1):
-            behind.append(torch.addcmul(ordered[k], 1.0 - ordered[k, :, -2:-1], behind[-1]))
-        behind = torch.stack(behind[::-1])  # (S, B, C) by position
-        position = (slabs.rank, slabs.ranks - 1 - slabs.rank)  # this rank's on the plus rays, on the others
-        mine_trans = torch.where(plus, trans[position[0]], trans[position[1]])[:, None]  # (B, 1)
-        mine_behind = torch.where(plus[:, None], behind[position[0]], behind[position[1]])
-        through = grad * mine_trans
-        through[:, -2] -= mine_trans[:, 0] * (grad * mine_behind).sum(1)
-        return through * float(slabs.ranks), None, None, None
+        below, above = parts[:rank], parts[rank + 1 :]  # by rank: in front on the +x rays, behind on the others
+        trans = _per_ray(plus, _transmittance(below), _transmittance(above), 1.0)  # (B, 1) or None
+        behind = _per_ray(plus, _composite(above), _composite(below[::-1]), 0.0)  # (B, C) or None
+        through = grad if trans is None else grad * trans  # grad is the cat's own: written in place below
+        if behind is not None:
+            pull = (grad * behind).sum(1)
+            through[:, -2] -= pull if trans is None else trans[:, 0] * pull
+        return through * float(ranks), None, None, None
 
 
 @dataclass(frozen=True)
@@ -150,9 +168,12 @@ class SlabPass:
         """(B,) the optical depth in front of this slab's samples on each ray: the clamped sums of the slabs in front,
         exchanged (this rank sends its own: the (N,) optical depths of its samples, packed by ray along the (B + 1,)
         ``offsets``, the rows past ``offsets[-1]`` padding)."""
-        totals = _gather(ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets), self.slabs.ranks, self.group)  # (S, B)
+        totals = _gather(ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets), self.slabs.ranks, self.group)  # by rank
         rank = self.slabs.rank
-        return torch.where(self.plus, totals[:rank].sum(0), totals[rank + 1 :].sum(0))
+        below, above = totals[:rank], totals[rank + 1 :]  # in front on the +x rays, on the others
+        front_plus = sum(below[1:], below[0]) if below else 0.0
+        front_minus = sum(above[1:], above[0]) if above else 0.0
+        return torch.where(self.plus, front_plus, front_minus)
 
 
 def ray_sums(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
