@@ -5,6 +5,7 @@ decoder."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -241,6 +242,8 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         pair = torchrun(count, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])
         assert pair.returncode == 0, ranks_output(pair)
         assert pair.stdout.count("eval on") == 1
+        ranks = json.loads((tmp_path / f"two_{name}" / "metrics.json").read_text())["sample_capacity_ranks"]
+        assert (ranks is None) == (capped == "false") and (ranks is None or len(ranks) == count)
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         two = load_checkpoint(tmp_path / f"two_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         assert one["step"] == two["step"] == 12

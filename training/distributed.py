@@ -27,6 +27,7 @@ import datetime
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -196,12 +197,17 @@ class Group:
         _collective("all_reduce", dist.all_reduce, tensor, dist.ReduceOp.MIN)
         return int(tensor.item())
 
+    def objects(self, value: Any) -> list:
+        """Every rank's ``value`` (picklable), by rank (one process: ``[value]``)."""
+        if not self.active:
+            return [value]
+        values: list = [None] * self.world
+        _collective("all_gather_object", dist.all_gather_object, values, value)
+        return values
+
     def same_everywhere(self, name: str, value: str) -> None:
         """Raise DistributedError unless every rank passes the same ``value`` (e.g. the run directory)."""
-        if not self.active:
-            return
-        values: list[str | None] = [None] * self.world
-        _collective("all_gather_object", dist.all_gather_object, values, value)
+        values = self.objects(value)
         if len(set(values)) > 1:
             raise DistributedError(f"{name}: the ranks disagree ({', '.join(sorted(set(map(str, values))))})")
 

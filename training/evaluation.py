@@ -335,6 +335,7 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         "fine_grid": trainer.model.fine.summary(),  # model.fine: its bricks and shape, or why there is none
         # model.capped_samples: the sample capacities at the end, and the reviews that found an overflow
         "sample_capacity": None if trainer.model.capacities is None else trainer.model.capacities.report(),
+        "sample_capacity_ranks": trainer.capacity_reports,  # under torchrun: every rank's, by rank
         "pose_refinement": trainer.model.poses.summary(),  # how far the training cameras moved (None: off)
         "eval_history": trainer.eval_history,
         "render_only": render_only,

@@ -103,6 +103,7 @@ class Trainer:
         if split and not self.group.active:
             print("train.parallel=space splits a torchrun job of 2 or more ranks; one process trains the whole grids")
         self.space = SpaceParallel(self) if split and self.group.active else None  # this rank's slab of the voxels
+        self.capacity_reports: list[dict] | None = None  # under torchrun: every rank's SampleCapacities.report()
         self.optimizer = self._new_optimizer()
         self.step = 0
         self.history: dict[str, list[float]] = {"step": [], "loss": [], "psnr": []}
@@ -329,6 +330,8 @@ class Trainer:
         if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())):
             return self._diverged(self.step, loss.item())
         self._gather_optimizer_state()
+        if self.model.capacities is not None and self.group.active:  # every rank's sample capacities, for metrics
+            self.capacity_reports = self.group.objects(self.model.capacities.report())
         self.checkpoints.finish()  # model.pt; last.pt only with train.keep_resumable
         if self.profiler.enabled:  # every rank's own: profile.json on rank 0, profile_rank<r>.json on the others
             report = self.profiler.report()
