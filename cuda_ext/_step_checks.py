@@ -129,18 +129,7 @@ def check_visibility_inputs(
             ValueError,
             lambda: f"{op}: start_depth must have shape (B,) = ({rays},), got {_shape(start_depth)}",
         )
-        require(
-            start_depth.dtype == optical_depth.dtype,
-            TypeError,
-            lambda: f"{op}: start_depth must have optical_depth's dtype {optical_depth.dtype}, got {start_depth.dtype}",
-        )
-        require(
-            start_depth.device == optical_depth.device,
-            ValueError,
-            lambda: (
-                f"{op}: start_depth must be on optical_depth's device {optical_depth.device}, got {start_depth.device}"
-            ),
-        )
+        check_same_device_and_dtype(op, "start_depth", start_depth, "optical_depth", optical_depth)
     return float(early_termination), float(weight_threshold)
 
 

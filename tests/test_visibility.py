@@ -193,7 +193,11 @@ def test_the_capped_op_takes_the_start_depth_too(fn):
             ValueError,
             r"start_depth must have shape",
         ),
-        (lambda a: {**a, "start_depth": torch.zeros(len(COUNTS))}, TypeError, "start_depth must have optical_depth's"),
+        (
+            lambda a: {**a, "start_depth": torch.zeros(len(COUNTS))},
+            TypeError,
+            "start_depth and optical_depth must have the same dtype",
+        ),
         (lambda a: {**a, "start_depth": [0.0] * len(COUNTS)}, TypeError, "start_depth must be a torch.Tensor"),
     ],
 )
