@@ -334,7 +334,7 @@ class VoxelNeRF(nn.Module):
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: bool | torch.Tensor, views=None) -> dict:
         """Composite B rays with gradients, as training does: :func:`models.render_views.march`."""
         if self.space_split is not None and self.training and torch.is_grad_enabled():
-            return self.space_split.march(origins, directions, jitter, views)  # this slab, composited with the other's
+            return self.space_split.march(origins, directions, jitter, views)  # this slab, composited with the others'
         return render_views.march(self, origins, directions, jitter, views)
 
     def decode_samples(

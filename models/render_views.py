@@ -96,7 +96,7 @@ def march(
 ) -> dict:
     """Training's march of B rays: (B, 3) origins and unit directions, ``jitter`` (True: random offsets, False:
     midpoints, or (B,) offsets), ``views``: (B,) training images or None, ``slab``: one rank's part of the voxels
-    (``train.parallel=space``: its occupancy, and the front slab's optical depth before the no-grad pass) ->
+    (``train.parallel=space``: its occupancy, and the optical depth of the slabs in front) ->
 
     dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count,
     packed: the samples' models.regularizers.RenderedSamples, with gradients, for the regularisers).
@@ -142,7 +142,7 @@ def march(
                     chosen &= rows_in_rays(len(samples), offsets)
                 model.fine.collect(samples.points[chosen], model.grid_shape)
             thresholds = (depth, offsets, c.early_termination, c.weight_threshold)
-            start = None if slab is None else slab.start_depth(depth, offsets)  # (B,): the other slab's
+            start = None if slab is None else slab.start_depth(depth, offsets)  # (B,): the slabs in front
             if sizes is None:  # the pass's one sync: the survivors (a prefix of each ray) and the shown ones
                 index, shown, alive_offsets = model.ops.visible_samples(*thresholds, start_depth=start)
                 counts[1:] = [len(index), len(shown)]

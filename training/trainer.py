@@ -201,10 +201,11 @@ class Trainer:
             with profiler.section("schedule"):
                 if self.model.on_step(self.step, self.iters):
                     self._rebuild_optimizer()
-        rays = batch.origins.numel() // 3 * (self.group.world if self.space is None else 1)  # the job's rays
+        shards = self.group.world if self.space is None else 1  # data-parallel ranks each stepped a share
+        rays = batch.origins.numel() // 3 * shards  # the job's rays
         self.rays_done += rays
         self._count_samples(out.get("samples"))
-        self.pixels_done += batch.rgb.numel() // 3 * (self.group.world if self.space is None else 1)
+        self.pixels_done += batch.rgb.numel() // 3 * shards
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
 
