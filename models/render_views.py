@@ -98,8 +98,9 @@ def march(
     midpoints, or (B,) offsets), ``views``: (B,) training images or None, ``slab``: one rank's part of the voxels
     (``train.parallel=space``: its occupancy, and the optical depth of the slabs in front) ->
 
-    dict(diffuse (B,3), features (B,F-3), depth (B,) = sum w t, opacity (B,) = sum w, samples: () count,
-    packed: the samples' models.regularizers.RenderedSamples, with gradients, for the regularisers).
+    dict(diffuse (B,3), features (B,F-3), colour: the two side by side, (B,F), depth (B,) = sum w t, opacity
+    (B,) = sum w, samples: () count, packed: the samples' models.regularizers.RenderedSamples, with gradients,
+    for the regularisers).
     With per-sample shading, ``diffuse`` is the composited view-dependent colour and ``features`` is (B, 0).
     """
     c = model.config
@@ -181,6 +182,7 @@ def march(
     return {
         "diffuse": colour[:, :DIFFUSE_CHANNELS],
         "features": colour[:, DIFFUSE_CHANNELS:],
+        "colour": colour,  # unsliced: a caller that needs both (the space split) adds no slice nodes to autograd
         "depth": depth,
         "opacity": opacity,
         # the samples composited: a host count, or with fixed capacities the true one on the device (read at log steps)

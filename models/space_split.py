@@ -32,6 +32,8 @@ from models.field import cell_coords
 if TYPE_CHECKING:
     from models.model import VoxelNeRF
 
+# torch >= 2.14 names it all_gather_single; torch 2.4 - 2.13 have all_gather_into_tensor alone (same arguments)
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 OPAQUE_DEPTH = 100.0  # visible_samples clips each sample's optical depth at this (cuda_ext._reference_rays)
 
 
@@ -81,11 +83,11 @@ class Slabs:
         return slab
 
 
-def _gather(values: torch.Tensor, ranks: int, group) -> list[torch.Tensor]:
-    """Every rank's ``values``, by rank."""
-    parts = [torch.empty_like(values) for _ in range(ranks)]
-    dist.all_gather(parts, values.contiguous(), group=group)
-    return parts
+def _gather(values: torch.Tensor, ranks: int, group) -> torch.Tensor:
+    """(S, *values.shape): every rank's ``values``, by rank, in one buffer (one collective, no copies out)."""
+    parts = values.new_empty((ranks * values.shape[0], *values.shape[1:]))  # gloo takes the parts end to end only
+    ALL_GATHER(parts, values.contiguous(), group=group)
+    return parts.view(ranks, *values.shape)
 
 
 def _composite(slabs: list[torch.Tensor]) -> torch.Tensor | None:
@@ -131,9 +133,10 @@ class _CompositeSlabs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, plus: torch.Tensor, slabs: Slabs, group) -> tuple[torch.Tensor, ...]:
-        parts = _gather(values, slabs.ranks, group)  # by rank
+        gathered = _gather(values, slabs.ranks, group)  # (S, B, C) by rank
+        parts = gathered.unbind(0)
         seen = torch.where(plus[:, None], _composite(parts), _composite(parts[::-1]))
-        ctx.save_for_backward(plus, *parts)
+        ctx.save_for_backward(plus, gathered)
         ctx.slabs = slabs
         ctx.features = values.shape[1] - DIFFUSE_CHANNELS - 2
         diffuse, features, opacity, depth = seen.split([DIFFUSE_CHANNELS, ctx.features, 1, 1], 1)
@@ -141,7 +144,8 @@ class _CompositeSlabs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, diffuse, features, opacity, depth):
-        plus, *parts = ctx.saved_tensors
+        plus, gathered = ctx.saved_tensors
+        parts = gathered.unbind(0)
         rank, ranks = ctx.slabs.rank, ctx.slabs.ranks
         grad = torch.cat([diffuse, features, opacity[:, None], depth[:, None]], 1)
         below, above = parts[:rank], parts[rank + 1 :]  # by rank: in front on the +x rays, behind on the others
@@ -168,7 +172,7 @@ class SlabPass:
         """(B,) the optical depth in front of this slab's samples on each ray: the clamped sums of the slabs in front,
         exchanged (this rank sends its own: the (N,) optical depths of its samples, packed by ray along the (B + 1,)
         ``offsets``, the rows past ``offsets[-1]`` padding)."""
-        totals = _gather(ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets), self.slabs.ranks, self.group)  # by rank
+        totals = _gather(ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets), self.slabs.ranks, self.group).unbind(0)
         rank = self.slabs.rank
         below, above = totals[:rank], totals[rank + 1 :]  # in front on the +x rays, on the others
         front_plus = sum(below[1:], below[0]) if below else 0.0
@@ -180,8 +184,8 @@ def ray_sums(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """(N,) values of samples packed by ray, (B + 1,) offsets ending at most at N -> (B,) each ray's sum, the rows
     past ``offsets[-1]`` (padding) left out. A difference of float64 prefix sums, not an ``index_add``: padding rows
     all name the last ray, and millions of atomics on one address serialise."""
-    prefix = torch.cat([values.new_zeros(1, dtype=torch.float64), values.double().cumsum(0)])
-    return (prefix[offsets[1:]] - prefix[offsets[:-1]]).to(values.dtype)
+    prefix = torch.nn.functional.pad(values.double().cumsum(0), (1, 0))  # (N + 1,): the sums before each row
+    return prefix[offsets].diff().to(values.dtype)
 
 
 def split_march(
@@ -204,7 +208,7 @@ def split_march(
     occupancy = slabs.occupancy(model.occupancy.mask) if occupancy is None else occupancy
     slab = SlabPass(occupancy, directions[:, 0] >= 0, slabs, group)
     out = render_views.march(model, origins, directions, jitter, views, slab=slab)
-    local = torch.cat([out["diffuse"], out["features"], out["opacity"][:, None], out["depth"][:, None]], 1)
+    local = torch.cat([out["colour"], out["opacity"][:, None], out["depth"][:, None]], 1)
     diffuse, features, opacity, depth = _CompositeSlabs.apply(local, slab.plus, slabs, group)
     return {
         "diffuse": diffuse,

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from models.space_split import ALL_GATHER
+
 
 class DistributedError(RuntimeError):
     """A collective failed (a rank died or timed out); the message says what to check."""
@@ -171,7 +173,7 @@ class Group:
         mine = rows[shard.start : shard.stop]
         if dist.get_backend() != "nccl":  # NCCL documents in-place all-gather (input inside output); gloo does not
             mine = mine.clone()
-        _collective("all_gather", _ALL_GATHER, rows[: shard.body], mine)
+        _collective("all_gather", ALL_GATHER, rows[: shard.body], mine)
 
     def mean(self, *values: float) -> tuple[float, ...]:
         """The means of scalars over the ranks, in one all-reduce (every rank then takes the same decision)."""
@@ -244,9 +246,8 @@ class RowShard:
 
 _FLATTEN_BELOW = 1 << 22  # elements: gradients smaller than this share one all-reduce
 
-# torch >= 2.14 names them *_single; torch 2.4 - 2.13 have the *_tensor names alone (same arguments)
+# torch >= 2.14 names it reduce_scatter_single; torch 2.4 - 2.13 have reduce_scatter_tensor alone (same arguments)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def pack_rows(grads: list[torch.Tensor], rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
