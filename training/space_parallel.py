@@ -1,5 +1,5 @@
 """``train.parallel=space`` under torchrun: the voxels split by space instead of the rays, one slab a rank (issue 33;
-two H200s: 1.07x one GPU on lego at the same PSNR, bench/README "The space split without its syncs").
+two H200s: 0.95-1.18x one GPU on lego at the same PSNR, by host, bench/README "Four GPUs, the S-rank split timed").
 
 Every rank draws the whole batch and marches, shades and differentiates only the samples of its slab of the grids
 (models.space_split: S ranks cut the first axis at S - 1 vertex planes; neighbours share their plane); the
