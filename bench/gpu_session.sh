@@ -9,6 +9,7 @@
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
 #             benchmarks; bench-march: march_rays' alone
 # model-tests: tests/test_model.py (the model's CUDA paths: the bfloat16 decoder)
+# pytests:    the test files in $PYTEST_ARGS (default tests/test_step_graph.py)
 # bench:      bench/bench_ops.py at full size -> $OUT/bench.json, $OUT/bench.md; bench-grid: the grid op only
 # train:      the default `python train.py` (built-in scene), custom ops then ops=torch, timed
 # lego:       the shipped blender experiment on $LEGO (default ../shared/data/lego_400 or ./lego_400)
@@ -90,6 +91,7 @@ for s in "${stages[@]}"; do
     grid-tests) stage grid_tests python3 -m pytest -q -rfEs tests/test_grid_interpolate.py tests/test_grid_interpolate_cuda.py ;;
     op-tests) stage op_tests python3 -m pytest -q -rfEs tests/test_render.py tests/test_sparse_adam.py tests/test_march.py ;;
     model-tests) stage model_tests python3 -m pytest -q -rfEs tests/test_model.py ;;
+    pytests) stage pytests python3 -m pytest -q -rfEs ${PYTEST_ARGS:-tests/test_step_graph.py} ;;
     bench-render)
       stage bench_render python3 bench/bench_ops.py --device cuda --size full --ops volume_render \
         --json "$OUT/bench_render.json" --markdown "$OUT/bench_render.md"
@@ -153,5 +155,5 @@ find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -d
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
-for f in grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

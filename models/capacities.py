@@ -4,14 +4,17 @@ for their counts.
 
 The sizes come from one synchronising step (the plain ops) after every event that changes how many samples a ray
 gets (the start, an occupancy refresh, the grids' growth, the fine grid's arrival): ``HEADROOM`` times what it
-counted, rounded up to a size the decoder's graphs keep (``models.decoder_graphs.graph_rows``). Each capped step's
+counted, rounded up to a size the decoder keeps (``models.decoder.padded_rows``). Each capped step's
 true counts are copied to the host without a sync and checked ``LAG`` steps later at the latest (the host never
 runs further ahead than that): a count above its capacity (an overflow: the last rays of that batch lost samples,
 and the shown samples past the capacity went unshaded) grows that size at once to ``GROWTH`` x ``HEADROOM`` times
 the count, so an overflow spoils at most the few steps in flight (early in a run the shown samples multiply as the
-density forms: checked only at log steps, lego lost 0.8 dB). Every ``WINDOW`` checked steps, the peak over them
-shrinks a size it fell below ``1 / SHRINK`` of, so the padding shaded and differentiated stays small as the samples
-per ray fall (lego: ~95 early, ~24 late; the survivors of early termination fall fastest as the density forms).
+density forms: checked only at log steps, lego lost 0.8 dB). Every ``WINDOW`` checked steps, a size above
+``SHRINK`` x ``HEADROOM`` times the peak over them shrinks to the peak's, so the padding shaded and differentiated
+stays small as the samples per ray fall (lego: ~95 early, ~24 late; the survivors of early termination fall fastest
+as the density forms). The padding is the capped step's cost: every padding row is looked up, shaded and
+differentiated (lego, one H200, session 40: at HEADROOM 1.25 and SHRINK 1.5 the capped step was 24% slower than the
+plain one); :meth:`SampleCapacities.report` gives the run's mean fill (count / size) of each kind.
 """
 
 from __future__ import annotations
@@ -21,19 +24,20 @@ import math
 
 import torch
 
-from models.decoder_graphs import graph_rows
+from models.decoder import padded_rows
 
-HEADROOM = 1.25
+HEADROOM = 1.06  # a step's counts vary by ~1% around a refresh's (98304 rays); every padding row is shaded
 GROWTH = 2.0  # after an overflow: room for counts still rising
-SHRINK = 1.5
+SHRINK = 1.15  # a size above SHRINK x HEADROOM x its window's peak shrinks to the peak's
 LAG = 2  # steps whose counts may still be on their way to the host
 WINDOW = 20  # checked steps between two shrinks
 KINDS = ("march", "alive", "shown")  # march_rays' samples, visible_samples' alive ones and shown ones
 
 
 def headroom(count: float) -> int:
-    """The capacity for ``count`` samples: HEADROOM x, at least 1, a size of graph_rows'."""
-    return graph_rows(max(math.ceil(HEADROOM * count), 1))
+    """The capacity for ``count`` samples: HEADROOM x, at least 1, rounded up to a size the decoder keeps (at most
+    1/64 more: models.decoder.padded_rows; the graphed decoder pads its rows further, to graph_rows')."""
+    return padded_rows(max(math.ceil(HEADROOM * count), 1))
 
 
 class SampleCapacities:
@@ -49,6 +53,10 @@ class SampleCapacities:
         self.overflows_reviewed = 0  # of them, those found by the last review
         self.shrinks = 0
         self.reviews = 0
+        self.fill = [0.0, 0.0, 0.0]  # the checked steps' sums of count / size: the share of the rows not padding
+        self.fills = 0  # how many
+        self.generation = 0  # counts the measurements and invalidations (training.step_graph keys its graph by it)
+        self._captured: tuple | None = None  # a captured march's count tensors, observed after each replay
 
     @property
     def measuring(self) -> bool:
@@ -57,16 +65,23 @@ class SampleCapacities:
     def invalidate(self) -> None:
         """The samples a ray gets changed (a refresh, growth): the next march measures."""
         self.stale = True
+        self.generation += 1
 
     def measured(self, march: int, alive: int, shown: int) -> None:
         """Sizes from a synchronising march's counts."""
         self.sizes = {kind: headroom(count) for kind, count in zip(KINDS, (march, alive, shown))}
         self.stale = False
         self.peak, self.checked = [0, 0, 0], 0
+        self.generation += 1
 
     def observe(self, march_total: torch.Tensor, visible_totals: torch.Tensor | None) -> None:
         """A capped step's (1,) true march count and the compaction's (2,) counts (None: no compaction): on the CPU
-        checked now, on a GPU copied to the host without a sync and checked once they arrive (``LAG`` steps at most)."""
+        checked now, on a GPU copied to the host without a sync and checked once they arrive (``LAG`` steps at most).
+        While a CUDA graph is captured (training.step_graph) they are kept for :meth:`take_captured`, and observed
+        after each replay."""
+        if march_total.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._captured = (march_total, visible_totals)
+            return
         if visible_totals is None:  # no compaction: nothing alive or shown past the march
             totals = torch.nn.functional.pad(march_total, (0, 2))
         else:
@@ -81,6 +96,13 @@ class SampleCapacities:
         event.record()
         self.in_flight.append((event, host, sizes))
         self._arrived(wait=False)
+
+    def take_captured(self) -> tuple:
+        """The count tensors :meth:`observe` kept during a capture (the graph writes them at every replay)."""
+        if self._captured is None:
+            raise RuntimeError("take_captured: no capped march was captured")
+        captured, self._captured = self._captured, None
+        return captured
 
     def _arrived(self, wait: bool) -> None:
         """Check the counts that reached the host; with ``wait``, or beyond ``LAG`` steps in flight, wait for them."""
@@ -98,6 +120,8 @@ class SampleCapacities:
         ``WINDOW`` steps the window's peak shrinks the sizes it fell well below."""
         self.peak = [max(p, c) for p, c in zip(self.peak, counts)]
         self.checked += 1
+        self.fill = [f + min(c / sizes[kind], 1.0) for f, c, kind in zip(self.fill, counts, KINDS)]
+        self.fills += 1
         over = [(kind, count) for kind, count in zip(KINDS, counts) if count > sizes[kind]]
         self.overflows += bool(over)
         for kind, count in over:
@@ -122,4 +146,7 @@ class SampleCapacities:
 
     def report(self) -> dict:
         """For metrics.json."""
-        return {"sizes": self.sizes, "overflows": self.overflows, "shrinks": self.shrinks, "reviews": self.reviews}
+        fill = {kind: round(f / max(self.fills, 1), 4) for kind, f in zip(KINDS, self.fill)}  # mean over the run
+        return {"sizes": self.sizes, "overflows": self.overflows, "shrinks": self.shrinks, "reviews": self.reviews} | {
+            "fill": fill
+        }

@@ -16,8 +16,8 @@ and nothing a replay returns (colours, gradients) is read after the next size's 
 the decoder runs as is: its kernels are long enough there that launches cost nothing, and the pool stays bounded.
 
 Only where it applies: CUDA, training with gradients, per-sample shading without a per-image embedding, ray
-directions without a gradient (no pose refinement), ``MIN_ROWS`` to ``MAX_ROWS`` rows; elsewhere the decoder runs
-as is.
+directions without a gradient (no pose refinement), ``MIN_ROWS`` to ``MAX_ROWS`` rows, not while a whole step is
+captured (``train.step_graph``); elsewhere the decoder runs as is.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class DecoderGraphs:
             and (views is None or self.decoder.appearance.embedding_dim == 0)
             and not directions.requires_grad
             and MIN_ROWS <= features.shape[0] <= MAX_ROWS
+            and not torch.cuda.is_current_stream_capturing()  # inside a captured step (training.step_graph): as is
         )
 
     def __call__(

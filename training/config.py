@@ -116,6 +116,7 @@ class TrainConfig:
     pose_penalty: float = 1.0e-2  # weight of their mean squared norm (radians, scene units)
     sparse_adam: Any = False  # false | true (masked) | exact | occupied | nonzero (config_rules.sparse_adam_mode)
     batch_graph: bool = False  # on CUDA, each batch built by a CUDA graph (data.batch_graph)
+    step_graph: bool = False  # on CUDA with model.capped_samples, each step's gradients from a CUDA graph
     tf32: bool = True  # CUDA matmuls (the decoder) on TF32 tensor cores
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0

@@ -245,8 +245,11 @@ def _check_train(cfg: DictConfig) -> None:
         "train.pixel_jitter",
         "train.tf32",
         "train.batch_graph",
+        "train.step_graph",
     ):
         _check_bool(cfg, key)
+    if _get(cfg, "train.step_graph") is True and _get(cfg, "model.capped_samples") is not True:
+        raise ConfigError("train.step_graph: needs model.capped_samples=true (a graph's sample counts are fixed)")
     _check_viewer(cfg)
     eps = _get(cfg, "train.adam_eps")
     if eps is not _ABSENT and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1):

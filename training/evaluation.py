@@ -336,6 +336,7 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         # model.capped_samples: the sample capacities at the end, and the reviews that found an overflow
         "sample_capacity": None if trainer.model.capacities is None else trainer.model.capacities.report(),
         "sample_capacity_ranks": trainer.capacity_reports,  # under torchrun: every rank's, by rank
+        "step_graph": None if trainer.step_graph is None else trainer.step_graph.report(),  # train.step_graph
         "pose_refinement": trainer.model.poses.summary(),  # how far the training cameras moved (None: off)
         "eval_history": trainer.eval_history,
         "render_only": render_only,

@@ -31,6 +31,7 @@ from training.run_checkpoints import RunCheckpoints
 from training.run_dir import RunPaths, write_json
 from training.sharded_adam import ShardedGridAdam
 from training.space_parallel import SpaceParallel
+from training.step_graph import StepGraph
 from training.timing import process_seconds
 
 EXIT_OK = 0
@@ -105,6 +106,8 @@ class Trainer:
         self.space = SpaceParallel(self) if split and self.group.active else None  # this rank's slab of the voxels
         self.capacity_reports: list[dict] | None = None  # under torchrun: every rank's SampleCapacities.report()
         self.optimizer = self._new_optimizer()
+        graphed = self._graphs_step()  # train.step_graph: the step's gradients replayed from a CUDA graph
+        self.step_graph = StepGraph(self.model, lambda: self.optimizer, self._gradients) if graphed else None
         self.step = 0
         self.history: dict[str, list[float]] = {"step": [], "loss": [], "psnr": []}
         self.eval_history: list[dict] = []
@@ -149,6 +152,14 @@ class Trainer:
         except ValueError as error:
             raise ConfigError(f"train.patch_size: {error}") from None
 
+    def _graphs_step(self) -> bool:
+        """``train.step_graph`` where it applies: CUDA, capped samples, one process or the space split (data-parallel
+        ranks exchange the rows they touched, a count a step), no profiler (its sections time the step's parts)."""
+        if not self.train_cfg.get("step_graph", False) or self.device.type != "cuda":
+            return False
+        one_or_split = self.space is not None or not self.group.active
+        return self.model.capacities is not None and one_or_split and not self.profiler.enabled
+
     def _new_optimizer(self) -> torch.optim.Optimizer:
         """Adam over the grids and the decoder as ``train.sparse_adam`` / ``shard_optimizer`` ask (training.optim)."""
         return new_optimizer(self, ADAM_BETAS)
@@ -173,26 +184,10 @@ class Trainer:
                 shard = self.group.active and self.space is None  # data-parallel: this rank's share of the rays
                 batch = batch.shard(self.group.rank, self.group.world) if shard else batch
                 background, target = self._training_background(batch)
-            # the TV estimate before the forward: a replaying Adam catches up the rows it reads in place, which
-            # must not happen to a grid the forward's lookups have already saved for their backward; through
-            # ops.sampled_tv only its cells are drawn here, and it runs after the backward (models/grid_tv.py)
-            with profiler.section("regularization"):
-                regularization = self.model.regularization(defer=True)
-            with profiler.section("forward"):
-                if isinstance(batch, PatchBatch):
-                    out = self.model.render_patches(batch, background)
-                else:
-                    out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
-            with profiler.section("loss_backward"):
-                loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
-                self.optimizer.zero_grad(set_to_none=True)
-                (loss if self.space is None else loss / self.group.world).backward()  # space: see models.space_split
-                self.model.row_grads.scatter()  # model.tv_sparse_grad: the TV rows' gradients onto the grids'
-            with profiler.section("tv_gradient"):
-                deferred = self.model.deferred_regularization()  # the TV's value, its gradient added in place
-                loss = loss if deferred is None else loss.detach() + deferred
-            with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients combined
-                self._sync_gradients()
+            if self.step_graph is not None and self.step_graph.applies(self.device):
+                loss, mse, samples = self.step_graph(batch, background, target)  # replayed (training.step_graph)
+            else:
+                loss, mse, samples = self._gradients(batch, background, target, True)
             with profiler.section("optimizer"):
                 self.optimizer.step()
             if profiler.enabled and not isinstance(self.optimizer, (SparseGridAdam, LazyGridAdam)):  # dense only
@@ -204,10 +199,37 @@ class Trainer:
         shards = self.group.world if self.space is None else 1  # data-parallel ranks each stepped a share
         rays = batch.origins.numel() // 3 * shards  # the job's rays
         self.rays_done += rays
-        self._count_samples(out.get("samples"))
+        self._count_samples(samples)
         self.pixels_done += batch.rgb.numel() // 3 * shards
         profiler.end_step(rays)
         return loss.detach(), mse.detach()
+
+    def _gradients(self, batch, background: torch.Tensor | None, target: torch.Tensor, zero_grad: bool):
+        """A step's forward, loss, backward and gradient exchange -> (loss, mse, composited samples or None), without
+        syncing the device; ``zero_grad``: clear the gradients first (training.step_graph's replays do not)."""
+        profiler = self.profiler
+        # the TV estimate before the forward: a replaying Adam catches up the rows it reads in place, which
+        # must not happen to a grid the forward's lookups have already saved for their backward; through
+        # ops.sampled_tv only its cells are drawn here, and it runs after the backward (models/grid_tv.py)
+        with profiler.section("regularization"):
+            regularization = self.model.regularization(defer=True)
+        with profiler.section("forward"):
+            if isinstance(batch, PatchBatch):
+                out = self.model.render_patches(batch, background)
+            else:
+                out = self.model.render_rays(batch.origins, batch.directions, background, batch.jitter, batch.views)
+        with profiler.section("loss_backward"):
+            loss, mse = step_loss(out, batch, target, regularization, self.train_cfg, self.model, self.scene_centre)
+            if zero_grad:
+                self.optimizer.zero_grad(set_to_none=True)
+            (loss if self.space is None else loss / self.group.world).backward()  # space: see models.space_split
+            self.model.row_grads.scatter()  # model.tv_sparse_grad: the TV rows' gradients onto the grids'
+        with profiler.section("tv_gradient"):
+            deferred = self.model.deferred_regularization()  # the TV's value, its gradient added in place
+            loss = loss if deferred is None else loss.detach() + deferred
+        with profiler.section("grad_sync"):  # under torchrun: the ranks' gradients combined
+            self._sync_gradients()
+        return loss, mse, out.get("samples")
 
     def _count_samples(self, count: torch.Tensor | None) -> None:
         """Add a step's composited samples: a host count at once, a device one (model.capped_samples) on the device

@@ -1,0 +1,71 @@
+"""training.step_graph (``train.step_graph``): a step's gradients replayed from one CUDA graph train what the eager
+step trains; the graph is captured again when the sample capacities change; the config refuses it without capped
+samples, and on the CPU the steps run eagerly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_train import run_train, tiny_overrides
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@pytest.fixture(scope="module")
+def scene_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("scene_cache")
+
+
+def _overrides(cache, iters: int, device: str) -> list[str]:
+    # per-sample shading, refreshes (capacities measured again) within the run, the regularisers on the samples
+    base = [o for o in tiny_overrides(cache, iters) if not o.startswith(("device=", "ops="))]
+    return base + [
+        f"device={device}", f"ops={'custom' if device == 'cuda' else 'torch'}", "model.shading=per_sample",
+        "model.upsample=1", "train.turntable_frames=0", "train.log_every=10", "model.occupancy.warmup=3",
+        "model.occupancy.refresh_every=10", "model.capped_samples=true", "train.opacity_loss=0.01",
+    ]  # fmt: skip
+
+
+def _train(tmp_path, cache, name: str, extra: list[str], iters: int = 40, device: str = "cuda") -> tuple[dict, dict]:
+    from training.compact_model import read_model
+
+    run = tmp_path / name
+    result = run_train(_overrides(cache, iters, device) + [f"hydra.run.dir={run}", *extra], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads((run / "metrics.json").read_text()), read_model(run / "model.pt")[1]["history"]
+
+
+@cuda
+def test_a_graphed_step_trains_what_the_eager_step_trains(tmp_path, scene_cache):
+    eager, eager_history = _train(tmp_path, scene_cache, "eager", ["train.step_graph=false"])
+    graphed, graphed_history = _train(tmp_path, scene_cache, "graphed", ["train.step_graph=true"])
+    report = graphed["step_graph"]
+    # captured again after each refresh (every 10 steps), replayed in between
+    assert report["captures"] >= 3 and report["replays"] >= 20, report
+    assert eager["step_graph"] is None
+    # the same steps up to the order of float atomics in the lookups' backward
+    assert graphed_history["loss"] == pytest.approx(eager_history["loss"], rel=2e-3)
+    assert graphed["psnr"] == pytest.approx(eager["psnr"], abs=0.05)
+    assert graphed["sample_capacity"]["overflows"] == 0
+
+
+@cuda
+def test_a_graphed_step_with_the_batch_graph_and_decoder_graphs(tmp_path, scene_cache):
+    """The batch built in place by its own graph is read in place; the decoder's graphs stay out of the capture."""
+    extra = ["train.batch_graph=true", "model.decoder_graphs=true", "train.random_background=true"]
+    eager, eager_history = _train(tmp_path, scene_cache, "eager", [*extra, "train.step_graph=false"])
+    graphed, graphed_history = _train(tmp_path, scene_cache, "graphed", [*extra, "train.step_graph=true"])
+    assert graphed["step_graph"]["replays"] >= 20
+    assert graphed_history["loss"] == pytest.approx(eager_history["loss"], rel=5e-3)
+
+
+def test_step_graph_needs_capped_samples(tmp_path, scene_cache):
+    result = run_train(tiny_overrides(scene_cache, 2) + [f"hydra.run.dir={tmp_path / 'run'}", "train.step_graph=true"])
+    assert result.returncode != 0 and "train.step_graph: needs model.capped_samples=true" in result.stderr
+
+
+def test_on_the_cpu_the_steps_run_eagerly(tmp_path, scene_cache):
+    metrics, _ = _train(tmp_path, scene_cache, "cpu", ["train.step_graph=true"], iters=6, device="cpu")
+    assert metrics["step_graph"] is None and metrics["psnr"] > 0
