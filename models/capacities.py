@@ -3,18 +3,19 @@ write into outputs of given sizes (``march_rays_capped``, ``visible_samples_capp
 for their counts.
 
 The sizes come from one synchronising step (the plain ops) after every event that changes how many samples a ray
-gets (the start, an occupancy refresh, the grids' growth, the fine grid's arrival): ``HEADROOM`` times what it
-counted, rounded up to a size the decoder keeps (``models.decoder.padded_rows``). Each capped step's
-true counts are copied to the host without a sync and checked ``LAG`` steps later at the latest (the host never
-runs further ahead than that): a count above its capacity (an overflow: the last rays of that batch lost samples,
-and the shown samples past the capacity went unshaded) grows that size at once to ``GROWTH`` x ``HEADROOM`` times
-the count, so an overflow spoils at most the few steps in flight (early in a run the shown samples multiply as the
-density forms: checked only at log steps, lego lost 0.8 dB). Every ``WINDOW`` checked steps, a size above
-``SHRINK`` x ``HEADROOM`` times the peak over them shrinks to the peak's, so the padding shaded and differentiated
-stays small as the samples per ray fall (lego: ~95 early, ~24 late; the survivors of early termination fall fastest
-as the density forms). The padding is the capped step's cost: every padding row is looked up, shaded and
-differentiated (lego, one H200, session 40: at HEADROOM 1.25 and SHRINK 1.5 the capped step was 24% slower than the
-plain one); :meth:`SampleCapacities.report` gives the run's mean fill (count / size) of each kind.
+gets (the start, an occupancy refresh, the grids' growth, the fine grid's arrival): ``HEADROOM`` plus ``SPREAD``
+over the root of the batch's rays times what it counted, rounded up to a size the decoder keeps
+(``models.decoder.padded_rows``). Each capped step's true counts are copied to the host without a sync and checked
+``LAG`` steps later at the latest (the host never runs further ahead than that): a count above its capacity (an
+overflow: the last rays of that batch lost samples, and the shown samples past the capacity went unshaded) grows
+that size at once to the capacity for ``GROWTH`` times the count, so an overflow spoils at most the few steps in
+flight (early in a run the shown samples multiply as the density forms: checked only at log steps, lego lost 0.8
+dB). Every ``WINDOW`` checked steps, a size above ``SHRINK`` times the capacity for the peak over them shrinks to
+it, so the padding shaded and differentiated stays small as the samples per ray fall (lego: ~95 early, ~24 late;
+the survivors of early termination fall fastest as the density forms). The padding is the capped step's cost:
+every padding row is looked up, shaded and differentiated (lego, one H200, session 40: at HEADROOM 1.25 and SHRINK
+1.5 the capped step was 24% slower than the plain one, at 1.06 and 1.15 6%); :meth:`SampleCapacities.report` gives
+the run's mean fill (count / size) of each kind.
 """
 
 from __future__ import annotations
@@ -26,18 +27,21 @@ import torch
 
 from models.decoder import padded_rows
 
-HEADROOM = 1.06  # a step's counts vary by ~1% around a refresh's (98304 rays); every padding row is shaded
+HEADROOM = 1.06  # every padding row is shaded: the least room over the counts a step is likely to reach
+SPREAD = 3.0  # plus SPREAD / sqrt(rays): a batch's count varies with its rays' (CLT; a ray's count varies ~1x)
 GROWTH = 2.0  # after an overflow: room for counts still rising
-SHRINK = 1.15  # a size above SHRINK x HEADROOM x its window's peak shrinks to the peak's
+SHRINK = 1.15  # a size above SHRINK x the capacity for its window's peak shrinks to that
 LAG = 2  # steps whose counts may still be on their way to the host
 WINDOW = 20  # checked steps between two shrinks
 KINDS = ("march", "alive", "shown")  # march_rays' samples, visible_samples' alive ones and shown ones
 
 
-def headroom(count: float) -> int:
-    """The capacity for ``count`` samples: HEADROOM x, at least 1, rounded up to a size the decoder keeps (at most
-    1/64 more: models.decoder.padded_rows; the graphed decoder pads its rows further, to graph_rows')."""
-    return padded_rows(max(math.ceil(HEADROOM * count), 1))
+def headroom(count: float, rays: int | None = None) -> int:
+    """The capacity for ``count`` samples of a batch of ``rays`` (None: many): (HEADROOM + SPREAD / sqrt(rays)) x,
+    at least 1, rounded up to a size the decoder keeps (at most 1/64 more: models.decoder.padded_rows; the graphed
+    decoder pads its rows further, to graph_rows'). Lego's 98304 rays: 1.07x; 64 rays: 1.44x."""
+    spread = 0.0 if rays is None else SPREAD / math.sqrt(max(rays, 1))
+    return padded_rows(max(math.ceil((HEADROOM + spread) * count), 1))
 
 
 class SampleCapacities:
@@ -55,6 +59,7 @@ class SampleCapacities:
         self.reviews = 0
         self.fill = [0.0, 0.0, 0.0]  # the checked steps' sums of count / size: the share of the rows not padding
         self.fills = 0  # how many
+        self.rays: int | None = None  # the measured batch's rays
         self.generation = 0  # counts the measurements and invalidations (training.step_graph keys its graph by it)
         self._captured: tuple | None = None  # a captured march's count tensors, observed after each replay
 
@@ -67,9 +72,10 @@ class SampleCapacities:
         self.stale = True
         self.generation += 1
 
-    def measured(self, march: int, alive: int, shown: int) -> None:
-        """Sizes from a synchronising march's counts."""
-        self.sizes = {kind: headroom(count) for kind, count in zip(KINDS, (march, alive, shown))}
+    def measured(self, march: int, alive: int, shown: int, rays: int | None = None) -> None:
+        """Sizes from a synchronising march's counts over ``rays`` rays (None: many)."""
+        self.rays = rays
+        self.sizes = {kind: headroom(count, rays) for kind, count in zip(KINDS, (march, alive, shown))}
         self.stale = False
         self.peak, self.checked = [0, 0, 0], 0
         self.generation += 1
@@ -125,12 +131,12 @@ class SampleCapacities:
         over = [(kind, count) for kind, count in zip(KINDS, counts) if count > sizes[kind]]
         self.overflows += bool(over)
         for kind, count in over:
-            self.sizes[kind] = max(self.sizes[kind], headroom(GROWTH * count))
+            self.sizes[kind] = max(self.sizes[kind], headroom(GROWTH * count, self.rays))
         if self.checked < WINDOW:
             return
         for kind, count in zip(KINDS, self.peak):
-            if count * SHRINK * HEADROOM < self.sizes[kind]:
-                self.sizes[kind] = headroom(count)
+            if SHRINK * headroom(count, self.rays) < self.sizes[kind]:
+                self.sizes[kind] = headroom(count, self.rays)
                 self.shrinks += 1
         self.peak, self.checked = [0, 0, 0], 0
 

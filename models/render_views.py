@@ -162,7 +162,7 @@ def march(
             step_scale = torch.cat([step_scale, step_scale.new_ones(1)])
         capacities.observe(march_total, visible_totals)
     elif capacities is not None and model.training:
-        capacities.measured(*counts)
+        capacities.measured(*counts, rays=num_rays)
     if model.touched.enabled and torch.is_grad_enabled():  # the features read a subset of these rows
         model.touched.mark_points(samples.points, model.grid_shape)
     # refined poses: the points move with their rays (same values; the gradient of o + t d)

@@ -59,6 +59,21 @@ class Slabs:
         """``ranks`` slabs of a first axis of ``vertices`` vertices, as even as whole cells allow."""
         return Slabs(tuple(k * vertices // ranks for k in range(1, ranks)), rank)
 
+    @staticmethod
+    def balanced(layers: torch.Tensor, ranks: int, rank: int) -> Slabs:
+        """``ranks`` slabs cut where the (R0 - 1,) weights of the first axis's cell layers (the work each brings)
+        reach k / ranks of their sum, each slab at least one cell layer wide; even slabs for weights summing to 0."""
+        cells = layers.numel()
+        cumulative = layers.double().cumsum(0)
+        total = float(cumulative[-1]) if cells else 0.0
+        if total <= 0:
+            return Slabs.even(cells + 1, ranks, rank)
+        planes: list[int] = []
+        for k in range(1, ranks):
+            plane = int(torch.searchsorted(cumulative, k * total / ranks)) + 1  # the cells before it hold k / ranks
+            planes.append(min(max(plane, planes[-1] + 1 if planes else 1), cells - (ranks - k)))
+        return Slabs(tuple(planes), rank)
+
     @property
     def ranks(self) -> int:
         return len(self.planes) + 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_train import run_train, tiny_overrides
 
-from models.capacities import GROWTH, HEADROOM, LAG, WINDOW, SampleCapacities, headroom
+from models.capacities import GROWTH, HEADROOM, LAG, SPREAD, WINDOW, SampleCapacities, headroom
 from models.decoder import padded_rows
 from models.regularizers import RenderedSamples
 
@@ -25,6 +25,9 @@ def test_headroom_is_a_decoder_size_just_above_the_count():
         size = headroom(count)
         assert size >= HEADROOM * count and size >= 1 and padded_rows(size) == size
         assert size <= max(HEADROOM * count * (1 + 1 / 64) + 1, 1)
+    # a small batch's count varies more: room in proportion to 1 / sqrt(rays)
+    assert headroom(10_000, rays=64) >= (HEADROOM + SPREAD / 8) * 10_000 > headroom(10_000, rays=98_304)
+    assert headroom(10_000, rays=98_304) >= (HEADROOM + SPREAD / 98_304**0.5) * 10_000
 
 
 def test_sizes_are_measured_then_follow_the_counts():

@@ -133,7 +133,38 @@ def space_split_of(model, rank: int, ranks: int = 2) -> SpaceParallel:
     """A rank's SpaceParallel on ``model`` without a trainer or a process group (its TV draws need neither)."""
     split = SpaceParallel.__new__(SpaceParallel)
     split.model, split.group = model, SimpleNamespace(rank=rank, world=ranks)
+    split.balance_by, split._planes = "surface", None
     return split
+
+
+def test_balanced_slabs_cut_where_the_layer_weights_split_evenly():
+    weights = torch.tensor([1.0, 1, 1, 1, 10, 10, 10, 10])  # 8 cell layers: 44 in all, 22 reached in layer 5
+    assert Slabs.balanced(weights, 2, 0).planes == (6,)
+    assert Slabs.balanced(torch.ones(8), 2, 1).planes == Slabs.even(9, 2, 1).planes == (4,)
+    assert Slabs.balanced(torch.ones(9), 3, 2).planes == (3, 6)
+    # each slab keeps a cell layer at least, however the weights lie
+    assert Slabs.balanced(torch.tensor([100.0, 0, 0, 0, 0]), 3, 0).planes == (1, 2)
+    assert Slabs.balanced(torch.tensor([0.0, 0, 0, 0, 100]), 3, 0).planes == (3, 4)
+    assert Slabs.balanced(torch.zeros(8), 2, 0).planes == (4,)  # nothing to weigh: even
+
+
+def test_a_split_cuts_its_planes_at_the_occupied_surface():
+    model = scene("deferred")[0]
+    r0 = model.grid_shape[0]
+    mask = torch.zeros_like(model.occupancy.mask)
+    mask[r0 // 2 :, 1:-1, 1:-1] = True  # a block in the far half: its surface cells lie there
+    model.occupancy.mask = mask
+    splits = [space_split_of(model, rank) for rank in range(2)]
+    assert splits[0].slabs.planes == Slabs.even(r0, 2, 0).planes  # before a balance: even
+    for split in splits:
+        split.balance()
+    planes = splits[0].slabs.planes
+    assert planes == splits[1].slabs.planes  # the same on every rank
+    assert r0 // 2 + 1 < planes[0] < r0 - 1  # inside the block: its two end layers all surface, a ring between
+    even = space_split_of(model, 0)
+    even.balance_by = "even"
+    even.balance()
+    assert even.slabs.planes == Slabs.even(r0, 2, 0).planes
 
 
 @pytest.mark.parametrize("count", [2, 3])
@@ -234,14 +265,17 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
     close = {"rtol": 1e-3, "atol": 1e-4}
     cases = (("dense", "false", "false", 2), ("occupied", "occupied", "false", 2), ("capped", "occupied", "true", 2))
     cases += (("three", "occupied", "false", 3),)  # three slabs: two planes, a middle rank that owns both
+    cases += (("surface", "occupied", "false", 2),)  # the planes cut again at the growth, at the occupied surface
     for name, adam, capped, count in cases:  # capped: every rank's march in fixed sample capacities
         extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6", f"model.capped_samples={capped}"]
+        extra += [f"train.space_planes={'surface' if name == 'surface' else 'even'}"]
         extra += ["model.tv_density=0", "model.tv_features=0"]  # the split's TV is stratified: a test of its own
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
         assert result.returncode == 0, result.stderr[-2000:]
         pair = torchrun(count, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])
         assert pair.returncode == 0, ranks_output(pair)
-        assert pair.stdout.count("eval on") == 1
+        assert pair.stdout.count("eval on") == 1, f"{name}: {ranks_output(pair)}"
+        assert (name == "surface") == ("space split: slabs cut at vertex planes" in pair.stdout)
         ranks = json.loads((tmp_path / f"two_{name}" / "metrics.json").read_text())["sample_capacity_ranks"]
         assert (ranks is None) == (capped == "false") and (ranks is None or len(ranks) == count)
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
@@ -249,7 +283,7 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         assert one["step"] == two["step"] == 12
         for key, value in one["model"].items():
             if value.is_floating_point():
-                torch.testing.assert_close(two["model"][key], value, **close, msg=key)
+                torch.testing.assert_close(two["model"][key], value, **close, msg=f"{name}: {key}")
         for index, state in one["optimizer"]["state"].items():  # rank 0's checkpoint holds both slabs' moments
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(two["optimizer"]["state"][index][key], state[key], **close, msg=key)

@@ -1,5 +1,6 @@
 """``train.parallel=space`` under torchrun: the voxels split by space instead of the rays, one slab a rank (issue 33;
-two H200s: 0.95-1.18x one GPU on lego at the same PSNR, by host, bench/README "Four GPUs, the S-rank split timed").
+two H200s: 0.95-1.18x one GPU on lego at the same PSNR, by host; with each rank's step from a CUDA graph
+(``train.step_graph``) 1.30x, bench/README "The step from one CUDA graph").
 
 Every rank draws the whole batch and marches, shades and differentiates only the samples of its slab of the grids
 (models.space_split: S ranks cut the first axis at S - 1 vertex planes; neighbours share their plane); the
@@ -55,14 +56,38 @@ class SpaceParallel:
         if mode not in ("off", "occupied"):
             raise ConfigError(f"train.parallel: space steps dense Adam or train.sparse_adam=occupied, not {mode}")
         self.trainer, self.model, self.group = trainer, model, group
+        self.balance_by = str(cfg.get("space_planes", "even"))  # even | surface
+        self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
         self._slab_key: tuple | None = None  # what _slab_mask was cut from
         self._slab_mask: torch.Tensor | None = None
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
 
     @property
     def slabs(self) -> Slabs:
-        """This rank's slab of the grids as they are now (they grow)."""
-        return Slabs.even(self.model.grid_shape[0], self.group.world, self.group.rank)
+        """This rank's slab of the grids as they are now (they grow): as :meth:`balance` cut them for this shape,
+        else even."""
+        shape = self.model.grid_shape
+        if self._planes is not None and self._planes[0] == shape:
+            return Slabs(self._planes[1], self.group.rank)
+        return Slabs.even(shape[0], self.group.world, self.group.rank)
+
+    @torch.no_grad()
+    def balance(self) -> None:
+        """``train.space_planes=surface``: the planes cut where the occupancy's surface cells (occupied, with an empty
+        neighbour) fall evenly on the slabs, as the shaded samples do (they lie near surfaces; the cells inside are
+        behind them, early termination's). Only when every rank holds the same whole grids with no Adam history that
+        the new owner of a row would lack: right after a growth (new parameters, new moments) or a resume (the
+        moments were gathered for the checkpoint). Every rank computes the same planes from the same mask."""
+        if self.balance_by != "surface":
+            return
+        occupied = self.model.occupancy.mask
+        empty_near = torch.nn.functional.max_pool3d((~occupied).float()[None, None], 3, 1, 1)[0, 0] > 0
+        layers = (occupied & empty_near).sum((1, 2))
+        planes = Slabs.balanced(layers, self.group.world, self.group.rank).planes
+        self._planes = (self.model.grid_shape, planes)
+        if self.group.rank == 0:
+            even = Slabs.even(self.model.grid_shape[0], self.group.world, 0).planes
+            print(f"space split: slabs cut at vertex planes {planes} of {self.model.grid_shape[0]} (even: {even})")
 
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor, views=None) -> dict:
         """Training's march of the whole batch, this rank's slab composited with the other's."""
@@ -73,7 +98,7 @@ class SpaceParallel:
         """The occupancy mask cut to this rank's slab, cut again only when the mask changed (a refresh, growth or a
         load replace it or write into it)."""
         mask = self.model.occupancy.mask
-        key = (id(mask), mask._version, self.model.grid_shape)
+        key = (id(mask), mask._version, self.model.grid_shape, self.slabs.planes)
         if self._slab_key != key:
             self._slab_mask, self._slab_key = self.slabs.occupancy(mask), key
         return self._slab_mask

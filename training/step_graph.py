@@ -51,6 +51,18 @@ class StepGraph:
         self.captures = 0
         self.replays = 0
 
+    @staticmethod
+    def for_trainer(trainer) -> StepGraph | None:
+        """The trainer's, with ``train.step_graph`` where it applies: CUDA, capped samples, one process or the space
+        split (data-parallel ranks exchange the rows they touched, a count a step), no profiler (its sections time
+        the step's parts); else None."""
+        if not trainer.train_cfg.get("step_graph", False) or trainer.device.type != "cuda":
+            return None
+        one_or_split = trainer.space is not None or not trainer.group.active
+        if trainer.model.capacities is None or not one_or_split or trainer.profiler.enabled:
+            return None
+        return StepGraph(trainer.model, lambda: trainer.optimizer, trainer._gradients)
+
     def applies(self, device: torch.device) -> bool:
         """A step can be captured: CUDA, capped samples measured, no fine-grid collection or touched-row marks (host
         bookkeeping a step)."""

@@ -106,8 +106,7 @@ class Trainer:
         self.space = SpaceParallel(self) if split and self.group.active else None  # this rank's slab of the voxels
         self.capacity_reports: list[dict] | None = None  # under torchrun: every rank's SampleCapacities.report()
         self.optimizer = self._new_optimizer()
-        graphed = self._graphs_step()  # train.step_graph: the step's gradients replayed from a CUDA graph
-        self.step_graph = StepGraph(self.model, lambda: self.optimizer, self._gradients) if graphed else None
+        self.step_graph = StepGraph.for_trainer(self)  # train.step_graph: the gradients replayed from a CUDA graph
         self.step = 0
         self.history: dict[str, list[float]] = {"step": [], "loss": [], "psnr": []}
         self.eval_history: list[dict] = []
@@ -152,14 +151,6 @@ class Trainer:
         except ValueError as error:
             raise ConfigError(f"train.patch_size: {error}") from None
 
-    def _graphs_step(self) -> bool:
-        """``train.step_graph`` where it applies: CUDA, capped samples, one process or the space split (data-parallel
-        ranks exchange the rows they touched, a count a step), no profiler (its sections time the step's parts)."""
-        if not self.train_cfg.get("step_graph", False) or self.device.type != "cuda":
-            return False
-        one_or_split = self.space is not None or not self.group.active
-        return self.model.capacities is not None and one_or_split and not self.profiler.enabled
-
     def _new_optimizer(self) -> torch.optim.Optimizer:
         """Adam over the grids and the decoder as ``train.sparse_adam`` / ``shard_optimizer`` ask (training.optim)."""
         return new_optimizer(self, ADAM_BETAS)
@@ -195,6 +186,8 @@ class Trainer:
             self.step += 1
             with profiler.section("schedule"):
                 if self.model.on_step(self.step, self.iters):
+                    if self.space is not None:  # new grids: the slabs' planes cut again (training.space_parallel)
+                        self.space.balance()
                     self._rebuild_optimizer()
         shards = self.group.world if self.space is None else 1  # data-parallel ranks each stepped a share
         rays = batch.origins.numel() // 3 * shards  # the job's rays
@@ -395,5 +388,7 @@ class Trainer:
     def restore(self, state: dict, with_training_state: bool) -> None:
         """Load a checkpoint (training.resume.restore_trainer)."""
         restore_trainer(self, state, with_training_state)
+        if self.space is not None:  # every rank's grids and moments whole: the planes cut for them
+            self.space.balance()
 
     # ---------------------------------------------------------------- evaluation
