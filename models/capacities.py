@@ -153,6 +153,5 @@ class SampleCapacities:
     def report(self) -> dict:
         """For metrics.json."""
         fill = {kind: round(f / max(self.fills, 1), 4) for kind, f in zip(KINDS, self.fill)}  # mean over the run
-        return {"sizes": self.sizes, "overflows": self.overflows, "shrinks": self.shrinks, "reviews": self.reviews} | {
-            "fill": fill
-        }
+        counts = {"overflows": self.overflows, "shrinks": self.shrinks, "reviews": self.reviews}
+        return {"sizes": self.sizes, **counts, "fill": fill}
