@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from cuda_ext.capture import collection_paused
+
 
 class GraphedSampler:
     """``sample()`` of a RaySampler or PatchSampler (anything with ``draw()`` and ``build(*draws)``) on CUDA, built
@@ -50,5 +52,5 @@ class GraphedSampler:
                 self.sampler.build(*self._inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with collection_paused(), torch.cuda.graph(self.graph):
             self._batch = self.sampler.build(*self._inputs)

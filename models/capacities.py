@@ -31,6 +31,7 @@ HEADROOM = 1.06  # every padding row is shaded: the least room over the counts a
 SPREAD = 3.0  # plus SPREAD / sqrt(rays): a batch's count varies with its rays' (CLT; a ray's count varies ~1x)
 GROWTH = 2.0  # after an overflow: room for counts still rising
 SHRINK = 1.15  # a size above SHRINK x the capacity for its window's peak shrinks to that
+KEEP = 1.05  # a measurement keeps a size at most KEEP x its count's capacity (and the step graph for the sizes)
 LAG = 2  # steps whose counts may still be on their way to the host
 WINDOW = 20  # checked steps between two shrinks
 KINDS = ("march", "alive", "shown")  # march_rays' samples, visible_samples' alive ones and shown ones
@@ -60,7 +61,6 @@ class SampleCapacities:
         self.fill = [0.0, 0.0, 0.0]  # the checked steps' sums of count / size: the share of the rows not padding
         self.fills = 0  # how many
         self.rays: int | None = None  # the measured batch's rays
-        self.generation = 0  # counts the measurements and invalidations (training.step_graph keys its graph by it)
         self._captured: tuple | None = None  # a captured march's count tensors, observed after each replay
 
     @property
@@ -70,15 +70,19 @@ class SampleCapacities:
     def invalidate(self) -> None:
         """The samples a ray gets changed (a refresh, growth): the next march measures."""
         self.stale = True
-        self.generation += 1
 
     def measured(self, march: int, alive: int, shown: int, rays: int | None = None) -> None:
-        """Sizes from a synchronising march's counts over ``rays`` rays (None: many)."""
+        """Sizes from a synchronising march's counts over ``rays`` rays (None: many). A size that holds its count's
+        capacity and is at most ``KEEP`` times above it stays: the sizes, and the step graph captured for them
+        (training.step_graph: a capture costs about as much as 5% more rows for a refresh's 50 steps on one H200),
+        then outlive an occupancy refresh that moved the counts a little."""
         self.rays = rays
-        self.sizes = {kind: headroom(count, rays) for kind, count in zip(KINDS, (march, alive, shown))}
+        fresh = {kind: headroom(count, rays) for kind, count in zip(KINDS, (march, alive, shown))}
+        old = self.sizes or {}
+        kept = {kind for kind, size in fresh.items() if size <= old.get(kind, 0) <= KEEP * size}
+        self.sizes = {kind: old[kind] if kind in kept else size for kind, size in fresh.items()}
         self.stale = False
         self.peak, self.checked = [0, 0, 0], 0
-        self.generation += 1
 
     def observe(self, march_total: torch.Tensor, visible_totals: torch.Tensor | None) -> None:
         """A capped step's (1,) true march count and the compaction's (2,) counts (None: no compaction): on the CPU

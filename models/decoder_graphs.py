@@ -28,6 +28,7 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
+from cuda_ext.capture import collection_paused
 from models.decoder import SampleDecoder
 
 MIN_ROWS = 1 << 12  # fewer rows: launches are not what a step waits for
@@ -98,7 +99,8 @@ class DecoderGraphs:
             # the graphs' static inputs: their own buffers, into which each call copies its arguments
             sample = (features.detach().clone().requires_grad_(features.requires_grad), directions.clone(), ray.clone())
             # allow_unused_input: an affine appearance's parameters live in the decoder but act after it
-            graphed = torch.cuda.make_graphed_callables(graphed, sample, allow_unused_input=True, **self._pool())
+            with collection_paused():
+                graphed = torch.cuda.make_graphed_callables(graphed, sample, allow_unused_input=True, **self._pool())
             self.captures += 1
         self.graphs[key] = graphed  # the most recent last
         while len(self.graphs) > MAX_GRAPHS:

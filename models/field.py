@@ -238,7 +238,10 @@ class OccupancyGrid(nn.Module):
         cells = F.max_pool3d(alpha, kernel_size=2, stride=1)
         if dilate > 0:
             cells = F.max_pool3d(cells, kernel_size=2 * dilate + 1, stride=1, padding=dilate)
-        self.mask = cells[0, 0] >= threshold
+        if cells.shape[2:] == self.mask.shape:  # in place: a captured training step (train.step_graph) reads it there
+            torch.ge(cells[0, 0], threshold, out=self.mask)
+        else:
+            self.mask = cells[0, 0] >= threshold
 
     @torch.no_grad()
     def vertex_rows(self) -> torch.Tensor:

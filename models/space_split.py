@@ -89,11 +89,13 @@ class Slabs:
         cell, (first, end) = cell_coords(points, shape)[0], self.cells
         return (cell >= first) & (cell < end) if end is not None else cell >= first
 
-    def occupancy(self, mask: torch.Tensor) -> torch.Tensor:
+    def occupancy(self, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The (R0-1, R1-1, R2-1) occupancy ``mask`` cut to this rank's slab: marched with it, ``march_rays`` emits
         exactly the samples :meth:`owns` (its cells are the lookups' trilinear cells, its sample positions a lattice
-        that the mask only filters), with no filter pass and no count of its own."""
-        slab, part = torch.zeros_like(mask), slice(*self.cells)
+        that the mask only filters), with no filter pass and no count of its own. ``out``: a mask of that shape to
+        write it into (else a new one)."""
+        slab = torch.zeros_like(mask) if out is None else out.zero_()
+        part = slice(*self.cells)
         slab[part] = mask[part]
         return slab
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_train import run_train, tiny_overrides
 
-from models.capacities import GROWTH, HEADROOM, LAG, SPREAD, WINDOW, SampleCapacities, headroom
+from models.capacities import GROWTH, HEADROOM, KEEP, LAG, SPREAD, WINDOW, SampleCapacities, headroom
 from models.decoder import padded_rows
 from models.regularizers import RenderedSamples
 
@@ -59,6 +59,20 @@ def test_sizes_are_measured_then_follow_the_counts():
     # the mean share of each size that held samples over the 40 checked steps (shown: never grown nor shrunk)
     shown = (315 + 200 + 100 + 37 * 40) / 40 / measured["shown"]
     assert report["fill"]["shown"] == pytest.approx(shown, abs=1e-4)
+
+
+def test_a_measurement_keeps_the_sizes_that_still_fit():
+    """After a refresh the counts move a little: a size that holds the new count's capacity, and is at most KEEP
+    times above it, stays (so a step graph captured for the sizes is kept); the others take the new count's."""
+    capacities = SampleCapacities()
+    capacities.measured(10_000, 6_000, 3_000, rays=4096)
+    before = dict(capacities.sizes)
+    capacities.invalidate()
+    capacities.measured(9_900, 6_000 * 2, int(3_000 / (KEEP * 1.1)), rays=4096)  # a little less, twice, far less
+    assert capacities.sizes["march"] == before["march"]
+    assert capacities.sizes["alive"] == headroom(12_000, 4096) > before["alive"]
+    assert capacities.sizes["shown"] == headroom(int(3_000 / (KEEP * 1.1)), 4096) < before["shown"]
+    assert not capacities.measuring
 
 
 def test_a_count_rising_fast_grows_its_size_within_the_step():

@@ -96,12 +96,18 @@ class SpaceParallel:
 
     def _slab_occupancy(self) -> torch.Tensor:
         """The occupancy mask cut to this rank's slab, cut again only when the mask changed (a refresh, growth or a
-        load replace it or write into it)."""
+        load replace it or write into it); into the same tensor while the shape holds (a captured step reads it)."""
         mask = self.model.occupancy.mask
         key = (id(mask), mask._version, self.model.grid_shape, self.slabs.planes)
         if self._slab_key != key:
-            self._slab_mask, self._slab_key = self.slabs.occupancy(mask), key
+            same = self._slab_mask is not None and self._slab_mask.shape == mask.shape
+            self._slab_mask = self.slabs.occupancy(mask, out=self._slab_mask if same else None)
+            self._slab_key = key
         return self._slab_mask
+
+    def graph_key(self) -> tuple:
+        """What a captured step (training.step_graph) reads from the split as fixed: the planes and the slab's mask."""
+        return self.slabs.planes, self._slab_occupancy().data_ptr()
 
     def owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The (K,) flat vertex rows of the grids that this rank steps: those of its slab, its planes included."""

@@ -175,8 +175,8 @@ class Trainer:
                 shard = self.group.active and self.space is None  # data-parallel: this rank's share of the rays
                 batch = batch.shard(self.group.rank, self.group.world) if shard else batch
                 background, target = self._training_background(batch)
-            if self.step_graph is not None and self.step_graph.applies(self.device):
-                loss, mse, samples = self.step_graph(batch, background, target)  # replayed (training.step_graph)
+            if self.step_graph is not None:  # replayed where it applies (training.step_graph)
+                loss, mse, samples = self.step_graph(batch, background, target)
             else:
                 loss, mse, samples = self._gradients(batch, background, target, True)
             with profiler.section("optimizer"):
