@@ -36,6 +36,8 @@
 #             -> $OUT/ab/<name>/metrics.json; interleave old and new lines so drift on the host hits both
 # kernels:    bench/kernel_profile.py: torch.profiler over 30 steps from $KERNELS_FIRST (2800) of the
 #             +experiment=$KERNELS_EXPERIMENT (blender) run on $KERNELS_DATA (lego) -> $OUT/kernel_profile.txt
+# balance:    bench/slab_balance.py on the lego preset: the samples per first-axis cell layer at $BALANCE_AT, and how
+#             evenly, at the surface and at the shaded samples' quantiles cut slabs would share them -> $OUT/slab_balance.json
 # syncs:      bench/step_syncs.py: the device syncs of lego preset steps 300-319, by site -> $OUT/step_syncs.json
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
 # Everything is written under a work folder and packed into $OUT/session.tgz at the end (the device tool
@@ -145,6 +147,9 @@ for s in "${stages[@]}"; do
       stage variants python3 bench/quality_runs.py --data "${VARIANT_DATA:-$LEGO}" \
         --experiment "${VARIANT_EXPERIMENT:-blender}" --parallel 1 --runs "$OUT/variants" \
         --json "$OUT/variants.json" "${args[@]}" ;;
+    balance)
+      stage balance python3 bench/slab_balance.py --out "$OUT/slab_balance.json" --at "${BALANCE_AT:-1000,2000,2990}" -- \
+        +experiment=blender data.root="$(realpath "$LEGO")" hydra.run.dir="$OUT/balance_run" train.turntable_frames=0 ;;
     *) log "unknown stage $s"; failures=$((failures + 1)) ;;
   esac
 done
@@ -155,5 +160,5 @@ find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -d
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
-for f in grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in slab_balance.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

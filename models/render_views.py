@@ -170,6 +170,8 @@ def march(
     samples.points = points_with_ray_gradients(*moved)
     sigma_delta = optical_depth(model.query_density(samples.points), c.density_shift, step_scale)
     shaded = samples if keep is None else samples.take(keep)
+    if slab is not None and sizes is None:  # the split's balance counts the shaded samples (no padding rows here)
+        slab.count_shaded(shaded.points)
     feats = model.query_features(shaded.points)
     if model.per_sample:
         values = model.decode_samples(feats, directions, shaded.ray, views)  # the direction per ray, gathered

@@ -100,6 +100,20 @@ class Slabs:
         return slab
 
 
+def regrid_layers(counts: torch.Tensor, span: tuple[float, float], new_span: tuple[float, float], cells: int):
+    """(C,) counts over the C equal cell layers of ``span`` (the first axis's world interval) -> (cells,) float64
+    over ``cells`` equal layers of ``new_span``: each new layer gets the counts its interval overlaps, a count
+    spread evenly over its layer (the grids grow and their box may move between the count and the cut)."""
+    old = torch.linspace(span[0], span[1], counts.numel() + 1, dtype=torch.float64)
+    cumulative = torch.nn.functional.pad(counts.double().cpu().cumsum(0), (1, 0))  # (C + 1,) at the old edges
+    new = torch.linspace(new_span[0], new_span[1], cells + 1, dtype=torch.float64).clamp(span[0], span[1])
+    index = torch.searchsorted(old, new, right=True).clamp(1, counts.numel())  # the old layer each new edge is in
+    lower, upper = old[index - 1], old[index]
+    fraction = ((new - lower) / (upper - lower).clamp(min=1e-300)).clamp(0, 1)
+    at = cumulative[index - 1] + fraction * (cumulative[index] - cumulative[index - 1])
+    return at.diff()
+
+
 def _gather(values: torch.Tensor, ranks: int, group) -> torch.Tensor:
     """(S, *values.shape): every rank's ``values``, by rank, in one buffer (one collective, no copies out)."""
     parts = values.new_empty((ranks * values.shape[0], *values.shape[1:]))  # gloo takes the parts end to end only
@@ -184,6 +198,15 @@ class SlabPass:
     plus: torch.Tensor  # (B,) bool: the rays towards +x (the slabs in rank order)
     slabs: Slabs
     group: Any = None
+    layers: torch.Tensor | None = None  # (R0 - 1,) float64: this slab's shaded samples per first-axis cell layer
+
+    def count_shaded(self, points: torch.Tensor) -> None:
+        """Add the (N, 3) shaded points (in [-1, 1]; no padding) to :attr:`layers`, if kept
+        (``train.space_planes=samples``); no sync."""
+        if self.layers is not None:
+            cells = self.layers.numel()
+            layer = ((points[:, 0].detach() + 1.0) * (0.5 * cells)).floor().clamp(0, cells - 1).long()  # cell_coords'
+            self.layers.index_add_(0, layer, torch.ones_like(layer, dtype=self.layers.dtype))
 
     def start_depth(self, depth: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """(B,) the optical depth in front of this slab's samples on each ray: the clamped sums of the slabs in front,
@@ -214,6 +237,7 @@ def split_march(
     group=None,
     occupancy: torch.Tensor | None = None,
     views: torch.Tensor | None = None,
+    layers: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Training's march of B rays ((B, 3) origins and unit directions, (B,) sample offsets, optional (B,) training
     images) by this rank's slab, composited with the other ranks' over ``group`` -> dict(diffuse (B, 3),
@@ -221,9 +245,11 @@ def split_march(
     RenderedSamples), what ``model.march`` returns up to float rounding (bounded space, no pose refinement, no
     touched-row marks). Every rank passes the same rays; ``occupancy``: the occupancy mask cut to the slab
     (:meth:`Slabs.occupancy`, kept by the caller between refreshes), else cut here. The slab's own march is
-    :func:`models.render_views.march` (with ``model.capped_samples``, in fixed sample capacities)."""
+    :func:`models.render_views.march` (with ``model.capped_samples``, in fixed sample capacities). ``layers``: the
+    (R0 - 1,) float64 counts to add the slab's shaded samples to, per first-axis cell layer, in the steps that march
+    without padding (:meth:`SlabPass.count_shaded`)."""
     occupancy = slabs.occupancy(model.occupancy.mask) if occupancy is None else occupancy
-    slab = SlabPass(occupancy, directions[:, 0] >= 0, slabs, group)
+    slab = SlabPass(occupancy, directions[:, 0] >= 0, slabs, group, layers)
     out = render_views.march(model, origins, directions, jitter, views, slab=slab)
     local = torch.cat([out["colour"], out["opacity"][:, None], out["depth"][:, None]], 1)
     diffuse, features, opacity, depth = _CompositeSlabs.apply(local, slab.plus, slabs, group)
@@ -238,4 +264,4 @@ def split_march(
     }
 
 
-__all__ = ["Slabs", "SlabPass", "ray_sums", "split_march"]
+__all__ = ["Slabs", "SlabPass", "ray_sums", "regrid_layers", "split_march"]

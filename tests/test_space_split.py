@@ -17,7 +17,7 @@ from test_model import make_model, randomize_density, rays_towards_centre
 from models.capacities import SampleCapacities
 from models.grid_tv import DeferredTV
 from models.render_views import march
-from models.space_split import Slabs, ray_sums, split_march
+from models.space_split import SlabPass, Slabs, ray_sums, regrid_layers, split_march
 from training.space_parallel import SpaceParallel
 
 OUTPUTS = ("diffuse", "features", "depth", "opacity")
@@ -133,7 +133,7 @@ def space_split_of(model, rank: int, ranks: int = 2) -> SpaceParallel:
     """A rank's SpaceParallel on ``model`` without a trainer or a process group (its TV draws need neither)."""
     split = SpaceParallel.__new__(SpaceParallel)
     split.model, split.group = model, SimpleNamespace(rank=rank, world=ranks)
-    split.balance_by, split._planes = "surface", None
+    split.balance_by, split._planes, split._layers = "samples", None, None
     return split
 
 
@@ -148,23 +148,45 @@ def test_balanced_slabs_cut_where_the_layer_weights_split_evenly():
     assert Slabs.balanced(torch.zeros(8), 2, 0).planes == (4,)  # nothing to weigh: even
 
 
-def test_a_split_cuts_its_planes_at_the_occupied_surface():
+def test_counts_move_onto_other_layers_of_another_box():
+    counts = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    torch.testing.assert_close(regrid_layers(counts, (0.0, 1.0), (0.0, 1.0), 4), counts.double())
+    torch.testing.assert_close(regrid_layers(counts, (0.0, 1.0), (0.0, 1.0), 2), torch.tensor([3.0, 7.0]).double())
+    torch.testing.assert_close(
+        regrid_layers(counts, (0.0, 1.0), (0.0, 1.0), 8), counts.double().repeat_interleave(2) / 2
+    )
+    # a box that moved: half of it past the old one (nothing counted there), the rest over the old second half
+    torch.testing.assert_close(regrid_layers(counts, (0.0, 1.0), (0.5, 1.5), 2), torch.tensor([7.0, 0.0]).double())
+
+
+def test_a_split_cuts_its_planes_where_the_shaded_samples_split_evenly(monkeypatch):
+    import training.space_parallel as space_parallel
+
     model = scene("deferred")[0]
     r0 = model.grid_shape[0]
-    mask = torch.zeros_like(model.occupancy.mask)
-    mask[r0 // 2 :, 1:-1, 1:-1] = True  # a block in the far half: its surface cells lie there
-    model.occupancy.mask = mask
     splits = [space_split_of(model, rank) for rank in range(2)]
-    assert splits[0].slabs.planes == Slabs.even(r0, 2, 0).planes  # before a balance: even
-    for split in splits:
+    assert splits[0].slabs.planes == Slabs.even(r0, 2, 0).planes  # before a cut: even
+    generator = torch.Generator().manual_seed(5)
+    for split, low in zip(splits, (0.0, 0.5)):  # each rank shades samples in the far half of the box (x in [0, 1])
+        points = torch.rand(4000, 3, generator=generator, dtype=torch.float64) * 2 - 1
+        points[:, 0] = low + torch.rand(4000, generator=generator, dtype=torch.float64) * 0.5
+        slab = SlabPass(model.occupancy.mask, torch.ones(1, dtype=torch.bool), split.slabs, None, split._counting())
+        slab.count_shaded(points)
+    counted = [split._layers[0].clone() for split in splits]
+    assert counted[0].sum() == counted[1].sum() == 4000 and counted[0][: (r0 - 1) // 2].sum() == 0
+    for rank, split in enumerate(splits):  # the all-reduce: the other rank's counts added
+        monkeypatch.setattr(space_parallel.dist, "all_reduce", lambda t, other=counted[1 - rank]: t.add_(other))
         split.balance()
     planes = splits[0].slabs.planes
     assert planes == splits[1].slabs.planes  # the same on every rank
-    assert r0 // 2 + 1 < planes[0] < r0 - 1  # inside the block: its two end layers all surface, a ring between
+    assert abs(planes[0] - (3 * (r0 - 1)) // 4) <= 2  # the samples' median: three quarters along the axis
+    assert splits[0]._layers is None  # counted afresh
+    splits[0].balance()  # nothing counted since: even again
+    assert splits[0].slabs.planes == Slabs.even(r0, 2, 0).planes
     even = space_split_of(model, 0)
     even.balance_by = "even"
     even.balance()
-    assert even.slabs.planes == Slabs.even(r0, 2, 0).planes
+    assert even.slabs.planes == Slabs.even(r0, 2, 0).planes and even._counting() is None
 
 
 @pytest.mark.parametrize("count", [2, 3])
@@ -265,17 +287,17 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
     close = {"rtol": 1e-3, "atol": 1e-4}
     cases = (("dense", "false", "false", 2), ("occupied", "occupied", "false", 2), ("capped", "occupied", "true", 2))
     cases += (("three", "occupied", "false", 3),)  # three slabs: two planes, a middle rank that owns both
-    cases += (("surface", "occupied", "false", 2),)  # the planes cut again at the growth, at the occupied surface
+    cases += (("samples", "occupied", "false", 2),)  # the planes cut again at the growth, by the shaded samples
     for name, adam, capped, count in cases:  # capped: every rank's march in fixed sample capacities
         extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6", f"model.capped_samples={capped}"]
-        extra += [f"train.space_planes={'surface' if name == 'surface' else 'even'}"]
+        extra += [f"train.space_planes={'samples' if name == 'samples' else 'even'}"]
         extra += ["model.tv_density=0", "model.tv_features=0"]  # the split's TV is stratified: a test of its own
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
         assert result.returncode == 0, result.stderr[-2000:]
         pair = torchrun(count, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])
         assert pair.returncode == 0, ranks_output(pair)
         assert pair.stdout.count("eval on") == 1, f"{name}: {ranks_output(pair)}"
-        assert (name == "surface") == ("space split: slabs cut at vertex planes" in pair.stdout)
+        assert (name == "samples") == ("space split: slabs cut at vertex planes" in pair.stdout)
         ranks = json.loads((tmp_path / f"two_{name}" / "metrics.json").read_text())["sample_capacity_ranks"]
         assert (ranks is None) == (capped == "false") and (ranks is None or len(ranks) == count)
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")

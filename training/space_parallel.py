@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from models.grid_tv import DeferredTV
-from models.space_split import Slabs, split_march
+from models.space_split import Slabs, regrid_layers, split_march
 from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
 
@@ -56,8 +56,9 @@ class SpaceParallel:
         if mode not in ("off", "occupied"):
             raise ConfigError(f"train.parallel: space steps dense Adam or train.sparse_adam=occupied, not {mode}")
         self.trainer, self.model, self.group = trainer, model, group
-        self.balance_by = str(cfg.get("space_planes", "even"))  # even | surface
+        self.balance_by = str(cfg.get("space_planes", "even"))  # even | samples
         self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
+        self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut
         self._slab_key: tuple | None = None  # what _slab_mask was cut from
         self._slab_mask: torch.Tensor | None = None
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
@@ -73,26 +74,51 @@ class SpaceParallel:
 
     @torch.no_grad()
     def balance(self) -> None:
-        """``train.space_planes=surface``: the planes cut where the occupancy's surface cells (occupied, with an empty
-        neighbour) fall evenly on the slabs, as the shaded samples do (they lie near surfaces; the cells inside are
-        behind them, early termination's). Only when every rank holds the same whole grids with no Adam history that
+        """``train.space_planes=samples``: the planes cut where the shaded samples counted since the last cut
+        (every rank its slab's, summed over the ranks; mapped onto the grids as they are now) split evenly: the
+        decoder's work, ~2/3 of a step's kernels, then falls evenly on the ranks. Even planes where nothing was
+        counted (the start, a resume). Only when every rank holds the same whole grids with no Adam history that
         the new owner of a row would lack: right after a growth (new parameters, new moments) or a resume (the
-        moments were gathered for the checkpoint). Every rank computes the same planes from the same mask."""
-        if self.balance_by != "surface":
+        moments were gathered for the checkpoint). A collective: every rank calls it at the same step.
+        Lego 400, one H200 (bench/slab_balance.py, 2026-11-29): at even planes the larger slab shaded 56% of the
+        samples over the run, at the samples' own cut 50.5%; the occupancy's surface cells (session 40's rule) gave
+        57-58%."""
+        if self.balance_by != "samples":
             return
-        occupied = self.model.occupancy.mask
-        empty_near = torch.nn.functional.max_pool3d((~occupied).float()[None, None], 3, 1, 1)[0, 0] > 0
-        layers = (occupied & empty_near).sum((1, 2))
+        shape, counted = self.model.grid_shape, self._layers
+        span = self._span()
+        self._layers = None  # counted afresh on the grids as they are now
+        if counted is None:
+            self._planes = None
+            return
+        counts, counted_span = counted
+        dist.all_reduce(counts)
+        layers = regrid_layers(counts, counted_span, span, shape[0] - 1)
         planes = Slabs.balanced(layers, self.group.world, self.group.rank).planes
-        self._planes = (self.model.grid_shape, planes)
+        self._planes = (shape, planes)
         if self.group.rank == 0:
-            even = Slabs.even(self.model.grid_shape[0], self.group.world, 0).planes
-            print(f"space split: slabs cut at vertex planes {planes} of {self.model.grid_shape[0]} (even: {even})")
+            even = Slabs.even(shape[0], self.group.world, 0).planes
+            print(f"space split: slabs cut at vertex planes {planes} of {shape[0]} (even: {even})")
+
+    def _span(self) -> tuple[float, float]:
+        """The grids' first axis in the world, (first vertex, last vertex): a host sync (at a cut only)."""
+        low, high = self.model.bbox[:, 0].tolist()
+        return low, high
+
+    def _counting(self) -> torch.Tensor | None:
+        """The (R0 - 1,) counts the march adds this slab's shaded samples to (``samples``), None otherwise."""
+        if self.balance_by != "samples":
+            return None
+        cells = self.model.grid_shape[0] - 1
+        if self._layers is None or self._layers[0].numel() != cells:
+            zeros = torch.zeros(cells, dtype=torch.float64, device=self.model.bbox.device)
+            self._layers = (zeros, self._span())
+        return self._layers[0]
 
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor, views=None) -> dict:
         """Training's march of the whole batch, this rank's slab composited with the other's."""
-        occupancy = self._slab_occupancy()
-        return split_march(self.model, self.slabs, origins, directions, jitter, occupancy=occupancy, views=views)
+        occupancy, layers = self._slab_occupancy(), self._counting()
+        return split_march(self.model, self.slabs, origins, directions, jitter, None, occupancy, views, layers)
 
     def _slab_occupancy(self) -> torch.Tensor:
         """The occupancy mask cut to this rank's slab, cut again only when the mask changed (a refresh, growth or a
