@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from cuda_ext.capture import collection_paused
+from data.graph_capture import collection_paused
 
 
 class GraphedSampler:

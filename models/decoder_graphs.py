@@ -28,7 +28,7 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from cuda_ext.capture import collection_paused
+from data.graph_capture import collection_paused
 from models.decoder import SampleDecoder
 
 MIN_ROWS = 1 << 12  # fewer rows: launches are not what a step waits for

@@ -67,7 +67,7 @@ def test_a_graphed_step_with_the_batch_graph_and_decoder_graphs(tmp_path, scene_
 def test_no_garbage_collection_inside_a_capture():
     import gc
 
-    from cuda_ext.capture import collection_paused
+    from data.graph_capture import collection_paused
 
     for enabled in (True, False):
         (gc.enable if enabled else gc.disable)()

@@ -28,8 +28,8 @@ from dataclasses import fields, is_dataclass, replace
 
 import torch
 
-from cuda_ext.capture import capturing
 from cuda_ext.kept_grad import is_kept
+from data.graph_capture import capturing
 
 Gradients = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (batch, background, target, zero_grad)
 

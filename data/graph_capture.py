@@ -6,7 +6,8 @@ runs inside a capture and frees an unreachable CUDA graph (the decoder's graphs 
 cycles: models/decoder_graphs.py), destroying that graph is an operation a capturing stream does not permit, and the
 capture fails: "operation not permitted when stream is capturing (function reset)", then
 ``cudaErrorStreamCaptureInvalidated`` (lego with ``train.step_graph``, one H200, 2026-11-29: the first capture after
-a growth, in every run). Collection waits until the capture is over.
+a growth, in every run). Collection waits until the capture is over. (In data/, the lowest layer, as the batch's
+graph, data/batch_graph.py, captures too.)
 
 :func:`capturing` also leaves out what ``torch.cuda.graph`` does before each capture: a device synchronisation (the
 host then captures while the device idles, where it could still run the steps queued before) and the release of the
