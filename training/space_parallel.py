@@ -106,8 +106,11 @@ class SpaceParallel:
         return low, high
 
     def _counting(self) -> torch.Tensor | None:
-        """The (R0 - 1,) counts the march adds this slab's shaded samples to (``samples``), None otherwise."""
-        if self.balance_by != "samples":
+        """The (R0 - 1,) counts the march adds this slab's shaded samples to (``samples``), None otherwise and inside
+        a captured step (training.step_graph: its samples have padding rows, so it counts none; the counts must not
+        be made there either, or every replay would zero them)."""
+        capturing = self.model.bbox.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.balance_by != "samples" or capturing:
             return None
         cells = self.model.grid_shape[0] - 1
         if self._layers is None or self._layers[0].numel() != cells:
