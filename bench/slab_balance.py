@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from models import render_views  # noqa: E402
-from models.field import cell_coords  # noqa: E402
+from models.field import cell_index  # noqa: E402
 from models.space_split import Slabs  # noqa: E402
 from training import trainer  # noqa: E402
 
@@ -46,7 +46,7 @@ class LayerCounts:
         self.counts = {kind: torch.zeros(self.cells, dtype=torch.float64) for kind in KINDS}
 
     def _layers(self, points: torch.Tensor) -> torch.Tensor:
-        layer = cell_coords(points.detach(), self.model.grid_shape)[0].clamp(0, self.cells - 1)
+        layer = cell_index(points[:, 0].detach(), self.cells + 1)
         return torch.bincount(layer.reshape(-1), minlength=self.cells).double().cpu()
 
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor | bool) -> None:

@@ -35,13 +35,16 @@ def to_unit(points: torch.Tensor, bbox: torch.Tensor) -> torch.Tensor:
     return (points - bbox[0]) * (2.0 / (bbox[1] - bbox[0])) - 1.0
 
 
+def cell_index(coords: torch.Tensor, size: int) -> torch.Tensor:
+    """(N,) coordinates in [-1, 1] along an axis of ``size`` vertices -> the (N,) int64 index of the cell each lies in
+    (coordinates outside clamp to the border cell, as the lookup does)."""
+    return ((coords + 1.0) * (0.5 * (size - 1))).floor().clamp(0, size - 2).long()
+
+
 def cell_coords(unit_points: torch.Tensor, shape: tuple[int, int, int]) -> list[torch.Tensor]:
     """(N, 3) points in [-1, 1] -> per axis the (N,) int64 index of the cell of a grid of ``shape`` vertices each lies
-    in (points outside clamp to the border cell, as the lookup does)."""
-    return [
-        ((unit_points[:, a] + 1.0) * (0.5 * (size - 1))).floor().clamp(0, size - 2).long()
-        for a, size in enumerate(shape)
-    ]
+    in (:func:`cell_index`)."""
+    return [cell_index(unit_points[:, a], size) for a, size in enumerate(shape)]
 
 
 def cell_corners(cells: torch.Tensor) -> torch.Tensor:
@@ -339,6 +342,7 @@ __all__ = [
     "voxel_size",
     "to_unit",
     "cell_coords",
+    "cell_index",
     "cell_corners",
     "corner_rows",
     "tv_pair_rows",

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from models import render_views
 from models.decoder import DIFFUSE_CHANNELS
-from models.field import cell_coords
+from models.field import cell_index
 
 if TYPE_CHECKING:
     from models.model import VoxelNeRF
@@ -86,7 +86,7 @@ class Slabs:
 
     def owns(self, points: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
         """(N,) bool: the (N, 3) grid points whose trilinear cell is in this rank's slab."""
-        cell, (first, end) = cell_coords(points, shape)[0], self.cells
+        cell, (first, end) = cell_index(points[:, 0], shape[0]), self.cells
         return (cell >= first) & (cell < end) if end is not None else cell >= first
 
     def occupancy(self, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,8 +204,7 @@ class SlabPass:
         """Add the (N, 3) shaded points (in [-1, 1]; no padding) to :attr:`layers`, if kept
         (``train.space_planes=samples``); no sync."""
         if self.layers is not None:
-            cells = self.layers.numel()
-            layer = ((points[:, 0].detach() + 1.0) * (0.5 * cells)).floor().clamp(0, cells - 1).long()  # cell_coords'
+            layer = cell_index(points[:, 0].detach(), self.layers.numel() + 1)
             self.layers.index_add_(0, layer, torch.ones_like(layer, dtype=self.layers.dtype))
 
     def start_depth(self, depth: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
