@@ -92,8 +92,11 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
     for name, shard in (("two", "auto"), ("touched", "false")):
         pair = torchrun(2, tiny(cache, tmp_path / name, 12) + mid_run + [f"train.shard_optimizer={shard}"])
         assert pair.returncode == 0, ranks_output(pair)
-        # rank 0 alone wrote the outputs and the log
+        # rank 0 alone wrote the outputs and the log; train.parallel=auto took data parallel on CPUs
         assert (tmp_path / name / "metrics.json").is_file() and pair.stdout.count("eval on") == 1
+        assert pair.stdout.count("train.parallel=auto: data parallel over 2 ranks (space the split runs on CUDA") == 1
+        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+        assert metrics["parallel"] == {"ranks": 2, "split": "data"}
     one = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt", map_location="cpu")
     for name in ("two", "touched"):
         assert_same_model(one, load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu"))
@@ -158,8 +161,10 @@ def test_exact_sparse_adam_on_two_gloo_ranks_trains_what_one_process_trains_with
     assert_same_model(one, two)
 
 
-def test_a_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path):
-    result = torchrun(2, tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.batch_rays=63"], timeout=120)
+@pytest.mark.parametrize("parallel", ["data", "auto"])  # data: before any work; auto: where it chose data
+def test_a_batch_that_does_not_split_over_the_ranks_is_refused(tmp_path, parallel):
+    args = tiny(tmp_path / "cache", tmp_path / "run", 4) + ["train.batch_rays=63", f"train.parallel={parallel}"]
+    result = torchrun(2, args, timeout=120)
     assert result.returncode != 0
     assert "train.batch_rays: 63 does not split over 2 ranks" in result.stderr
 

@@ -329,3 +329,43 @@ def test_one_process_asked_for_a_space_split_says_so_and_trains_the_whole_grids(
     assert result.returncode == 0, result.stderr[-2000:]
     assert "train.parallel=space splits a torchrun job of 2 or more ranks" in result.stdout
     assert (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_auto_splits_by_space_on_cuda_where_the_split_takes_the_run_else_data(capsys):
+    """``train.parallel=auto`` (training.space_parallel.split_for): the choice alone, on a CPU model that a CUDA
+    device's name stands beside (nothing is allocated there)."""
+    from omegaconf import OmegaConf
+
+    from training.config import ConfigError
+    from training.distributed import Group
+    from training.space_parallel import split_for
+
+    def trainer(device: str, world: int = 2, rank: int = 0, batch: int = 64, **train):
+        model = scene("deferred")[0]
+        model.config.tv_density = model.config.tv_features = 0.0  # no whole-grid TV to refuse
+        cfg = OmegaConf.create({"model": {"upsample": 1}, "train": {"batch_rays": batch}})
+        settings = {"parallel": "auto", "sparse_adam": "occupied", **train}
+        return SimpleNamespace(train_cfg=settings, group=Group(rank, world), device=torch.device(device), model=model,
+                               cfg=cfg)  # fmt: skip
+
+    on_cuda = trainer("cuda")
+    split = split_for(on_cuda)
+    assert isinstance(split, SpaceParallel) and split.graphed and on_cuda.model.capacities is not None
+    assert on_cuda.model.space_split is split
+    assert "train.parallel=auto: split by space over 2 ranks (capped samples, step graph)" in capsys.readouterr().out
+    assert split_for(trainer("cuda", rank=1)) is not None and capsys.readouterr().out == ""  # rank 0 alone says it
+    on_cpu = trainer("cpu")
+    assert split_for(on_cpu) is None and on_cpu.model.capacities is None and on_cpu.model.space_split is None
+    assert "data parallel over 2 ranks (space the split runs on CUDA only)" in capsys.readouterr().out
+    refused = trainer("cuda", distortion_loss=0.1)
+    assert split_for(refused) is None and refused.model.capacities is None
+    assert "data parallel over 2 ranks (space does not support train.distortion_loss yet)" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="train.batch_rays: 63 does not split over 2 ranks"):
+        split_for(trainer("cuda", batch=63, distortion_loss=0.1))  # data parallel, so the batch must split
+    assert split_for(trainer("cuda", batch=63)) is not None  # by space every rank takes the whole batch
+    # asked for: data stays data on CUDA; space takes step_graph as given; one process is neither
+    assert split_for(trainer("cuda", parallel="data")) is None
+    assert not split_for(trainer("cuda", parallel="space")).graphed
+    assert split_for(trainer("cuda", parallel="space", step_graph=True)).graphed
+    alone = trainer("cuda", world=1)
+    assert split_for(alone) is None and alone.model.capacities is None

@@ -205,13 +205,7 @@ def _run(cfg: DictConfig, run_dir: str | os.PathLike, group: Group) -> int:
 
 
 def check_split(cfg: DictConfig, group: Group) -> None:
-    """The global batch (train.batch_rays, or train.patches_per_batch with model.upsample > 1) must split into
-    equal shards, one per rank (data-parallel; split by space, every rank takes the whole batch)."""
-    if OmegaConf.select(cfg, "train.parallel", default="data") == "space":
-        return
-    key = "train.batch_rays" if int(cfg.model.upsample) == 1 else "train.patches_per_batch"
-    size = int(OmegaConf.select(cfg, key))
-    if size % group.world:
-        raise ConfigError(
-            f"{key}: {size} does not split over {group.world} ranks (the global batch; make it a multiple)"
-        )
+    """Data parallel asked for: the global batch must split into one shard a rank, checked before any work
+    (``auto`` is checked where it chooses: training.space_parallel.split_for)."""
+    if group.active and OmegaConf.select(cfg, "train.parallel", default="auto") == "data":
+        distributed.check_shards(cfg, group.world)

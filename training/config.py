@@ -120,7 +120,7 @@ class TrainConfig:
     tf32: bool = True  # CUDA matmuls (the decoder) on TF32 tensor cores
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0
-    parallel: str = "data"  # under torchrun: data | space (training.space_parallel)
+    parallel: str = "auto"  # under torchrun: auto | data | space (training.space_parallel.split_for)
     space_planes: str = "even"  # train.parallel=space: where the slabs are cut: even | samples
     dist_grad_sync: str = "touched"  # touched | dense (training.distributed)
     shard_optimizer: Any = "auto"  # auto | true | false: the grids' Adam sharded over the ranks (training.sharded_adam)

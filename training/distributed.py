@@ -31,8 +31,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from models.space_split import ALL_GATHER
+from training.config import ConfigError
+
+
+def check_shards(cfg, world: int) -> None:
+    """Data parallel: the global batch (train.batch_rays, or train.patches_per_batch with model.upsample > 1) must
+    split into equal shards, one a rank."""
+    key = "train.batch_rays" if int(cfg.model.upsample) == 1 else "train.patches_per_batch"
+    size = int(OmegaConf.select(cfg, key))
+    if size % world:
+        raise ConfigError(f"{key}: {size} does not split over {world} ranks (the global batch; make it a multiple)")
 
 
 class DistributedError(RuntimeError):

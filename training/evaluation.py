@@ -299,6 +299,13 @@ def command_seconds(trainer: Trainer, result: dict, files_seconds: float) -> dic
     return {"startup_seconds": startup, "wall_seconds": wall, "seconds": parts}
 
 
+def parallel_summary(trainer: Trainer) -> dict | None:
+    """Under torchrun, ``{"ranks", "split"}``: data (the rays) or space (the voxels); None for one process."""
+    if not trainer.group.active:
+        return None
+    return {"ranks": trainer.group.world, "split": "data" if trainer.space is None else "space"}
+
+
 def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds: float, files_seconds: float) -> dict:
     seconds = max(trainer.train_seconds, 1e-9)
     return {
@@ -337,6 +344,7 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         "sample_capacity": None if trainer.model.capacities is None else trainer.model.capacities.report(),
         "sample_capacity_ranks": trainer.capacity_reports,  # under torchrun: every rank's, by rank
         "step_graph": None if trainer.step_graph is None else trainer.step_graph.report(),  # train.step_graph
+        "parallel": parallel_summary(trainer),  # under torchrun: the ranks and how they split (train.parallel)
         "pose_refinement": trainer.model.poses.summary(),  # how far the training cameras moved (None: off)
         "eval_history": trainer.eval_history,
         "render_only": render_only,

@@ -25,21 +25,39 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from models.capacities import SampleCapacities
 from models.grid_tv import DeferredTV
 from models.space_split import Slabs, regrid_layers, split_march
 from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
+from training.distributed import check_shards
 
 
 class SpaceParallel:
     """The split of one torchrun job, a slab a rank; set on the model (``model.space_split``) and the trainer."""
 
     def __init__(self, trainer):
+        refusal = SpaceParallel.refusal(trainer)
+        if refusal is not None:
+            raise ConfigError(f"train.parallel: space {refusal}")
+        group, model, cfg = trainer.group, trainer.model, trainer.train_cfg
+        self.trainer, self.model, self.group = trainer, model, group
+        self.balance_by = str(cfg.get("space_planes", "even"))  # even | samples
+        self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
+        self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut
+        self._slab_key: tuple | None = None  # what _slab_mask was cut from
+        self._slab_mask: torch.Tensor | None = None
+        self.graphed = bool(cfg.get("step_graph", False))  # a rank's step from a CUDA graph (training.step_graph)
+        model.space_split = self  # the model's march, TV and the optimiser's rows consult it
+
+    @staticmethod
+    def refusal(trainer) -> str | None:
+        """Why the split cannot take this run (a phrase after "space"), or None where it can."""
         group, model, cfg = trainer.group, trainer.model, trainer.train_cfg
         if group.world < 2 or model.grid_shape[0] < 2 * group.world:
-            raise ConfigError(
-                f"train.parallel: space splits the grids over 2 or more ranks, at least 2 vertices of the first axis "
-                f"each: {group.world} ranks for {model.grid_shape[0]} (model.resolution_start)"
+            return (
+                f"splits the grids over 2 or more ranks, at least 2 vertices of the first axis each: {group.world} "
+                f"ranks for {model.grid_shape[0]} (model.resolution_start)"
             )
         c = model.config
         whole_tv = max(c.tv_density, c.tv_features) > 0 and not DeferredTV.applies(model)  # in each rank's loss
@@ -51,17 +69,11 @@ class SpaceParallel:
             (whole_tv, "a whole-grid TV (it needs model.tv_sparse_grad and 0 < model.tv_samples < the grid's cells)"),
         ):
             if bad:
-                raise ConfigError(f"train.parallel: space does not support {reason} yet")
+                return f"does not support {reason} yet"
         mode = sparse_adam_mode(cfg.get("sparse_adam", False))
         if mode not in ("off", "occupied"):
-            raise ConfigError(f"train.parallel: space steps dense Adam or train.sparse_adam=occupied, not {mode}")
-        self.trainer, self.model, self.group = trainer, model, group
-        self.balance_by = str(cfg.get("space_planes", "even"))  # even | samples
-        self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
-        self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut
-        self._slab_key: tuple | None = None  # what _slab_mask was cut from
-        self._slab_mask: torch.Tensor | None = None
-        model.space_split = self  # the model's march, TV and the optimiser's rows consult it
+            return f"steps dense Adam or train.sparse_adam=occupied, not {mode}"
+        return None
 
     @property
     def slabs(self) -> Slabs:
@@ -214,4 +226,32 @@ class SpaceParallel:
                     part.copy_(buffer)
 
 
-__all__ = ["SpaceParallel"]
+def split_for(trainer) -> SpaceParallel | None:
+    """This rank's slab under torchrun, or None (data parallel; one process), as ``train.parallel`` asks. ``auto``
+    (the default): by space on CUDA where the split takes the run, with ``model.capped_samples`` and
+    ``train.step_graph`` on (two H200s, lego: 1.30x one GPU at the same PSNR, where data parallel is 0.71-0.80x;
+    bench/README "The step from one CUDA graph"); else data parallel, which every run takes."""
+    asked, group = str(trainer.train_cfg.get("parallel", "auto")), trainer.group
+    if not group.active:
+        if asked == "space":
+            print("train.parallel=space splits a torchrun job of 2 or more ranks; one process trains the whole grids")
+        return None
+    if asked == "space":
+        return SpaceParallel(trainer)
+    if asked == "auto":
+        refusal = "the split runs on CUDA only" if trainer.device.type != "cuda" else SpaceParallel.refusal(trainer)
+        if refusal is None:
+            if trainer.model.capacities is None:  # the sizes a captured step needs (models/capacities.py)
+                trainer.model.capacities = SampleCapacities()
+            split = SpaceParallel(trainer)
+            split.graphed = True
+            if group.is_main:
+                print(f"train.parallel=auto: split by space over {group.world} ranks (capped samples, step graph)")
+            return split
+        if group.is_main:
+            print(f"train.parallel=auto: data parallel over {group.world} ranks (space {refusal})")
+    check_shards(trainer.cfg, group.world)
+    return None
+
+
+__all__ = ["SpaceParallel", "split_for"]

@@ -68,10 +68,11 @@ class StepGraph:
 
     @staticmethod
     def for_trainer(trainer) -> StepGraph | None:
-        """The trainer's, with ``train.step_graph`` where it applies: CUDA, capped samples, one process or the space
-        split (data-parallel ranks exchange the rows they touched, a count a step), no profiler (its sections time
-        the step's parts); else None."""
-        if not trainer.train_cfg.get("step_graph", False) or trainer.device.type != "cuda":
+        """The trainer's, with ``train.step_graph`` (or the split ``train.parallel=auto`` chose) where it applies:
+        CUDA, capped samples, one process or the space split (data-parallel ranks exchange the rows they touched, a
+        count a step), no profiler (its sections time the step's parts); else None."""
+        wanted = trainer.train_cfg.get("step_graph", False) if trainer.space is None else trainer.space.graphed
+        if not wanted or trainer.device.type != "cuda":
             return None
         one_or_split = trainer.space is not None or not trainer.group.active
         if trainer.model.capacities is None or not one_or_split or trainer.profiler.enabled:

@@ -11,7 +11,7 @@ naming the failed ones and the jobs that left no record (killed: out of memory, 
 It also places each job: with ``submitit_local`` and ``gpus_per_node: 1`` job k runs on the launching machine's
 GPU k mod N (submitit alone would give every job GPU 0); a submitit job of several tasks (``tasks_per_node: N``,
 one task per GPU through srun) becomes a torch.distributed job (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
-so each sweep point trains data-parallel on N GPUs exactly as ``torchrun --nproc_per_node=N`` would.
+so each sweep point trains on N GPUs exactly as ``torchrun --nproc_per_node=N`` would (``train.parallel``).
 
 Imports nothing heavy at module level: Hydra instantiates the callback before every run.
 """

@@ -30,7 +30,7 @@ from training.resume import restore_trainer
 from training.run_checkpoints import RunCheckpoints
 from training.run_dir import RunPaths, write_json
 from training.sharded_adam import ShardedGridAdam
-from training.space_parallel import SpaceParallel
+from training.space_parallel import split_for
 from training.step_graph import StepGraph
 from training.timing import process_seconds
 
@@ -100,10 +100,7 @@ class Trainer:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.sampler: RaySampler | PatchSampler | None = None  # built by fit(): render_only needs none
-        split = cfg.train.get("parallel", "data") == "space"
-        if split and not self.group.active:
-            print("train.parallel=space splits a torchrun job of 2 or more ranks; one process trains the whole grids")
-        self.space = SpaceParallel(self) if split and self.group.active else None  # this rank's slab of the voxels
+        self.space = split_for(self)  # under torchrun, train.parallel: this rank's slab of the voxels, or None
         self.capacity_reports: list[dict] | None = None  # under torchrun: every rank's SampleCapacities.report()
         self.optimizer = self._new_optimizer()
         self.step_graph = StepGraph.for_trainer(self)  # train.step_graph: the gradients replayed from a CUDA graph
