@@ -64,6 +64,18 @@ def test_a_graphed_step_with_the_batch_graph_and_decoder_graphs(tmp_path, scene_
     assert graphed_history["loss"] == pytest.approx(eager_history["loss"], rel=5e-3)
 
 
+@cuda
+def test_a_profiled_graphed_step_times_its_replays_as_one_part(tmp_path, scene_cache):
+    """``train.profile`` keeps the step graph: the replays are the part ``step_graph``; the eager steps' parts (the
+    measuring steps) are timed as before, with the work they count."""
+    graphed, _ = _train(tmp_path, scene_cache, "profiled", ["train.step_graph=true", "train.profile=true"])
+    report = json.loads((tmp_path / "profiled" / "profile.json").read_text())
+    assert graphed["step_graph"]["replays"] >= 20
+    parts = report["per_step_ms"]
+    assert parts["step_graph"] > 0 and parts["optimizer"] > 0 and parts["decoder"] > 0
+    assert sum(report["share"].values()) == pytest.approx(1.0)
+
+
 def test_no_garbage_collection_inside_a_capture():
     import gc
 

@@ -313,3 +313,23 @@ def test_a_periodic_evaluation_runs_before_the_checkpoint_of_its_step(tmp_path, 
     assert result.returncode == 0, result.stdout + result.stderr
     events = re.findall(r"EVENT (\w+) (\d+)", result.stdout)  # the progress bar shares the lines
     assert events == [("eval", "2"), ("eval", "4"), ("checkpoint", "4"), ("eval", "6")], result.stdout
+
+
+def test_the_profiler_counts_no_work_inside_a_graph_capture(monkeypatch):
+    """A captured step's replays run no Python: the work a capture's ops would count is left out, so that each part's
+    floor and time both come from the eager steps (training.step_graph times its replays as ``step_graph``)."""
+    from training.profiler import StepProfiler
+
+    profiler = StepProfiler(torch.device("cpu"), True)
+    profiler.recording = True
+    profiler.count("decoder", flops=10.0)
+    monkeypatch.setattr(profiler, "_capturing", lambda: True)
+    profiler.count("decoder", flops=5.0)
+    with profiler.section("step_graph"):  # not timed while capturing either
+        pass
+    assert profiler.work["decoder"]["flops"] == 10.0 and "step_graph" not in profiler.totals
+    monkeypatch.setattr(profiler, "_capturing", lambda: False)
+    with profiler.section("step_graph"):
+        pass
+    profiler.end_step(8)
+    assert profiler.report()["per_step_ms"]["step_graph"] >= 0 and profiler.totals["step_graph"] > 0

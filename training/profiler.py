@@ -35,6 +35,7 @@ REPORT_PARTS = (
     ("loss_backward", "loss and the whole backward pass (every op's backward)"),
     ("tv_gradient", "ops.sampled_tv after the backward: the total variation and its gradient"),
     ("grad_sync", "under torchrun: averaging the ranks' gradients (the sharded Adam's reduce-scatter is in its step)"),
+    ("step_graph", "train.step_graph: the replays (forward, loss, backward, exchanges); eager steps in the rows above"),
     ("optimizer", "Adam step"),
     ("schedule", "grid growth and occupancy refresh (model.on_step)"),
 )
@@ -87,8 +88,9 @@ class StepProfiler:
         return timed
 
     def count(self, part: str, bytes: float = 0.0, flops: float = 0.0) -> None:
-        """Add to what ``part`` must move (``bytes``) or compute (``flops``) this step (training.floors)."""
-        if self.enabled and self.recording:
+        """Add to what ``part`` must move (``bytes``) or compute (``flops``) this step (training.floors); nothing while
+        a CUDA graph is captured (its replays run no Python: a part's time and work both come from eager steps)."""
+        if self.enabled and self.recording and not self._capturing():
             self.work[part]["bytes"] += bytes
             self.work[part]["flops"] += flops
 
@@ -185,6 +187,7 @@ class StepProfiler:
             "loss_backward": t["loss_backward"],
             "tv_gradient": t["tv_gradient"],
             "grad_sync": t["grad_sync"],
+            "step_graph": t["step_graph"],
             "optimizer": t["optimizer"],
             "schedule": t["schedule"],
         }

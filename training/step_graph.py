@@ -30,6 +30,7 @@ import torch
 
 from cuda_ext.kept_grad import is_kept
 from data.graph_capture import capturing
+from training.profiler import StepProfiler
 
 Gradients = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (batch, background, target, zero_grad)
 
@@ -51,8 +52,10 @@ class StepGraph:
         optimizer_fn: Callable[[], torch.optim.Optimizer],
         gradients: Gradients,
         graph_key: Callable[[], tuple] = tuple,
+        profiler: StepProfiler | None = None,
     ):
         self.model, self.optimizer_fn, self.gradients, self.graph_key = model, optimizer_fn, gradients, graph_key
+        self.profiler = profiler or StepProfiler(torch.device("cpu"), False)  # train.profile: the replays timed
         self.graph: torch.cuda.CUDAGraph | None = None
         self.key: tuple | None = None  # what the graph was captured for
         self.warm: tuple | None = None  # the key of the last warm-up (the run's first capture follows one)
@@ -70,15 +73,15 @@ class StepGraph:
     def for_trainer(trainer) -> StepGraph | None:
         """The trainer's, with ``train.step_graph`` (or the split ``train.parallel=auto`` chose) where it applies:
         CUDA, capped samples, one process or the space split (data-parallel ranks exchange the rows they touched, a
-        count a step), no profiler (its sections time the step's parts); else None."""
+        count a step); else None. Under ``train.profile`` the replays are timed as one part, ``step_graph``."""
         wanted = trainer.train_cfg.get("step_graph", False) if trainer.space is None else trainer.space.graphed
         if not wanted or trainer.device.type != "cuda":
             return None
         one_or_split = trainer.space is not None or not trainer.group.active
-        if trainer.model.capacities is None or not one_or_split or trainer.profiler.enabled:
+        if trainer.model.capacities is None or not one_or_split:
             return None
         graph_key = tuple if trainer.space is None else trainer.space.graph_key
-        return StepGraph(trainer.model, lambda: trainer.optimizer, trainer._gradients, graph_key)
+        return StepGraph(trainer.model, lambda: trainer.optimizer, trainer._gradients, graph_key, trainer.profiler)
 
     def applies(self) -> bool:
         """A step can be captured: capped samples measured, no fine-grid collection or touched-row marks (host
@@ -164,7 +167,8 @@ class StepGraph:
         return {"captures": self.captures, "replays": self.replays, "eager": self.eager_steps, "capture_s": seconds}
 
     def _replay(self):
-        self.graph.replay()
+        with self.profiler.section("step_graph"):
+            self.graph.replay()
         self.replays += 1
         self.model.capacities.observe(*self.counts)
         loss, mse, samples = self.outputs
