@@ -94,7 +94,7 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
         assert pair.returncode == 0, ranks_output(pair)
         # rank 0 alone wrote the outputs and the log; train.parallel=auto took data parallel on CPUs
         assert (tmp_path / name / "metrics.json").is_file() and pair.stdout.count("eval on") == 1
-        assert pair.stdout.count("train.parallel=auto: data parallel over 2 ranks (space the split runs on CUDA") == 1
+        assert pair.stdout.count("train.parallel=auto: data parallel over 2 ranks (the space split runs on CUDA") == 1
         metrics = json.loads((tmp_path / name / "metrics.json").read_text())
         assert metrics["parallel"] == {"ranks": 2, "split": "data"}
     one = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt", map_location="cpu")

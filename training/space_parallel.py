@@ -239,7 +239,7 @@ def split_for(trainer) -> SpaceParallel | None:
     if asked == "space":
         return SpaceParallel(trainer)
     if asked == "auto":
-        refusal = "the split runs on CUDA only" if trainer.device.type != "cuda" else SpaceParallel.refusal(trainer)
+        refusal = "runs on CUDA only" if trainer.device.type != "cuda" else SpaceParallel.refusal(trainer)
         if refusal is None:
             if trainer.model.capacities is None:  # the sizes a captured step needs (models/capacities.py)
                 trainer.model.capacities = SampleCapacities()
@@ -249,7 +249,7 @@ def split_for(trainer) -> SpaceParallel | None:
                 print(f"train.parallel=auto: split by space over {group.world} ranks (capped samples, step graph)")
             return split
         if group.is_main:
-            print(f"train.parallel=auto: data parallel over {group.world} ranks (space {refusal})")
+            print(f"train.parallel=auto: data parallel over {group.world} ranks (the space split {refusal})")
     check_shards(trainer.cfg, group.world)
     return None
 
