@@ -285,6 +285,7 @@ class TouchedRows:
         # the rows about to be read, and before a whole-grid read
         self.reader: Callable[[torch.Tensor], None] | None = None
         self.flusher: Callable[[], None] | None = None
+        self.density_flusher: Callable[[], None] | None = None  # the same for a read of the density grid alone
         self.union: Callable[[torch.Tensor], None] | None = None  # under torchrun: OR-reduces a (R,) uint8 mask
         self._seen: torch.Tensor | None = None  # before_read's scratch mask
 
@@ -308,10 +309,12 @@ class TouchedRows:
         self.reader(self._seen)
         self._seen.zero_()
 
-    def before_whole_read(self) -> None:
-        """Every row is about to be read (occupancy refresh, growth, evaluation, a checkpoint)."""
-        if self.flusher is not None:
-            self.flusher()
+    def before_whole_read(self, density_only: bool = False) -> None:
+        """Every row is about to be read (occupancy refresh, growth, evaluation, a checkpoint); ``density_only``: of
+        the density grid alone (an occupancy refresh), which ``density_flusher`` serves where it is set."""
+        flush = self.density_flusher if density_only and self.density_flusher is not None else self.flusher
+        if flush is not None:
+            flush()
 
     def mask(self, shape: tuple[int, int, int], device: torch.device | None = None) -> torch.Tensor:
         """The (R0*R1*R2,) mask for a grid of ``shape`` (a fresh, empty one after the grid changed shape)."""

@@ -255,7 +255,7 @@ class VoxelNeRF(nn.Module):
         foreground = partial(self.space.foreground_cells, self.grid_shape, self.bbox.device, c.fine.reach)
         grown = self.fine.schedule(step, total_steps, c.fine, self.occupancy.mask, voxel, foreground) or grown
         if step >= c.occupancy.warmup and (grown or due):
-            self.touched.before_whole_read()
+            self.touched.before_whole_read(density_only=True)  # the refresh reads the density grid alone
             self.refresh_occupancy()
         if self.capacities is not None and (grown or (due and step >= c.occupancy.warmup)):
             self.capacities.invalidate()  # the samples a ray gets changed: the next march measures them

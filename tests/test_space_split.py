@@ -370,3 +370,37 @@ def test_auto_splits_by_space_on_cuda_where_the_split_takes_the_run_else_data(ca
     assert split_for(trainer("cuda", parallel="space", step_graph=True)).graphed
     alone = trainer("cuda", world=1)
     assert split_for(alone) is None and alone.model.capacities is None
+
+
+def _gather_rank(rank: int, ranks: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks)
+    try:
+        model = scene("deferred")[0]
+        split = space_split_of(model, rank, ranks)
+        with torch.no_grad():  # every rank's grids differ: its rank everywhere
+            model.density.grid.fill_(rank)
+            model.features.grid.fill_(rank)
+        split.gather_density()
+        density = model.density.grid.detach().clone()
+        features = model.features.grid.detach().clone()
+        split.gather()
+        whole = model.features.grid.detach().clone()
+        torch.save({"density": density, "features": features, "whole": whole}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_refresh_gathers_the_density_grid_alone_and_a_whole_read_both(tmp_path):
+    """Before an occupancy refresh (its only read: the density grid) the ranks move the density grid alone; the
+    feature grid, 12 of 13 channels, waits for the next whole read (training.optim: not with the viewer on)."""
+    count = 2
+    mp.spawn(_gather_rank, args=(count, str(tmp_path / "init"), str(tmp_path / "out")), nprocs=count)
+    r0 = scene("deferred")[0].grid_shape[0]
+    for rank in range(count):
+        got = torch.load(tmp_path / f"out.{rank}")
+        slabs = Slabs.even(r0, count, rank)
+        owner = torch.zeros(r0, dtype=torch.float64)
+        owner[slabs.planes[0] + 1 :] = 1  # the vertices past rank 0's upper plane are rank 1's
+        torch.testing.assert_close(got["density"][..., 0], owner[:, None, None].expand_as(got["density"][..., 0]))
+        assert (got["features"] == rank).all()  # untouched: every vertex still this rank's own
+        torch.testing.assert_close(got["whole"][..., 0], owner[:, None, None].expand_as(got["whole"][..., 0]))

@@ -184,9 +184,11 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
     # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
     # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
     model.touched.enabled = (mode in ("masked", "exact") and not group.active) or touched_sync
-    model.touched.reader = model.touched.flusher = model.touched.union = None
-    if split:  # the ranks' slabs exchanged before every whole-grid read
+    model.touched.reader = model.touched.flusher = model.touched.density_flusher = model.touched.union = None
+    if split:  # the ranks' slabs exchanged before every whole-grid read (a refresh's: the density grid's alone,
+        # unless rank 0's viewer shows the model: then every refresh brings it every slab's features too)
         model.touched.flusher = space.gather
+        model.touched.density_flusher = None if cfg.get("viewer", False) else space.gather_density
     if mode == "exact" and group.active and not touched_sync:
         raise ConfigError("train.sparse_adam: exact under torchrun steps the touched rows: dist_grad_sync=touched")
     if mode == "exact":  # under torchrun: every rank replays the union of the rows read, steps the synced union

@@ -208,10 +208,11 @@ class SpaceParallel:
         torch._foreach_copy_(targets, [chunk.view_as(part) for part, chunk, keep in zip(parts, chunks, kept) if keep])
 
     @torch.no_grad()
-    def gather(self, moments: bool = False) -> None:
+    def gather(self, moments: bool = False, features: bool = True) -> None:
         """Every rank's slab of the grids (and with ``moments`` of their Adam moments) onto the other ranks: rank r
-        broadcasts its rows past its lower plane up to its upper plane (the last rank: to the end)."""
-        tensors = [self.model.density.grid, self.model.features.grid]
+        broadcasts its rows past its lower plane up to its upper plane (the last rank: to the end). ``features``
+        false: the density grid alone."""
+        tensors = [self.model.density.grid, *([self.model.features.grid] if features else [])]
         if moments:
             state = self.trainer.optimizer.state
             tensors += [state[g][key] for g in tensors if g in state for key in ("exp_avg", "exp_avg_sq")]
@@ -224,6 +225,12 @@ class SpaceParallel:
                 dist.broadcast(buffer, src=source)
                 if self.group.rank != source:
                     part.copy_(buffer)
+
+    def gather_density(self) -> None:
+        """:meth:`gather` of the density grid alone, before an occupancy refresh (its only read): the feature grid,
+        12 of the 13 channels, stays stale outside this rank's slab until the next whole read (an evaluation, a
+        growth, a checkpoint), where it is read nowhere in between."""
+        self.gather(features=False)
 
 
 def split_for(trainer) -> SpaceParallel | None:
