@@ -6,10 +6,10 @@
 Each ``--variant NAME=OVERRIDES`` (space-separated Hydra overrides, appended to ``--common``) is one ``train.py
 +experiment=EXPERIMENT`` run (``--experiment``: blender, or capture for a nerfstudio capture) in its own folder
 under ``--runs``; ``--variant NAME@N=OVERRIDES`` runs it on N GPUs (``torchrun --standalone
---nproc_per_node=N``, split as ``train.parallel`` says). ``--parallel`` runs share the device, so their PSNR is what the config gives but their times
-are not: time a variant alone (``--parallel 1``) before quoting its speed. The JSON has, per variant, mean PSNR /
-SSIM, the mean of the worst 10% of views, the worst views, training seconds, rays/s and the final grid shape and
-box.
+--nproc_per_node=N``, split as ``train.parallel`` says). ``--parallel`` runs share the device, so their PSNR is what
+the config gives but their times are not: time a variant alone (``--parallel 1``) before quoting its speed. The
+JSON has, per variant, mean PSNR / SSIM, the mean of the worst 10% of views, the worst views, training seconds,
+rays/s and the final grid shape and box.
 """
 
 from __future__ import annotations

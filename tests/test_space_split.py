@@ -404,3 +404,30 @@ def test_a_refresh_gathers_the_density_grid_alone_and_a_whole_read_both(tmp_path
         torch.testing.assert_close(got["density"][..., 0], owner[:, None, None].expand_as(got["density"][..., 0]))
         assert (got["features"] == rank).all()  # untouched: every vertex still this rank's own
         torch.testing.assert_close(got["whole"][..., 0], owner[:, None, None].expand_as(got["whole"][..., 0]))
+
+
+@pytest.mark.parametrize("viewer", [False, True])
+def test_a_split_brings_every_grid_whole_before_a_whole_read_and_the_density_before_a_refresh(viewer):
+    """training.optim wires the split's gathers into the model's reads: a refresh's moves the density grid alone,
+    unless rank 0's viewer shows the model (then every slab's features too, so it is at most one refresh old)."""
+    from training.config import Settings
+    from training.distributed import Group
+    from training.optim import new_optimizer
+
+    model = scene("deferred")[0]
+    split = space_split_of(model, 0)
+    model.space_split = split
+    settings = Settings.of({"lr": 0.1, "lr_decoder": 0.01, "sparse_adam": "occupied", "viewer": viewer})
+    trainer = SimpleNamespace(
+        train_cfg=settings, model=model, group=Group(0, 2), ops=model.ops, device=model.bbox.device
+    )
+    new_optimizer(trainer, (0.9, 0.99))
+    assert model.touched.flusher == split.gather
+    assert model.touched.density_flusher == (None if viewer else split.gather_density)
+    calls = []
+    model.touched.flusher = lambda: calls.append("whole")
+    if not viewer:
+        model.touched.density_flusher = lambda: calls.append("density")
+    model.touched.before_whole_read(density_only=True)
+    model.touched.before_whole_read()
+    assert calls == (["whole", "whole"] if viewer else ["density", "whole"])
