@@ -42,7 +42,7 @@ class SpaceParallel:
             raise ConfigError(f"train.parallel: space {refusal}")
         group, model, cfg = trainer.group, trainer.model, trainer.train_cfg
         self.trainer, self.model, self.group = trainer, model, group
-        self.balance_by = str(cfg.get("space_planes", "even"))  # even | samples
+        self.balance_by = str(cfg.get("space_planes", "samples"))  # samples | even
         self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
         self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut
         self._slab_key: tuple | None = None  # what _slab_mask was cut from
