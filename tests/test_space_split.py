@@ -298,8 +298,10 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         assert pair.returncode == 0, ranks_output(pair)
         assert pair.stdout.count("eval on") == 1, f"{name}: {ranks_output(pair)}"
         assert (name == "samples") == ("space split: slabs cut at vertex planes" in pair.stdout)
-        ranks = json.loads((tmp_path / f"two_{name}" / "metrics.json").read_text())["sample_capacity_ranks"]
+        metrics = json.loads((tmp_path / f"two_{name}" / "metrics.json").read_text())
+        ranks = metrics["sample_capacity_ranks"]
         assert (ranks is None) == (capped == "false") and (ranks is None or len(ranks) == count)
+        assert metrics["step_graph_ranks"] is None and metrics["parallel"] == {"ranks": count, "split": "space"}
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         two = load_checkpoint(tmp_path / f"two_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         assert one["step"] == two["step"] == 12

@@ -47,6 +47,8 @@ def test_a_graphed_step_trains_what_the_eager_step_trains(tmp_path, scene_cache)
     # measurement that keeps the sizes keeps the graph, whose gradient tensors the eager step between zeroed in place
     assert report["eager"] + report["replays"] == 40 and report["replays"] >= 20, report
     assert 1 <= report["captures"] < report["eager"] - 1, report
+    assert len(report["captured_at"]) == report["captures"] and report["captured_at"] == sorted(report["captured_at"])
+    assert graphed["step_graph_ranks"] is None  # one process
     assert eager["step_graph"] is None
     # the same steps up to the order of float atomics in the lookups' backward
     assert graphed_history["loss"] == pytest.approx(eager_history["loss"], rel=2e-3)

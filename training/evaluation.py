@@ -299,6 +299,24 @@ def command_seconds(trainer: Trainer, result: dict, files_seconds: float) -> dic
     return {"startup_seconds": startup, "wall_seconds": wall, "seconds": parts}
 
 
+def rank_report(trainer: Trainer) -> dict:
+    """This rank's sample capacities and step graph (None where off), gathered from every rank at the end."""
+    capacities, graph = trainer.model.capacities, trainer.step_graph
+    return {
+        "sample_capacity": None if capacities is None else capacities.report(),
+        "step_graph": None if graph is None else graph.report(),
+    }
+
+
+def rank_reports(trainer: Trainer) -> dict:
+    """``sample_capacity_ranks`` and ``step_graph_ranks``: the ranks' reports, by rank (None: one process, or off)."""
+    reports = trainer.rank_reports or []
+    return {
+        f"{key}_ranks": [r[key] for r in reports] if reports and reports[0][key] is not None else None
+        for key in ("sample_capacity", "step_graph")
+    }
+
+
 def parallel_summary(trainer: Trainer) -> dict | None:
     """Under torchrun, ``{"ranks", "split"}``: data (the rays) or space (the voxels); None for one process."""
     if not trainer.group.active:
@@ -342,8 +360,8 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         "fine_grid": trainer.model.fine.summary(),  # model.fine: its bricks and shape, or why there is none
         # model.capped_samples: the sample capacities at the end, and the reviews that found an overflow
         "sample_capacity": None if trainer.model.capacities is None else trainer.model.capacities.report(),
-        "sample_capacity_ranks": trainer.capacity_reports,  # under torchrun: every rank's, by rank
         "step_graph": None if trainer.step_graph is None else trainer.step_graph.report(),  # train.step_graph
+        **rank_reports(trainer),  # under torchrun: every rank's sample capacities and step graph, by rank
         "parallel": parallel_summary(trainer),  # under torchrun: the ranks and how they split (train.parallel)
         "pose_refinement": trainer.model.poses.summary(),  # how far the training cameras moved (None: off)
         "eval_history": trainer.eval_history,

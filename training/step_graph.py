@@ -65,6 +65,8 @@ class StepGraph:
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.counts: tuple = ()  # the capacities' true counts of a replay (the graph's tensors)
         self.captures = 0
+        self.calls = 0  # steps asked for in this run
+        self.captured_at: list[int] = []  # the steps (1-based in this run) that captured: the split's ranks stall there
         self.replays = 0
         self.eager_steps = 0  # measuring steps and the warm-up
         self.capture_seconds = 0.0  # the host's time in captures (the device idles meanwhile)
@@ -106,6 +108,7 @@ class StepGraph:
         )
 
     def __call__(self, batch, background: torch.Tensor | None, target: torch.Tensor):
+        self.calls += 1
         given = _inputs(batch, background, target)
         addresses = [t.data_ptr() for t in given.values()]
         in_place, self.addresses = addresses == self.addresses, addresses
@@ -158,13 +161,17 @@ class StepGraph:
         self.counts = self.model.capacities.take_captured()
         self.key = key
         self.captures += 1
+        self.captured_at.append(self.calls)
         self.capture_seconds += time.perf_counter() - started
         return self._replay()
 
     def report(self) -> dict:
-        """For metrics.json: graphs captured, steps replayed, steps run eagerly, the host's seconds in captures."""
+        """For metrics.json: graphs captured, steps replayed, steps run eagerly, the host's seconds in captures, and
+        the steps that captured (in the split a capture on one rank holds up the others: where they differ, each
+        rank's cost them all)."""
         seconds = round(self.capture_seconds, 3)
-        return {"captures": self.captures, "replays": self.replays, "eager": self.eager_steps, "capture_s": seconds}
+        counts = {"captures": self.captures, "replays": self.replays, "eager": self.eager_steps}
+        return {**counts, "capture_s": seconds, "captured_at": list(self.captured_at)}
 
     def _replay(self):
         with self.profiler.section("step_graph"):

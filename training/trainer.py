@@ -101,7 +101,7 @@ class Trainer:
         self.generator.manual_seed(seed)
         self.sampler: RaySampler | PatchSampler | None = None  # built by fit(): render_only needs none
         self.space = split_for(self)  # under torchrun, train.parallel: this rank's slab of the voxels, or None
-        self.capacity_reports: list[dict] | None = None  # under torchrun: every rank's SampleCapacities.report()
+        self.rank_reports: list[dict] | None = None  # under torchrun: every rank's sample capacities and step graph
         self.optimizer = self._new_optimizer()
         self.step_graph = StepGraph.for_trainer(self)  # train.step_graph: the gradients replayed from a CUDA graph
         self.step = 0
@@ -343,8 +343,8 @@ class Trainer:
         if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())):
             return self._diverged(self.step, loss.item())
         self._gather_optimizer_state()
-        if self.model.capacities is not None and self.group.active:  # every rank's sample capacities, for metrics
-            self.capacity_reports = self.group.objects(self.model.capacities.report())
+        if self.group.active:  # every rank's sample capacities and step graph, for metrics
+            self.rank_reports = self.group.objects(evaluation.rank_report(self))
         self.checkpoints.finish()  # model.pt; last.pt only with train.keep_resumable
         if self.profiler.enabled:  # every rank's own: profile.json on rank 0, profile_rank<r>.json on the others
             report = self.profiler.report()
