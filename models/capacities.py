@@ -6,7 +6,7 @@ The sizes come from one synchronising step (the plain ops) after every event tha
 gets (the start, an occupancy refresh, the grids' growth, the fine grid's arrival): ``HEADROOM`` plus ``SPREAD``
 over the root of the batch's rays times what it counted, rounded up to a size the decoder keeps
 (``models.decoder.padded_rows``). Each capped step's true counts are copied to the host without a sync and checked
-``LAG`` steps later at the latest (the host never runs further ahead than that): a count above its capacity (an
+``LAG`` steps later (the host never runs further ahead than that): a count above its capacity (an
 overflow: the last rays of that batch lost samples, and the shown samples past the capacity went unshaded) grows
 that size at once to the capacity for ``GROWTH`` times the count, so an overflow spoils at most the few steps in
 flight (early in a run the shown samples multiply as the density forms: checked only at log steps, lego lost 0.8
@@ -15,13 +15,17 @@ it, so the padding shaded and differentiated stays small as the samples per ray 
 the survivors of early termination fall fastest as the density forms). The padding is the capped step's cost:
 every padding row is looked up, shaded and differentiated (lego, one H200, session 40: at HEADROOM 1.25 and SHRINK
 1.5 the capped step was 24% slower than the plain one, at 1.06 and 1.15 6%); :meth:`SampleCapacities.report` gives
-the run's mean fill (count / size) of each kind.
+the run's mean fill (count / size) of each kind. Split by space (training.space_parallel) the ranks share their counts
+(``share``) and size from the largest rank's, at the same steps: the same sizes everywhere, so that a rank's step
+graph is captured again when the others' are (a capture holds every rank up), and the lighter ranks' extra padding
+stays off the critical path (they wait for the largest at every exchange).
 """
 
 from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -61,7 +65,12 @@ class SampleCapacities:
         self.fill = [0.0, 0.0, 0.0]  # the checked steps' sums of count / size: the share of the rows not padding
         self.fills = 0  # how many
         self.rays: int | None = None  # the measured batch's rays
-        self._captured: tuple | None = None  # a captured march's count tensors, observed after each replay
+        self._captured: torch.Tensor | None = None  # a captured march's (S, 3) counts, observed after each replay
+        # the space split (training.space_parallel): a (3,) count tensor -> (S, 3) every rank's, by rank; the sizes
+        # then follow the largest, so that every rank holds the same sizes at the same steps (and its step graph is
+        # captured again when the others' are: a capture holds them all up)
+        self.share: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.rank = 0  # this rank's row of the shared counts (its own fill)
 
     @property
     def measuring(self) -> bool:
@@ -77,6 +86,9 @@ class SampleCapacities:
         (training.step_graph: a capture costs about as much as 5% more rows for a refresh's 50 steps on one H200),
         then outlive an occupancy refresh that moved the counts a little."""
         self.rays = rays
+        if self.share is not None:  # the largest rank's (a sync: a measuring step has them anyway)
+            every = self.share(torch.tensor([march, alive, shown], dtype=torch.int64)).tolist()
+            march, alive, shown = (max(column) for column in zip(*every))
         fresh = {kind: headroom(count, rays) for kind, count in zip(KINDS, (march, alive, shown))}
         old = self.sizes or {}
         kept = {kind for kind, size in fresh.items() if size <= old.get(kind, 0) <= KEEP * size}
@@ -85,52 +97,56 @@ class SampleCapacities:
         self.peak, self.checked = [0, 0, 0], 0
 
     def observe(self, march_total: torch.Tensor, visible_totals: torch.Tensor | None) -> None:
-        """A capped step's (1,) true march count and the compaction's (2,) counts (None: no compaction): on the CPU
-        checked now, on a GPU copied to the host without a sync and checked once they arrive (``LAG`` steps at most).
-        While a CUDA graph is captured (training.step_graph) they are kept for :meth:`take_captured`, and observed
-        after each replay."""
-        if march_total.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._captured = (march_total, visible_totals)
-            return
+        """A capped step's (1,) true march count and the compaction's (2,) counts (None: no compaction), shared with
+        the other ranks where :attr:`share` is set: :meth:`observed`."""
         if visible_totals is None:  # no compaction: nothing alive or shown past the march
             totals = torch.nn.functional.pad(march_total, (0, 2))
         else:
             totals = torch.cat([march_total, visible_totals])
-        sizes = dict(self.sizes)
-        if totals.device.type != "cuda":
-            self._check(totals.tolist(), sizes)
+        self.observed(totals[None] if self.share is None else self.share(totals))
+
+    def observed(self, counts: torch.Tensor) -> None:
+        """A capped step's (S, 3) counts, every rank's (one process: its own): on the CPU checked now, on a GPU
+        copied to the host without a sync and checked ``LAG`` steps later. While a CUDA graph is captured
+        (training.step_graph) they are kept for :meth:`take_captured`, and observed after each replay."""
+        if counts.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._captured = counts
             return
-        host = torch.empty(3, dtype=totals.dtype, pin_memory=True)
-        host.copy_(totals, non_blocking=True)
+        sizes = dict(self.sizes)
+        if counts.device.type != "cuda":
+            self._check(counts.tolist(), sizes)
+            return
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self.in_flight.append((event, host, sizes))
         self._arrived(wait=False)
 
-    def take_captured(self) -> tuple:
-        """The count tensors :meth:`observe` kept during a capture (the graph writes them at every replay)."""
+    def take_captured(self) -> torch.Tensor:
+        """The (S, 3) counts :meth:`observe` kept during a capture (the graph writes them at every replay)."""
         if self._captured is None:
             raise RuntimeError("take_captured: no capped march was captured")
         captured, self._captured = self._captured, None
         return captured
 
     def _arrived(self, wait: bool) -> None:
-        """Check the counts that reached the host; with ``wait``, or beyond ``LAG`` steps in flight, wait for them."""
-        while self.in_flight:
-            event, host, sizes = self.in_flight[0]
-            if not event.query():
-                if not wait and len(self.in_flight) <= LAG:
-                    return
-                event.synchronize()
-            self.in_flight.popleft()
+        """Check the counts of the steps more than ``LAG`` back (waiting for them), with ``wait`` every step's: at
+        fixed steps, so that ranks sharing their counts change their sizes at the same steps."""
+        while self.in_flight and (wait or len(self.in_flight) > LAG):
+            event, host, sizes = self.in_flight.popleft()
+            event.synchronize()
             self._check(host.tolist(), sizes)
 
-    def _check(self, counts: list[int], sizes: dict[str, int]) -> None:
-        """One step's counts against the sizes it ran with; an overflow grows the current sizes at once, and every
-        ``WINDOW`` steps the window's peak shrinks the sizes it fell well below."""
+    def _check(self, every: list[list[int]], sizes: dict[str, int]) -> None:
+        """One step's counts, every rank's (by rank), against the sizes it ran with: the largest rank's set them (an
+        overflow grows the current sizes at once, and every ``WINDOW`` steps the window's peak shrinks the sizes it
+        fell well below); this rank's own give its fill."""
+        counts = [max(column) for column in zip(*every)]
         self.peak = [max(p, c) for p, c in zip(self.peak, counts)]
         self.checked += 1
-        self.fill = [f + min(c / sizes[kind], 1.0) for f, c, kind in zip(self.fill, counts, KINDS)]
+        own = every[self.rank]
+        self.fill = [f + min(c / sizes[kind], 1.0) for f, c, kind in zip(self.fill, own, KINDS)]
         self.fills += 1
         over = [(kind, count) for kind, count in zip(KINDS, counts) if count > sizes[kind]]
         self.overflows += bool(over)

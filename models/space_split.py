@@ -114,7 +114,7 @@ def regrid_layers(counts: torch.Tensor, span: tuple[float, float], new_span: tup
     return at.diff()
 
 
-def _gather(values: torch.Tensor, ranks: int, group) -> torch.Tensor:
+def gather_ranks(values: torch.Tensor, ranks: int, group) -> torch.Tensor:
     """(S, *values.shape): every rank's ``values``, by rank, in one buffer (one collective, no copies out)."""
     parts = values.new_empty((ranks * values.shape[0], *values.shape[1:]))  # gloo takes the parts end to end only
     ALL_GATHER(parts, values.contiguous(), group=group)
@@ -164,7 +164,7 @@ class _CompositeSlabs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, plus: torch.Tensor, slabs: Slabs, group) -> tuple[torch.Tensor, ...]:
-        gathered = _gather(values, slabs.ranks, group)  # (S, B, C) by rank
+        gathered = gather_ranks(values, slabs.ranks, group)  # (S, B, C) by rank
         parts = gathered.unbind(0)
         seen = torch.where(plus[:, None], _composite(parts), _composite(parts[::-1]))
         ctx.save_for_backward(plus, gathered)
@@ -211,7 +211,7 @@ class SlabPass:
         """(B,) the optical depth in front of this slab's samples on each ray: the clamped sums of the slabs in front,
         exchanged (this rank sends its own: the (N,) optical depths of its samples, packed by ray along the (B + 1,)
         ``offsets``, the rows past ``offsets[-1]`` padding)."""
-        totals = _gather(ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets), self.slabs.ranks, self.group).unbind(0)
+        totals = gather_ranks(ray_sums(depth.clamp(max=OPAQUE_DEPTH), offsets), self.slabs.ranks, self.group).unbind(0)
         rank = self.slabs.rank
         below, above = totals[:rank], totals[rank + 1 :]  # in front on the +x rays, on the others
         front_plus = sum(below[1:], below[0]) if below else 0.0
@@ -263,4 +263,4 @@ def split_march(
     }
 
 
-__all__ = ["Slabs", "SlabPass", "ray_sums", "regrid_layers", "split_march"]
+__all__ = ["Slabs", "SlabPass", "gather_ranks", "ray_sums", "regrid_layers", "split_march"]

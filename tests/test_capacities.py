@@ -89,6 +89,35 @@ def test_a_count_rising_fast_grows_its_size_within_the_step():
     assert capacities.sizes["shown"] >= 1000
 
 
+def test_ranks_that_share_their_counts_hold_the_same_sizes_set_by_the_largest():
+    """The space split (``share``): every rank sizes from the largest rank's counts at the same steps, so their sizes
+    (and step graphs) change together; each keeps its own fill."""
+    generator = torch.Generator().manual_seed(3)
+    ranks = [SampleCapacities(), SampleCapacities()]
+    now: list[torch.Tensor] = []  # this step's (2, 3) counts, rank 0's then rank 1's
+
+    def share(rank: int, counts: torch.Tensor) -> torch.Tensor:
+        assert torch.equal(counts, now[0][rank])  # a rank sends its own
+        return now[0].clone()
+
+    for rank, capacities in enumerate(ranks):
+        capacities.share, capacities.rank = (lambda counts, rank=rank: share(rank, counts)), rank
+    now[:] = [torch.tensor([[1000, 600, 300], [700, 300, 200]])]
+    for capacities in ranks:
+        capacities.measured(*now[0][capacities.rank].tolist())
+    assert ranks[0].sizes == ranks[1].sizes == {"march": headroom(1000), "alive": headroom(600), "shown": headroom(300)}
+    for step in range(3 * WINDOW):  # the larger rank's counts fall, then one step overflows the lighter rank's
+        big = torch.tensor([1000, 600, 300]) * (1.0 - step / (4 * WINDOW)) + torch.rand(3, generator=generator) * 10
+        small = torch.tensor([700, 300, 200]) * (2.5 if step == WINDOW else 0.9)
+        now[:] = [torch.stack([big, small]).long()]
+        for capacities in ranks:
+            own = now[0][capacities.rank]
+            capacities.observe(own[:1], own[1:])
+        assert ranks[0].sizes == ranks[1].sizes, step
+    assert ranks[0].overflows == ranks[1].overflows == 1 and ranks[0].shrinks == ranks[1].shrinks >= 1
+    assert ranks[0].report()["fill"] != ranks[1].report()["fill"]  # each its own rows' share of the sizes
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the counts' copy to the host without a sync")
 def test_counts_on_the_device_are_checked_within_the_lag():
     capacities = SampleCapacities()

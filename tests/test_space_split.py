@@ -301,6 +301,7 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         metrics = json.loads((tmp_path / f"two_{name}" / "metrics.json").read_text())
         ranks = metrics["sample_capacity_ranks"]
         assert (ranks is None) == (capped == "false") and (ranks is None or len(ranks) == count)
+        assert ranks is None or all(r["sizes"] == ranks[0]["sizes"] for r in ranks)  # the largest rank's, shared
         assert metrics["step_graph_ranks"] is None and metrics["parallel"] == {"ranks": count, "split": "space"}
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         two = load_checkpoint(tmp_path / f"two_{name}" / "checkpoints" / "last.pt", map_location="cpu")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from models.capacities import SampleCapacities
 from models.grid_tv import DeferredTV
-from models.space_split import Slabs, regrid_layers, split_march
+from models.space_split import Slabs, gather_ranks, regrid_layers, split_march
 from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
 from training.distributed import check_shards
@@ -49,6 +49,8 @@ class SpaceParallel:
         self._slab_mask: torch.Tensor | None = None
         self.graphed = bool(cfg.get("step_graph", False))  # a rank's step from a CUDA graph (training.step_graph)
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
+        if model.capacities is not None:  # the largest rank's counts size every rank's capacities
+            model.capacities.share, model.capacities.rank = self.share_counts, group.rank
 
     @staticmethod
     def refusal(trainer) -> str | None:
@@ -129,6 +131,11 @@ class SpaceParallel:
             zeros = torch.zeros(cells, dtype=torch.float64, device=self.model.bbox.device)
             self._layers = (zeros, self._span())
         return self._layers[0]
+
+    def share_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's (3,) int64 sample counts -> (S, 3) every rank's, by rank: one all-gather (captured with the
+        step where a graph is: models.capacities.SampleCapacities.share)."""
+        return gather_ranks(counts.to(self.model.bbox.device), self.group.world, None)
 
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor, views=None) -> dict:
         """Training's march of the whole batch, this rank's slab composited with the other's."""

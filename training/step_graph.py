@@ -63,7 +63,7 @@ class StepGraph:
         self.stream: torch.cuda.Stream | None = None
         self.inputs: dict[str, torch.Tensor] = {}  # the graph's inputs (the batch's own when it stays in place)
         self.outputs: tuple[torch.Tensor, ...] = ()
-        self.counts: tuple = ()  # the capacities' true counts of a replay (the graph's tensors)
+        self.counts: torch.Tensor | None = None  # the capacities' true (S, 3) counts of a replay (the graph's)
         self.captures = 0
         self.calls = 0  # steps asked for in this run
         self.captured_at: list[int] = []  # the steps (1-based in this run) that captured: the split's ranks stall there
@@ -120,7 +120,7 @@ class StepGraph:
                 if tensor is not self.inputs[name]:
                     self.inputs[name].copy_(tensor)
             return self._replay()
-        self.key, self.outputs, self.counts = None, (), ()  # the graph stays until the next is captured in its pool
+        self.key, self.outputs, self.counts = None, (), None  # the graph stays until the next is captured in its pool
         self.stream = self.stream or torch.cuda.Stream()
         kept_without_grad = any(is_kept(p) and p.grad is None for p in self.model.parameters())
         if (self.captures == 0 or kept_without_grad) and self.warm != key:  # eagerly on the stream; the next captures
@@ -177,7 +177,7 @@ class StepGraph:
         with self.profiler.section("step_graph"):
             self.graph.replay()
         self.replays += 1
-        self.model.capacities.observe(*self.counts)
+        self.model.capacities.observed(self.counts)
         loss, mse, samples = self.outputs
         return loss, mse, samples.clone()  # the trainer keeps a step's count until its log step
 
