@@ -378,3 +378,51 @@ def test_two_gloo_ranks_evaluate_what_one_process_evaluates(tmp_path):
         assert two["views"] == one["views"] == 3
         for key in ("psnr", "ssim", "psnr_worst10"):
             assert two[key] == pytest.approx(one[key], abs=1e-3), key
+
+
+def _rank_poisoned_at_the_end(rank: int, world: int, port: int, cache: str, run_dir: str) -> None:
+    """A gloo rank of app.run whose rank 1 alone holds a parameter that is not finite after the last step."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from hydra import compose, initialize_config_dir
+    from test_train import tiny_overrides
+
+    from training import app, trainer
+    from training.config import register_configs
+
+    register_configs()  # a spawned process: the schema configs/ starts from, as conftest registers it
+    original = trainer.Trainer.train_step
+
+    def poisoned(self):
+        out = original(self)
+        if self.step == self.iters and rank == 1:
+            with torch.no_grad():
+                self.model.features.grid.view(-1)[0] = float("nan")
+        return out
+
+    trainer.Trainer.train_step = poisoned
+    overrides = tiny_overrides(Path(cache), 4) + ["model.upsample=1", "train.batch_rays=64", "train.dist_timeout=30"]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    code = app.run(cfg, run_dir)
+    Path(run_dir, f"code.{rank}").write_text(str(code))
+
+
+def test_ranks_agree_that_a_run_diverged_at_its_end(tmp_path):
+    """The end-of-run check of the parameters is agreed on: a rank that stopped alone would leave the others waiting
+    in the next collective (NCCL: for train.dist_timeout; split by space a rank holds its own slab's values only)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from training.trainer import EXIT_DIVERGED
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    mp.spawn(_rank_poisoned_at_the_end, args=(2, port, str(tmp_path / "cache"), str(run_dir)), nprocs=2)
+    assert [int((run_dir / f"code.{rank}").read_text()) for rank in range(2)] == [EXIT_DIVERGED] * 2
+    assert not (run_dir / "metrics.json").exists()

@@ -266,6 +266,31 @@ def test_profile_writes_a_breakdown(tmp_path, scene_cache, graphs):
     assert "floors at" in result.stdout
 
 
+def test_a_parameter_not_finite_at_the_end_stops_the_run_without_outputs(tmp_path, scene_cache, monkeypatch, capsys):
+    """The last step's loss was finite, but a parameter is not (under torchrun the ranks agree on it: split by space
+    a rank holds its own slab's values only, and a rank that stopped alone would leave the others waiting)."""
+    from hydra import compose, initialize_config_dir
+
+    from training import app as app_module
+    from training import trainer as trainer_module
+
+    original = trainer_module.Trainer.train_step
+
+    def poisoned(self):
+        out = original(self)
+        if self.step == self.iters:  # after the last step's loss
+            with torch.no_grad():
+                self.model.features.grid.view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", poisoned)
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=tiny_overrides(scene_cache, 4))
+    assert app_module.run(cfg, tmp_path) == trainer_module.EXIT_DIVERGED
+    assert "training diverged" in capsys.readouterr().err
+    assert not (tmp_path / "metrics.json").exists()
+
+
 def test_custom_ops_train_like_the_torch_references(tmp_path, scene_cache):
     """Our kernels (the default ops=custom) against the references: same seed and steps, same PSNR."""
     psnrs = {}

@@ -340,7 +340,8 @@ class Trainer:
         progress.close()
         if code != EXIT_OK:
             return code
-        if not (bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())):
+        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        if not self.group.minimum(int(finite)):  # agreed (split by space a rank holds its own slab's values only)
             return self._diverged(self.step, loss.item())
         self._gather_optimizer_state()
         if self.group.active:  # every rank's sample capacities and step graph, for metrics
