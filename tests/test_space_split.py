@@ -359,11 +359,13 @@ def test_auto_splits_by_space_on_cuda_where_the_split_takes_the_run_else_data(ca
     assert split_for(trainer("cuda", rank=1)) is not None and capsys.readouterr().out == ""  # rank 0 alone says it
     on_cpu = trainer("cpu")
     assert split_for(on_cpu) is None and on_cpu.model.capacities is None and on_cpu.model.space_split is None
-    assert "data parallel over 2 ranks (the space split runs on CUDA only)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "data parallel over 2 ranks (the space split runs on CUDA only)" in said and "a sweep" not in said
     refused = trainer("cuda", distortion_loss=0.1)
     assert split_for(refused) is None and refused.model.capacities is None
     said = capsys.readouterr().out
     assert "data parallel over 2 ranks (the space split does not support train.distortion_loss yet)" in said
+    assert "a sweep, one GPU a job, uses GPUs better" in said  # on GPUs data parallel is slower than one
     with pytest.raises(ConfigError, match="train.batch_rays: 63 does not split over 2 ranks"):
         split_for(trainer("cuda", batch=63, distortion_loss=0.1))  # data parallel, so the batch must split
     assert split_for(trainer("cuda", batch=63)) is not None  # by space every rank takes the whole batch
