@@ -36,7 +36,7 @@ from training.distributed import check_shards
 class SpaceParallel:
     """The split of one torchrun job, a slab a rank; set on the model (``model.space_split``) and the trainer."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, graphed: bool = False):
         refusal = SpaceParallel.refusal(trainer)
         if refusal is not None:
             raise ConfigError(f"train.parallel: space {refusal}")
@@ -47,7 +47,7 @@ class SpaceParallel:
         self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut
         self._slab_key: tuple | None = None  # what _slab_mask was cut from
         self._slab_mask: torch.Tensor | None = None
-        self.graphed = bool(cfg.get("step_graph", False))  # a rank's step from a CUDA graph (training.step_graph)
+        self.graphed = graphed  # a rank's step from a CUDA graph (training.step_graph)
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
         if model.capacities is not None:  # the largest rank's counts size every rank's capacities
             model.capacities.share, model.capacities.rank = self.share_counts, group.rank
@@ -251,14 +251,13 @@ def split_for(trainer) -> SpaceParallel | None:
             print("train.parallel=space splits a torchrun job of 2 or more ranks; one process trains the whole grids")
         return None
     if asked == "space":
-        return SpaceParallel(trainer)
+        return SpaceParallel(trainer, graphed=bool(trainer.train_cfg.get("step_graph", False)))
     if asked == "auto":
         refusal = "runs on CUDA only" if trainer.device.type != "cuda" else SpaceParallel.refusal(trainer)
         if refusal is None:
             if trainer.model.capacities is None:  # the sizes a captured step needs (models/capacities.py)
                 trainer.model.capacities = SampleCapacities()
-            split = SpaceParallel(trainer)
-            split.graphed = True
+            split = SpaceParallel(trainer, graphed=True)
             if group.is_main:
                 print(f"train.parallel=auto: split by space over {group.world} ranks (capped samples, step graph)")
             return split
