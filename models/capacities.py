@@ -3,7 +3,9 @@ write into outputs of given sizes (``march_rays_capped``, ``visible_samples_capp
 for their counts.
 
 The sizes come from one synchronising step (the plain ops) after every event that changes how many samples a ray
-gets (the start, an occupancy refresh, the grids' growth, the fine grid's arrival): ``HEADROOM`` plus ``SPREAD``
+gets (every step before the occupancy's warmup, an occupancy refresh, the grids' growth, the fine grid's arrival;
+before the warmup the density forms and the samples shaded multiply from step to step: lego lost 0.3-0.4 dB to the
+two or three steps that overflowed there, one H200, 2026-11-29): ``HEADROOM`` plus ``SPREAD``
 over the root of the batch's rays times what it counted, rounded up to a size the decoder keeps
 (``models.decoder.padded_rows``). Each capped step's true counts are copied to the host without a sync and checked
 ``LAG`` steps later (the host never runs further ahead than that): a count above its capacity (an
@@ -59,11 +61,12 @@ class SampleCapacities:
         self.checked = 0  # how many
         self.in_flight: collections.deque = collections.deque()  # (event, pinned (3,) counts, the sizes they had)
         self.overflows = 0  # steps whose counts were above a capacity
+        self.overflowed_at: list[int] = []  # which: their place among the checked steps (1-based)
         self.overflows_reviewed = 0  # of them, those found by the last review
         self.shrinks = 0
         self.reviews = 0
         self.fill = [0.0, 0.0, 0.0]  # the checked steps' sums of count / size: the share of the rows not padding
-        self.fills = 0  # how many
+        self.fills = 0  # how many (every checked step)
         self.rays: int | None = None  # the measured batch's rays
         self._captured: torch.Tensor | None = None  # a captured march's (S, 3) counts, observed after each replay
         # the space split (training.space_parallel): a (3,) count tensor -> (S, 3) every rank's, by rank; the sizes
@@ -150,6 +153,8 @@ class SampleCapacities:
         self.fills += 1
         over = [(kind, count) for kind, count in zip(KINDS, counts) if count > sizes[kind]]
         self.overflows += bool(over)
+        if over:
+            self.overflowed_at.append(self.fills)
         for kind, count in over:
             self.sizes[kind] = max(self.sizes[kind], headroom(GROWTH * count, self.rays))
         if self.checked < WINDOW:
@@ -173,5 +178,6 @@ class SampleCapacities:
     def report(self) -> dict:
         """For metrics.json."""
         fill = {kind: round(f / max(self.fills, 1), 4) for kind, f in zip(KINDS, self.fill)}  # mean over the run
-        counts = {"overflows": self.overflows, "shrinks": self.shrinks, "reviews": self.reviews}
+        counts = {"overflows": self.overflows, "overflowed_at": self.overflowed_at[:50], "shrinks": self.shrinks}
+        counts["reviews"] = self.reviews
         return {"sizes": self.sizes, **counts, "fill": fill}

@@ -134,6 +134,30 @@ def test_counts_on_the_device_are_checked_within_the_lag():
     assert capacities.review() and capacities.overflows == 2 and not capacities.in_flight
 
 
+def test_every_step_before_the_occupancy_warmup_measures():
+    """Before the warmup the density forms and the samples shaded multiply from step to step: a capped step there
+    overflows (lego, one H200: two or three such steps cost 0.3-0.4 dB). So every step until then measures; after it,
+    only refreshes (the first at the warmup) and growth do."""
+    from test_model import make_model
+
+    model = make_model(**{"capped_samples": True, "occupancy.warmup": 5, "occupancy.refresh_every": 4, "grow_at": []})
+    measured = []
+    for step in range(1, 13):
+        model.capacities.measured(1000, 600, 300)
+        model.on_step(step, 100)
+        measured.append(model.capacities.measuring)
+    assert [step for step, measures in zip(range(1, 13), measured) if measures] == [1, 2, 3, 4, 5, 8, 12]
+
+
+def test_overflows_are_reported_with_their_steps():
+    capacities = SampleCapacities()
+    capacities.measured(1000, 600, 300)
+    for march in (900, 2000, 900, 900, 5000):
+        capacities.observe(torch.tensor([march]), torch.tensor([500, 200]))
+    report = capacities.report()
+    assert report["overflows"] == 2 and report["overflowed_at"] == [2, 5]
+
+
 def test_the_regularisers_leave_out_the_padding_rows():
     ray, t = torch.tensor([0, 0, 1, 1, 1, 1]), torch.tensor([0.1, 0.2, 0.1, 0.3, 0.0, 0.0])
     depth = torch.tensor([0.5, 0.25, 1.0, 0.5, 9.0, 9.0])  # the last two rows: padding (no ray's range)

@@ -302,6 +302,8 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         ranks = metrics["sample_capacity_ranks"]
         assert (ranks is None) == (capped == "false") and (ranks is None or len(ranks) == count)
         assert ranks is None or all(r["sizes"] == ranks[0]["sizes"] for r in ranks)  # the largest rank's, shared
+        # capped steps were checked (they start at the occupancy warmup: tiny_overrides' step 4)
+        assert ranks is None or all(r["fill"]["march"] > 0 for r in ranks)
         assert metrics["step_graph_ranks"] is None and metrics["parallel"] == {"ranks": count, "split": "space"}
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         two = load_checkpoint(tmp_path / f"two_{name}" / "checkpoints" / "last.pt", map_location="cpu")
