@@ -40,6 +40,8 @@
 #             +experiment=$KERNELS_EXPERIMENT (blender) run on $KERNELS_DATA (lego) -> $OUT/kernel_profile.txt
 # balance:    bench/slab_balance.py on the lego preset: the samples per first-axis cell layer at $BALANCE_AT, and how
 #             evenly, at the surface and at the shaded samples' quantiles cut slabs would share them -> $OUT/slab_balance.json
+# rank-alone: bench/rank_alone.py: one split rank's step alone (exchanges emulated) against one GPU's, at step
+#             $ALONE_AT (2800) of the lego preset, capped + step graph ($ALONE_ARGS: more options) -> $OUT/rank_alone.json
 # syncs:      bench/step_syncs.py: the device syncs of lego preset steps 300-319, by site -> $OUT/step_syncs.json
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
 # Everything is written under a work folder and packed into $OUT/session.tgz at the end (the device tool
@@ -132,6 +134,9 @@ for s in "${stages[@]}"; do
     kernels) stage kernel_profile python3 bench/kernel_profile.py --out "$OUT/kernel_profile.txt" \
       --first "${KERNELS_FIRST:-2800}" -- +experiment="${KERNELS_EXPERIMENT:-blender}" data.root="${KERNELS_DATA:-$LEGO}" \
       train.turntable_frames=0 hydra.run.dir="$OUT/kernels" ;;
+    rank-alone) stage rank_alone python3 bench/rank_alone.py --json "$OUT/rank_alone.json" --at "${ALONE_AT:-2800}" ${ALONE_ARGS:-} -- \
+      +experiment=blender data.root="$(realpath "$LEGO")" hydra.run.dir="$OUT/rank_alone_run" model.capped_samples=true \
+      train.step_graph=true ;;
     syncs) stage step_syncs python3 bench/step_syncs.py --json "$OUT/step_syncs.json" -- +experiment=blender \
       data.root="$LEGO" train.iters=400 train.eval_final_views=4 train.turntable_frames=0 hydra.run.dir="$OUT/syncs" ;;
     exchange) stage grad_exchange python3 -m torch.distributed.run --standalone \
@@ -166,5 +171,5 @@ find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -d
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
-for f in slab_balance.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

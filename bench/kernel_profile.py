@@ -51,16 +51,18 @@ from training import trainer  # noqa: E402
 SECTION = "section:"  # the record_function ranges around the trainer's step sections
 
 
+def device_rows(averages) -> list:
+    """The profiler's ``key_averages()`` rows of device work: device-side rows only, without user annotations (a
+    ``record_function`` range such as ``Optimizer.step#...`` shows up on the device too, repeating its kernels'
+    time)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e for e in averages if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+
+
 def kernel_time(averages) -> float:
     """Microseconds of device time in the profiler's ``key_averages()``, counted as its table's "Self CUDA time
-    total" is: device-side rows only, without user annotations (a ``record_function`` range such as
-    ``Optimizer.step#...`` shows up on the device too, repeating its kernels' time)."""
-    cuda = torch.autograd.DeviceType.CUDA
-    return sum(
-        e.self_device_time_total
-        for e in averages
-        if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
-    )
+    total" is (:func:`device_rows`)."""
+    return sum(e.self_device_time_total for e in device_rows(averages))
 
 
 def mark_sections() -> None:

@@ -1,0 +1,45 @@
+"""bench/rank_alone.py on the CPU: a tiny run times one process and each rank of a two-slab split alone, so that the
+script cannot rot; and the emulated all-gather hands each rank what the others would send."""
+
+import json
+import subprocess
+import sys
+
+import torch
+from test_train import REPO, scene_cache, tiny_overrides  # noqa: F401 (scene_cache: the fixture)
+
+
+def test_a_tiny_run_times_one_process_and_each_rank(tmp_path, scene_cache):  # noqa: F811
+    out = tmp_path / "alone.json"
+    args = ["--json", str(out), "--at", "6", "--steps", "3", "--warm", "1", "--ranks", "2", "--batches", "1", "--"]
+    args += tiny_overrides(scene_cache, 12) + [f"hydra.run.dir={tmp_path / 'run'}", "train.turntable_frames=0"]
+    args += ["model.upsample=1", "train.batch_rays=64", "model.weight_threshold=1e-3", "model.capped_samples=true"]
+    result = subprocess.run(
+        [sys.executable, "bench/rank_alone.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["at"] == 6 and report["one"]["ms_per_step"] > 0 and report["one"]["sizes"]
+    assert [(s["ranks"], s["cut"]) for s in report["splits"]] == [(2, "even"), (2, "samples")]
+    for split in report["splits"]:
+        assert len(split["planes"]) == 1 and len(split["rank"]) == 2 and split["one_over_slowest"] > 0
+        one_march = report["one"]["sizes"]["march"]
+        assert all(0 < rank["sizes"]["march"] <= one_march for rank in split["rank"])  # a slab's samples, fewer
+    assert not (tmp_path / "run" / "metrics.json").exists()  # the frozen model is not evaluated as the run's
+
+
+def test_the_emulated_gather_hands_each_rank_the_others_parts():
+    sys.path.insert(0, str(REPO / "bench"))
+    from rank_alone import Exchanges
+
+    fronts = {0: torch.tensor([1.0, 2.0]), 2: torch.tensor([5.0, 6.0])}
+    exchanges = Exchanges(1, 3, fronts)
+    parts = torch.full((6,), float("nan"))
+    exchanges.all_gather(parts, torch.tensor([3.0, 4.0]))
+    assert parts.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    composite = torch.full((3 * 2, 4), float("nan"))
+    exchanges.all_gather(composite, torch.ones(2, 4))
+    assert composite.view(3, 2, 4)[1].eq(1).all() and composite.view(3, 2, 4)[[0, 2]].eq(0).all()
+    counts = torch.full((9,), -1, dtype=torch.int64)
+    exchanges.all_gather(counts, torch.tensor([7, 5, 3]))
+    assert counts.view(3, 3).eq(torch.tensor([7, 5, 3])).all()
