@@ -17,8 +17,9 @@ and the gradient all-reduce and the slabs' broadcasts are skipped.
 A rank's time here is its device work and launches with free, instantaneous exchanges: the floor of a split step on S
 GPUs. One GPU's step over the largest rank's is then the most S GPUs can gain at these slabs; a measured split
 step above that floor is the exchanges, the waits for the slower rank and the host. On a GPU each configuration's
-``--profile`` further steps run under torch.profiler: its kernels' time a step and the largest kernels. Without a GPU
-it runs eagerly (no step graph; the tests run it so) and the times are the CPU's.
+``--profile`` further steps run under torch.profiler: its kernels' time a step and the largest kernels, then as many
+eager steps by ATen call and input shapes (what each kernel computes on). Without a GPU it runs eagerly (no step
+graph; the tests run it so) and the times are the CPU's.
 """
 
 from __future__ import annotations
@@ -129,19 +130,40 @@ def timed(trainer, at: int, steps: int, warm: int) -> dict:
     return result
 
 
-def kernels(trainer, steps: int, rows: int) -> dict | None:
-    """``steps`` more steps under torch.profiler (GPU only): the kernels' time a step, and the ``rows`` largest
-    kernels by their time a step (ms) and launches a step."""
-    if trainer.device.type != "cuda" or steps <= 0:
-        return None
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profile:
+def _profiled(trainer, steps: int, shapes: bool = False):
+    """``steps`` training steps under torch.profiler (the device's activity too on a GPU)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if trainer.device.type == "cuda" else []
+    with torch.profiler.profile(activities=activities, record_shapes=shapes) as profile:
         for _ in range(steps):
             trainer.train_step()
         sync(trainer.device)
-    found = sorted(device_rows(profile.key_averages()), key=lambda e: -e.self_device_time_total)
+    return profile
+
+
+def kernels(trainer, steps: int, rows: int) -> dict | None:
+    """``steps`` more steps under torch.profiler: the kernels' time a step, and the ``rows`` largest kernels by their
+    time a step (ms) and launches a step (none without a GPU). Then as many steps eagerly, the step graph dropped
+    (a replay runs no ATen call to charge its kernels to), by ATen call and input shapes: the ``rows`` calls whose own
+    kernels take the most time (on a CPU, their own time), which says what a kernel of the first table computes on,
+    e.g. the whole batch's rays or a slab's samples. The trainer keeps no step graph after this."""
+    if steps <= 0:
+        return None
+    found = sorted(device_rows(_profiled(trainer, steps).key_averages()), key=lambda e: -e.self_device_time_total)
     top = [[e.key[:90], round(e.self_device_time_total / steps / 1e3, 4), round(e.count / steps, 2)] for e in found]
-    return {"ms_per_step": round(sum(e.self_device_time_total for e in found) / steps / 1e3, 4), "top": top[:rows]}
+    result = {"ms_per_step": round(sum(e.self_device_time_total for e in found) / steps / 1e3, 4), "top": top[:rows]}
+    trainer.step_graph = None  # eager steps drop the gradients a replay writes into: no replay after them
+    averages = _profiled(trainer, steps, shapes=True).key_averages(group_by_input_shape=True)
+    cuda = trainer.device.type == "cuda"
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
+    host = torch.autograd.DeviceType.CPU
+    calls = [e for e in averages if e.device_type == host and not getattr(e, "is_user_annotation", False)]
+    calls = sorted((e for e in calls if own(e) > 0), key=own)
+    result["calls"] = [
+        [e.key, str(e.input_shapes)[:160], round(own(e) / steps / 1e3, 4), round(e.count / steps, 2)]
+        for e in reversed(calls[-rows:])
+    ]
+    return result
 
 
 def become_rank(trainer, rank: int, ranks: int, planes: tuple[int, ...], exchanges: Exchanges) -> None:
@@ -150,7 +172,7 @@ def become_rank(trainer, rank: int, ranks: int, planes: tuple[int, ...], exchang
     space_split.ALL_GATHER = exchanges.all_gather
     trainer.group = Group(rank, ranks, 0)
     model.capacities = SampleCapacities() if model.capacities is not None else None
-    trainer.space = SpaceParallel(trainer, graphed=trainer.step_graph is not None)
+    trainer.space = SpaceParallel(trainer, graphed=bool(trainer.train_cfg.get("step_graph", False)))
     trainer.space._planes = (model.grid_shape, planes)
     trainer._rebuild_optimizer()  # the slab's occupied rows (training.optim)
     trainer.step_graph = None  # its graphs go before the next are captured

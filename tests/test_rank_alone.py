@@ -11,7 +11,8 @@ from test_train import REPO, scene_cache, tiny_overrides  # noqa: F401 (scene_ca
 
 def test_a_tiny_run_times_one_process_and_each_rank(tmp_path, scene_cache):  # noqa: F811
     out = tmp_path / "alone.json"
-    args = ["--json", str(out), "--at", "6", "--steps", "3", "--warm", "1", "--ranks", "2", "--batches", "1", "--"]
+    args = ["--json", str(out), "--at", "6", "--steps", "3", "--warm", "1", "--ranks", "2", "--batches", "1"]
+    args += ["--profile", "1", "--rows", "5", "--"]
     args += tiny_overrides(scene_cache, 12) + [f"hydra.run.dir={tmp_path / 'run'}", "train.turntable_frames=0"]
     args += ["model.upsample=1", "train.batch_rays=64", "model.weight_threshold=1e-3", "model.capped_samples=true"]
     result = subprocess.run(
@@ -25,6 +26,10 @@ def test_a_tiny_run_times_one_process_and_each_rank(tmp_path, scene_cache):  # n
         assert len(split["planes"]) == 1 and len(split["rank"]) == 2 and split["one_over_slowest"] > 0
         one_march = report["one"]["sizes"]["march"]
         assert all(0 < rank["sizes"]["march"] <= one_march for rank in split["rank"])  # a slab's samples, fewer
+    for timed in (report["one"], *(rank for split in report["splits"] for rank in split["rank"])):
+        calls = timed["kernels"]["calls"]  # by ATen call and shapes (the CPU's own time here; no kernels)
+        assert 0 < len(calls) <= 5 and any(name.startswith("aten::") for name, *_ in calls)
+        assert all(not name.startswith("Optimizer.") for name, *_ in calls)  # no annotations: they repeat their calls
     assert not (tmp_path / "run" / "metrics.json").exists()  # the frozen model is not evaluated as the run's
 
 
