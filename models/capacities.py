@@ -4,9 +4,9 @@ for their counts.
 
 The sizes come from one synchronising step (the plain ops) after every event that changes how many samples a ray
 gets (every step before the occupancy's warmup, an occupancy refresh, the grids' growth, the fine grid's arrival;
-before the warmup the density forms and the samples shaded multiply from step to step: lego lost 0.3-0.4 dB to the
-two or three steps that overflowed there, one H200, 2026-11-29): ``HEADROOM`` plus ``SPREAD``
-over the root of the batch's rays times what it counted, rounded up to a size the decoder keeps
+before the warmup the density forms and the samples shaded multiply from step to step: on one H200, lego runs whose
+first two or three capped steps overflowed ended 0.2-0.4 dB from the plain march's, 2026-11-29): ``HEADROOM``
+plus ``SPREAD`` over the root of the batch's rays times what it counted, rounded up to a size the decoder keeps
 (``models.decoder.padded_rows``). Each capped step's true counts are copied to the host without a sync and checked
 ``LAG`` steps later (the host never runs further ahead than that): a count above its capacity (an
 overflow: the last rays of that batch lost samples, and the shown samples past the capacity went unshaded) grows

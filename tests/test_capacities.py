@@ -136,8 +136,8 @@ def test_counts_on_the_device_are_checked_within_the_lag():
 
 def test_every_step_before_the_occupancy_warmup_measures():
     """Before the warmup the density forms and the samples shaded multiply from step to step: a capped step there
-    overflows (lego, one H200: two or three such steps cost 0.3-0.4 dB). So every step until then measures; after it,
-    only refreshes (the first at the warmup) and growth do."""
+    overflows (lego, one H200: runs with two or three such steps ended 0.2-0.4 dB from the plain march's). So every
+    step until then measures; after it, only refreshes (the first at the warmup) and growth do."""
     from test_model import make_model
 
     model = make_model(**{"capped_samples": True, "occupancy.warmup": 5, "occupancy.refresh_every": 4, "grow_at": []})
