@@ -4,6 +4,7 @@
 #
 #   bench/gpu_session.sh [tests] [grid-tests] [op-tests] [bench] [bench-grid] [bench-render] [train] [lego] [lego-in-order]
 #                        [lego-torch] [profile] [split-profile] [grid-channels] [variants] [exchange] [syncs] [kernels]
+#                        [balance] [rank-alone]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate*.py only
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
