@@ -61,7 +61,7 @@ class SampleCapacities:
         self.checked = 0  # how many
         self.in_flight: collections.deque = collections.deque()  # (event, pinned (3,) counts, the sizes they had)
         self.overflows = 0  # steps whose counts were above a capacity
-        self.overflowed_at: list[int] = []  # which: their place among the checked steps (1-based)
+        self.overflowed_at: list[int] = []  # which: their place among the checked steps (1-based; the report: 50)
         self.overflows_reviewed = 0  # of them, those found by the last review
         self.shrinks = 0
         self.reviews = 0
