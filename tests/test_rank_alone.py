@@ -48,3 +48,39 @@ def test_the_emulated_gather_hands_each_rank_the_others_parts():
     counts = torch.full((9,), -1, dtype=torch.int64)
     exchanges.all_gather(counts, torch.tensor([7, 5, 3]))
     assert counts.view(3, 3).eq(torch.tensor([7, 5, 3])).all()
+
+
+def test_with_the_slabs_fronts_each_rank_keeps_its_share_of_one_march():
+    """The emulation's claim: handed the other slabs' true optical depth in front, each rank keeps (after early
+    termination) exactly its slab's share of one process's samples, so the ranks' counts sum to one march's; with
+    nothing in front (zeros) a rank behind keeps more."""
+    from types import SimpleNamespace
+
+    from test_model import randomize_density
+    from test_space_split import scene
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from rank_alone import Exchanges, slab_fronts
+
+    from models import space_split
+    from models.render_views import march
+
+    model, origins, directions, jitter = scene("per_sample")
+    randomize_density(model, mean=5.0, std=3.0)  # opaque enough that early termination drops samples behind
+    model.refresh_occupancy()
+    batch = SimpleNamespace(origins=origins, directions=directions, jitter=jitter, views=None)
+    want = int(march(model, origins, directions, jitter)["samples"])
+    planes = space_split.Slabs.even(model.grid_shape[0], 3, 0).planes
+    plain = space_split.ALL_GATHER
+    try:
+        fronts = slab_fronts(model, batch, planes)
+        kept, kept_alone = [], []
+        for rank in range(3):
+            for counts, given in ((kept, fronts), (kept_alone, {k: torch.zeros_like(f) for k, f in fronts.items()})):
+                space_split.ALL_GATHER = Exchanges(rank, 3, given).all_gather
+                out = space_split.split_march(model, space_split.Slabs(planes, rank), origins, directions, jitter)
+                counts.append(int(out["samples"]))
+    finally:
+        space_split.ALL_GATHER = plain
+    assert sum(kept) == want and all(0 < count < want for count in kept)
+    assert sum(kept_alone) > want
