@@ -178,6 +178,11 @@ class SampleCapacities:
     def report(self) -> dict:
         """For metrics.json."""
         fill = {kind: round(f / max(self.fills, 1), 4) for kind, f in zip(KINDS, self.fill)}  # mean over the run
-        counts = {"overflows": self.overflows, "overflowed_at": self.overflowed_at[:50], "shrinks": self.shrinks}
-        counts["reviews"] = self.reviews
-        return {"sizes": self.sizes, **counts, "fill": fill}
+        return {
+            "sizes": self.sizes,
+            "overflows": self.overflows,
+            "overflowed_at": self.overflowed_at[:50],
+            "shrinks": self.shrinks,
+            "reviews": self.reviews,
+            "fill": fill,
+        }

@@ -257,9 +257,10 @@ class VoxelNeRF(nn.Module):
         if step >= c.occupancy.warmup and (grown or due):
             self.touched.before_whole_read(density_only=True)  # the refresh reads the density grid alone
             self.refresh_occupancy()
-        settling = step < c.occupancy.warmup  # the density forms: the samples shaded multiply (models/capacities.py)
-        if self.capacities is not None and (grown or settling or (due and step >= c.occupancy.warmup)):
-            self.capacities.invalidate()  # the samples a ray gets changed: the next march measures them
+        # the samples a ray gets changed: the next march measures them (before the warmup at every step: the density
+        # forms and the samples shaded multiply, models/capacities.py)
+        if self.capacities is not None and (grown or due or step < c.occupancy.warmup):
+            self.capacities.invalidate()
         return grown
 
     def query_density(self, unit_points: torch.Tensor) -> torch.Tensor:
