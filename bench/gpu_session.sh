@@ -4,7 +4,7 @@
 #
 #   bench/gpu_session.sh [tests] [grid-tests] [op-tests] [bench] [bench-grid] [bench-render] [train] [lego] [lego-in-order]
 #                        [lego-torch] [profile] [split-profile] [grid-channels] [variants] [exchange] [syncs] [kernels]
-#                        [balance] [rank-alone]
+#                        [balance] [rank-alone] [decoder-profile]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate*.py only
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
@@ -43,6 +43,8 @@
 #             evenly, at the surface and at the shaded samples' quantiles cut slabs would share them -> $OUT/slab_balance.json
 # rank-alone: bench/rank_alone.py: one split rank's step alone (exchanges emulated) against one GPU's, at step
 #             $ALONE_AT (2800) of the lego preset, capped + step graph ($ALONE_ARGS: more options) -> $OUT/rank_alone.json
+# decoder-profile: bench/decoder_profile.py: the lego preset's per-sample decoder alone, eager, by ATen call and
+#             shapes, and its bias gradients' column sums timed several ways -> $OUT/decoder_profile.json
 # syncs:      bench/step_syncs.py: the device syncs of lego preset steps 300-319, by site -> $OUT/step_syncs.json
 # A stage that fails is logged and the next one still runs; the exit code is the number of failures.
 # Everything is written under a work folder and packed into $OUT/session.tgz at the end (the device tool
@@ -138,6 +140,7 @@ for s in "${stages[@]}"; do
     rank-alone) stage rank_alone python3 bench/rank_alone.py --json "$OUT/rank_alone.json" --at "${ALONE_AT:-2800}" ${ALONE_ARGS:-} -- \
       +experiment=blender data.root="$(realpath "$LEGO")" hydra.run.dir="$OUT/rank_alone_run" model.capped_samples=true \
       train.step_graph=true ;;
+    decoder-profile) stage decoder_profile python3 bench/decoder_profile.py --json "$OUT/decoder_profile.json" ;;
     syncs) stage step_syncs python3 bench/step_syncs.py --json "$OUT/step_syncs.json" -- +experiment=blender \
       data.root="$LEGO" train.iters=400 train.eval_final_views=4 train.turntable_frames=0 hydra.run.dir="$OUT/syncs" ;;
     exchange) stage grad_exchange python3 -m torch.distributed.run --standalone \
@@ -172,5 +175,5 @@ find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -d
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
-for f in slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in decoder_profile.json slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

@@ -30,13 +30,16 @@ def march_rays(
     step: float,
     max_samples: int,
     t_split: torch.Tensor | None = None,
+    slab: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed samples along rays where the occupancy grid is set (cuda_ext.march_rays' contract, bounded or
-    contracted), with torch ops: the dense (B, S) distances, (B, S, 3) grid coordinates and keep-mask, compacted
-    with nonzero() (one sync). Each formula is evaluated in the kernels' order, one rounding per operation."""
+    contracted, within the first-axis cells of ``slab`` when given), with torch ops: the dense (B, S) distances,
+    (B, S, 3) grid coordinates and keep-mask, compacted with nonzero() (one sync). Each formula is evaluated in the
+    kernels' order, one rounding per operation."""
     step, max_samples = _step_checks.check_march_inputs(
         origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
     )
+    slab = _step_checks.check_march_slab(slab, occupancy)
     k = torch.arange(max_samples, device=origins.device, dtype=origins.dtype)
     t = t_start[:, None] + (k[None, :] + offset[:, None]) * step
     alive = t < t_end[:, None]
@@ -50,6 +53,8 @@ def march_rays(
     s0, s1, s2 = occupancy.shape
     c0, c1, c2 = (((unit[..., a] + 1) * (0.5 * s)).long().clamp(0, s - 1) for a, s in enumerate((s0, s1, s2)))
     kept = alive & occupancy.reshape(-1)[(c0 * s1 + c1) * s2 + c2]
+    if slab is not None:
+        kept &= (c0 >= slab[0]) & (c0 < slab[1])
     flat = kept.reshape(-1).nonzero().squeeze(1)
     ray = torch.div(flat, max_samples, rounding_mode="floor")
     ray_offsets = torch.searchsorted(ray, torch.arange(origins.shape[0] + 1, device=ray.device))
@@ -68,6 +73,7 @@ def march_rays_capped(
     max_samples: int,
     capacity: int,
     t_split: torch.Tensor | None = None,
+    slab: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """march_rays' samples in outputs of ``capacity`` rows (cuda_ext.march_rays_capped's contract): its first
     ``capacity`` samples, the ray offsets clamped to ``capacity``, the other rows padding (ray max(B - 1, 0), t 0,
@@ -75,7 +81,8 @@ def march_rays_capped(
     size = _step_checks.check_capacity(capacity)
     args = (origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split)
     _step_checks.check_march_inputs(*args, op="march_rays_capped")
-    ray, t, points, ray_offsets = march_rays(*args)
+    slab = _step_checks.check_march_slab(slab, occupancy, op="march_rays_capped")
+    ray, t, points, ray_offsets = march_rays(*args, slab)
     kept = min(size, ray.shape[0])
     padding = size - kept
     last_ray = max(origins.shape[0] - 1, 0)

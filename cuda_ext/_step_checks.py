@@ -266,6 +266,20 @@ def check_march_inputs(
     return float(step), samples
 
 
+def check_march_slab(slab: Any, occupancy: torch.Tensor, op: str = "march_rays") -> list[int] | None:
+    """A march's slab: None, or [first, end) cells of the occupancy's first axis as two ints with
+    0 <= first < end <= R0. Returns it as a list of two ints (what the op's ``int[]?`` takes), or None."""
+    if slab is None:
+        return None
+    if isinstance(slab, (str, bytes, torch.Tensor)) or not hasattr(slab, "__len__") or len(slab) != 2:
+        raise TypeError(f"{op}: slab must be None or two ints [first, end), got {slab!r}")
+    first, end = (check_int(op, "slab", value) for value in slab)
+    cells = occupancy.shape[0]
+    if not 0 <= first < end <= cells:
+        raise ValueError(f"{op}: slab must be cells [first, end) with 0 <= first < end <= {cells}, got {[first, end]}")
+    return [first, end]
+
+
 def check_capacity(capacity: Any, op: str = "march_rays_capped", name: str = "capacity") -> int:
     """A capped op's output size (march_rays_capped, visible_samples_capped): an int >= 0. Returns it as an int."""
     size = check_int(op, name, capacity)

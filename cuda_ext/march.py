@@ -30,6 +30,7 @@ def march_rays(
     step: float,
     max_samples: int,
     t_split: torch.Tensor | None = None,
+    slab: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Samples along B rays, kept where the occupancy grid is set, packed ray by ray.
 
@@ -42,8 +43,10 @@ def march_rays(
     the contracted coordinate ``u * ((2 - 1 / m) / m) / 2`` with ``m = max |u_a|`` where m > 1, else ``u / 2``: the
     box is the grid's middle [-0.5, 0.5]^3 and infinity its border.
     A sample is kept when the occupancy cell holding its point is True (cell ``trunc((p + 1) * R / 2)`` per axis,
-    clamped to the grid); the ray ends at its first sample with ``t >= t_end[b]`` (or den <= 0). Each operation is
-    rounded on its own, so the result is bit for bit the reference's.
+    clamped to the grid) and, with a ``slab``, its cell along the first axis lies in it; the ray ends at its first
+    sample with ``t >= t_end[b]`` (or den <= 0). Each operation is rounded on its own, so the result is bit for bit
+    the reference's. A slab (a rank's part of the grid, models.space_split) also saves work: in the bounded space
+    each ray walks only its samples near the slab, not its whole chord.
 
     Args:
         origins, directions: (B, 3) float32 or float64 rays (directions need not be unit).
@@ -53,19 +56,22 @@ def march_rays(
         box: (2, 3) the box's min and max corners (the same dtype and device).
         step: distance between samples, a number > 0; max_samples: samples per ray at most, in [1, 2^24].
         t_split: None (bounded), or (B,) where each ray's linear spacing ends (same dtype and device; contracted).
+        slab: None, or two ints [first, end): the occupancy's first-axis cells a sample may be kept in,
+            0 <= first < end <= R0.
     Returns:
         ray (N,) int64 in increasing order, t (N,) increasing within each ray, points (N, 3) grid coordinates,
         ray_offsets (B + 1,) int64: ray b's samples are [ray_offsets[b], ray_offsets[b + 1]). One device sync
         on CUDA (the output size).
     Raises:
         TypeError / ValueError naming the argument: wrong types, dtypes, shapes or devices, step <= 0,
-        max_samples out of range.
+        max_samples out of range, a slab that is not two ints in range.
     """
     step, max_samples = _step_checks.check_march_inputs(
         origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
     )
+    slab = _step_checks.check_march_slab(slab, occupancy)
     return torch.ops.cuda_ext.march_rays(
-        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, slab
     )
 
 
@@ -81,6 +87,7 @@ def march_rays_capped(
     max_samples: int,
     capacity: int,
     t_split: torch.Tensor | None = None,
+    slab: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`march_rays`' samples in outputs of a fixed size, with no device sync: what a CUDA graph can replay.
 
@@ -101,16 +108,20 @@ def march_rays_capped(
     step, max_samples = _step_checks.check_march_inputs(
         origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, op="march_rays_capped"
     )
+    slab = _step_checks.check_march_slab(slab, occupancy, op="march_rays_capped")
     return torch.ops.cuda_ext.march_rays_capped(
-        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, capacity, t_split
+        origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, capacity, t_split, slab
     )
 
 
 @torch.library.register_fake("cuda_ext::march_rays")
-def _march_rays_fake(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split=None):
+def _march_rays_fake(
+    origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split=None, slab=None
+):
     _step_checks.check_march_inputs(
         origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split
     )
+    _step_checks.check_march_slab(slab, occupancy)
     n = torch.library.get_ctx().new_dynamic_size()  # data-dependent: how many samples the occupancy keeps
     return (
         origins.new_empty((n,), dtype=torch.int64),
@@ -122,12 +133,13 @@ def _march_rays_fake(origins, directions, t_start, t_end, offset, occupancy, box
 
 @torch.library.register_fake("cuda_ext::march_rays_capped")
 def _march_rays_capped_fake(
-    origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, capacity, t_split=None
+    origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, capacity, t_split=None, slab=None
 ):
     capacity = _step_checks.check_capacity(capacity)
     _step_checks.check_march_inputs(
         origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, op="march_rays_capped"
     )
+    _step_checks.check_march_slab(slab, occupancy, op="march_rays_capped")
     return (
         origins.new_empty((capacity,), dtype=torch.int64),
         origins.new_empty((capacity,)),

@@ -114,15 +114,16 @@ def march(
     if not isinstance(jitter, torch.Tensor):  # the batch's (B,) sample offsets, else drawn here or mid-step
         jitter = torch.rand(num_rays, device=origins.device) if jitter else torch.full((num_rays,), 0.5)
     jitter = jitter.reshape(num_rays).to(origins.device, origins.dtype)
-    occupancy = model.occupancy.mask if slab is None else slab.occupancy
+    occupancy = model.occupancy.mask
     march_args = (*rays, t_start, t_end, jitter, occupancy, model.bbox, step, num_samples)
+    cells = None if slab is None else slab.slabs.march_cells(occupancy.shape[0])  # a rank's slab: its samples alone
     # model.capped_samples: fixed sizes, no sync for the counts (models/capacities.py); None when off or measuring
     capacities = model.capacities if model.capacities is not None and torch.is_grad_enabled() else None
     sizes = None if capacities is None or capacities.measuring else capacities.sizes
     if sizes is None:
-        ray, t, points, offsets = model.ops.march_rays(*march_args, t_split)
+        ray, t, points, offsets = model.ops.march_rays(*march_args, t_split, cells)
     else:
-        ray, t, points, offsets, march_total = model.ops.march_rays_capped(*march_args, sizes["march"], t_split)
+        ray, t, points, offsets, march_total = model.ops.march_rays_capped(*march_args, sizes["march"], t_split, cells)
     samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
     counts = [len(samples), len(samples), 0]  # what a measuring march counts: marched, alive, shown
     if model.touched.enabled and torch.is_grad_enabled():  # an optimiser that replays skipped steps does so now

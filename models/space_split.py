@@ -6,9 +6,10 @@ it marches, looks up, shades and steps only those, and the ranks exchange a few 
 
 How: the grids' first axis is cut at S - 1 vertex planes; rank r owns the vertices from plane r to plane r + 1
 (neighbours share their plane) and the cells between them (:class:`Slabs`). Every rank marches the whole batch
-through the occupancy cut to its slab, so it emits only the samples whose trilinear cell lies there, and a
-sample's lookups read only its rank's vertices. Compositing is associative: along a ray the slabs come in rank
-order (towards +x) or the reverse, and with each slab composited from a transmittance of 1,
+with its slab's cells (``march_rays``' slab: each ray walks only its samples near them), so it emits only the
+samples whose trilinear cell lies there, and a sample's lookups read only its rank's vertices. Compositing is
+associative: along a ray the slabs come in rank order (towards +x) or the reverse, and with each slab composited
+from a transmittance of 1,
 
     colour = sum_k T_k C_k,  opacity = sum_k T_k O_k,  depth = sum_k T_k D_k,  T_k = prod_{j<k} (1 - O_j)
 
@@ -89,15 +90,12 @@ class Slabs:
         cell, (first, end) = cell_index(points[:, 0], shape[0]), self.cells
         return (cell >= first) & (cell < end) if end is not None else cell >= first
 
-    def occupancy(self, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The (R0-1, R1-1, R2-1) occupancy ``mask`` cut to this rank's slab: marched with it, ``march_rays`` emits
-        exactly the samples :meth:`owns` (its cells are the lookups' trilinear cells, its sample positions a lattice
-        that the mask only filters), with no filter pass and no count of its own. ``out``: a mask of that shape to
-        write it into (else a new one)."""
-        slab = torch.zeros_like(mask) if out is None else out.zero_()
-        part = slice(*self.cells)
-        slab[part] = mask[part]
-        return slab
+    def march_cells(self, count: int) -> tuple[int, int]:
+        """[first, end) of this slab's cells along a first axis of ``count`` cells: ``march_rays``' slab, with which
+        it emits exactly the samples :meth:`owns` (its cells are the lookups' trilinear cells), with no filter pass
+        and no count of its own."""
+        first, end = self.cells
+        return first, count if end is None else end
 
 
 def regrid_layers(counts: torch.Tensor, span: tuple[float, float], new_span: tuple[float, float], cells: int):
@@ -191,10 +189,9 @@ class _CompositeSlabs(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class SlabPass:
-    """What :func:`models.render_views.march` needs to march one rank's slab: the occupancy cut to it
-    (:meth:`Slabs.occupancy`) and, before the no-grad pass, the optical depth of the slabs in front on each ray."""
+    """What :func:`models.render_views.march` needs to march one rank's slab: its cells (:meth:`Slabs.march_cells`)
+    and, before the no-grad pass, the optical depth of the slabs in front on each ray."""
 
-    occupancy: torch.Tensor
     plus: torch.Tensor  # (B,) bool: the rays towards +x (the slabs in rank order)
     slabs: Slabs
     group: Any = None
@@ -234,7 +231,6 @@ def split_march(
     directions: torch.Tensor,
     jitter: torch.Tensor,
     group=None,
-    occupancy: torch.Tensor | None = None,
     views: torch.Tensor | None = None,
     layers: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -242,13 +238,11 @@ def split_march(
     images) by this rank's slab, composited with the other ranks' over ``group`` -> dict(diffuse (B, 3),
     features (B, F-3), depth (B,), opacity (B,), samples: this rank's count, packed: this rank's samples'
     RenderedSamples), what ``model.march`` returns up to float rounding (bounded space, no pose refinement, no
-    touched-row marks). Every rank passes the same rays; ``occupancy``: the occupancy mask cut to the slab
-    (:meth:`Slabs.occupancy`, kept by the caller between refreshes), else cut here. The slab's own march is
-    :func:`models.render_views.march` (with ``model.capped_samples``, in fixed sample capacities). ``layers``: the
-    (R0 - 1,) float64 counts to add the slab's shaded samples to, per first-axis cell layer, in the steps that march
-    without padding (:meth:`SlabPass.count_shaded`)."""
-    occupancy = slabs.occupancy(model.occupancy.mask) if occupancy is None else occupancy
-    slab = SlabPass(occupancy, directions[:, 0] >= 0, slabs, group, layers)
+    touched-row marks). Every rank passes the same rays. The slab's own march is :func:`models.render_views.march`
+    (with ``model.capped_samples``, in fixed sample capacities). ``layers``: the (R0 - 1,) float64 counts to add the
+    slab's shaded samples to, per first-axis cell layer, in the steps that march without padding
+    (:meth:`SlabPass.count_shaded`)."""
+    slab = SlabPass(directions[:, 0] >= 0, slabs, group, layers)
     out = render_views.march(model, origins, directions, jitter, views, slab=slab)
     local = torch.cat([out["colour"], out["opacity"][:, None], out["depth"][:, None]], 1)
     diffuse, features, opacity, depth = _CompositeSlabs.apply(local, slab.plus, slabs, group)

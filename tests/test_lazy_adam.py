@@ -260,3 +260,31 @@ def test_new_optimizer_builds_the_replaying_adam_and_hooks_it_into_the_model():
     ]
     with pytest.raises(ValueError, match="train.sparse_adam"):
         sparse_adam_mode("sometimes")
+
+
+@pytest.mark.parametrize(
+    "device,fused", [("cpu", False), ("cpu", True), pytest.param("cuda", None, marks=pytest.mark.requires_cuda)]
+)
+def test_dense_groups_step_as_torch_adam_across_a_load(device, fused):
+    """adam_step_dense (the decoder's group; fused by default on CUDA, its step counts mirrored on the device)
+    follows torch.optim.Adam, and after a load moves the CPU counts, the mirrors follow them."""
+    from training.lazy_adam import adam_step_dense
+
+    generator = torch.Generator().manual_seed(4)
+    ours = [torch.randn(shape, generator=generator).to(device).requires_grad_() for shape in ((7, 3), (5,))]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    torch_adam = torch.optim.Adam(theirs, lr=0.01, betas=BETAS, eps=1e-8)
+    states, group = {p: {} for p in ours}, {"betas": BETAS, "lr": 0.01, "eps": 1e-8}
+    for step in range(6):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=generator).to(device)
+            b.grad = a.grad.clone()
+        with torch.no_grad():  # as the optimisers' step
+            adam_step_dense(states, ours, group, fused)
+        torch_adam.step()
+        if step == 2:  # a checkpoint's counts loaded: back to 1
+            for state in (*states.values(), *torch_adam.state.values()):
+                state["step"].fill_(1)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert [int(states[p]["step"]) for p in ours] == [4, 4] and states[ours[0]]["step"].device.type == "cpu"

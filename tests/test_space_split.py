@@ -170,7 +170,7 @@ def test_a_split_cuts_its_planes_where_the_shaded_samples_split_evenly(monkeypat
     for split, low in zip(splits, (0.0, 0.5)):  # each rank shades samples in the far half of the box (x in [0, 1])
         points = torch.rand(4000, 3, generator=generator, dtype=torch.float64) * 2 - 1
         points[:, 0] = low + torch.rand(4000, generator=generator, dtype=torch.float64) * 0.5
-        slab = SlabPass(model.occupancy.mask, torch.ones(1, dtype=torch.bool), split.slabs, None, split._counting())
+        slab = SlabPass(torch.ones(1, dtype=torch.bool), split.slabs, None, split._counting())
         slab.count_shaded(points)
     counted = [split._layers[0].clone() for split in splits]
     assert counted[0].sum() == counted[1].sum() == 4000 and counted[0][: (r0 - 1) // 2].sum() == 0
@@ -257,7 +257,7 @@ def test_each_rank_steps_its_own_slab_by_its_stratum_of_the_tv(count):
             assert grad[first : last + 1].abs().sum() > 0 and not grad[:first].any() and not grad[last + 1 :].any()
 
 
-def test_the_slab_occupancy_marches_exactly_the_samples_a_slab_owns():
+def test_the_slab_cells_march_exactly_the_samples_a_slab_owns():
     model, origins, directions, jitter = scene("deferred")
     c, space, step = model.config, model.space, model.step_size
     t_start, t_end, t_split, count = space.march_range(
@@ -267,9 +267,8 @@ def test_the_slab_occupancy_marches_exactly_the_samples_a_slab_owns():
     ray, t, points, _ = model.ops.march_rays(*args, model.occupancy.mask, model.bbox, step, count, t_split)
     for ranks, rank in ((2, 0), (2, 1), (3, 0), (3, 1), (3, 2)):
         slabs = Slabs.even(model.grid_shape[0], ranks, rank)
-        cut = slabs.occupancy(model.occupancy.mask)
-        assert cut.sum() > 0 and not (cut & ~model.occupancy.mask).any()
-        got = model.ops.march_rays(*args, cut, model.bbox, step, count, t_split)
+        cells = slabs.march_cells(model.occupancy.mask.shape[0])
+        got = model.ops.march_rays(*args, model.occupancy.mask, model.bbox, step, count, t_split, cells)
         mine = slabs.owns(points, model.grid_shape)
         assert 0 < int(mine.sum()) < len(ray)
         for value, want in zip(got[:3], (ray[mine], t[mine], points[mine])):

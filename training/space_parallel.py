@@ -45,8 +45,6 @@ class SpaceParallel:
         self.balance_by = str(cfg.get("space_planes", "samples"))  # samples | even
         self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
         self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut
-        self._slab_key: tuple | None = None  # what _slab_mask was cut from
-        self._slab_mask: torch.Tensor | None = None
         self.graphed = graphed  # a rank's step from a CUDA graph (training.step_graph)
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
         if model.capacities is not None:  # the largest rank's counts size every rank's capacities
@@ -139,23 +137,11 @@ class SpaceParallel:
 
     def march(self, origins: torch.Tensor, directions: torch.Tensor, jitter: torch.Tensor, views=None) -> dict:
         """Training's march of the whole batch, this rank's slab composited with the other's."""
-        occupancy, layers = self._slab_occupancy(), self._counting()
-        return split_march(self.model, self.slabs, origins, directions, jitter, None, occupancy, views, layers)
-
-    def _slab_occupancy(self) -> torch.Tensor:
-        """The occupancy mask cut to this rank's slab, cut again only when the mask changed (a refresh, growth or a
-        load replace it or write into it); into the same tensor while the shape holds (a captured step reads it)."""
-        mask = self.model.occupancy.mask
-        key = (id(mask), mask._version, self.model.grid_shape, self.slabs.planes)
-        if self._slab_key != key:
-            same = self._slab_mask is not None and self._slab_mask.shape == mask.shape
-            self._slab_mask = self.slabs.occupancy(mask, out=self._slab_mask if same else None)
-            self._slab_key = key
-        return self._slab_mask
+        return split_march(self.model, self.slabs, origins, directions, jitter, None, views, self._counting())
 
     def graph_key(self) -> tuple:
-        """What a captured step (training.step_graph) reads from the split as fixed: the planes and the slab's mask."""
-        return self.slabs.planes, self._slab_occupancy().data_ptr()
+        """What a captured step (training.step_graph) reads from the split as fixed: the planes (the march's cells)."""
+        return self.slabs.planes
 
     def owned_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The (K,) flat vertex rows of the grids that this rank steps: those of its slab, its planes included."""

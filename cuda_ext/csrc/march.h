@@ -11,7 +11,9 @@
 // and its point is the contracted coordinate: with m = max_a |u_a|, u * ((2 - 1 / m) / m) where m > 1 (u inside
 // the box stays), halved so that the contracted cube [-2, 2]^3 is the grid's [-1, 1]^3.
 // Either way a sample is kept when the occupancy cell holding its point is set (cell trunc((p_a + 1) * (0.5 * R_a))
-// clamped to [0, R_a - 1]); a ray ends at its first sample with t >= t_end (or den <= 0). Every operation is
+// clamped to [0, R_a - 1]) and, with a slab [first, end) given, its cell along the first axis is in it (a split
+// rank's part of the grid: the walk then covers only the samples near it, MarchRay::slab_span); a ray ends at its
+// first sample with t >= t_end (or den <= 0). Every operation is
 // rounded separately, in the order written (no fused multiply-add; divisions correctly rounded), so the samples are
 // bit for bit those of the PyTorch reference (cuda_ext.reference.march_rays), which evaluates the same formulas
 // one tensor op at a time.
@@ -65,6 +67,14 @@ CUDA_EXT_HOST_DEVICE T ceil_of(T x) {
   return std::ceil(x);
 #endif
 }
+template <typename T>
+CUDA_EXT_HOST_DEVICE T floor_of(T x) {
+#if defined(__CUDA_ARCH__)
+  return floor(x);
+#else
+  return std::floor(x);
+#endif
+}
 
 // One ray's constants: origin, direction, the box's low corner and 2 / (hi - lo), the grid's half sizes; with the
 // contraction, its linear sample count and the disparity spacing's pivot, radius P and step / P.
@@ -116,8 +126,41 @@ struct MarchRay {
     return den > T(0) && *t < t_end;
   }
 
-  // Grid coordinates of the point at distance t (box or contracted), and the flat index of its occupancy cell.
-  CUDA_EXT_HOST_DEVICE int64_t locate(T t, T* unit) const {
+  // The samples [*first, *end) that can lie in the first-axis cells [cell_first, cell_end) (a rank's slab), from
+  // where the ray's line crosses the slab's planes, widened far beyond rounding (2^-16 of the distances involved,
+  // and 2 samples): a walk over them meets every sample a slab keeps, and each sample's own cell still decides. A
+  // first or last slab runs on past the grid (its cells take the clamped points). Contracted rays, rays along the
+  // planes and non-finite ones walk all their samples. Computed in double.
+  CUDA_EXT_HOST_DEVICE void slab_span(int64_t cell_first, int64_t cell_end, int64_t max_samples, int64_t* first,
+                                      int64_t* end) const {
+    *first = 0;
+    *end = max_samples;
+    if (contract) return;
+    const double per_unit = static_cast<double>(scale[0]) * static_cast<double>(half_cells[0]);
+    const double rate = static_cast<double>(direction[0]) * per_unit;  // cells per unit of t
+    const double at_zero = (static_cast<double>(origin[0]) - static_cast<double>(low[0])) * per_unit;  // cell at t 0
+    const double t0 = static_cast<double>(t_start), dt = static_cast<double>(step), off = static_cast<double>(offset);
+    const double reach = magnitude(at_zero / rate) + static_cast<double>(cells[0]) / magnitude(rate);  // |t| in grid
+    const double slack = (magnitude(t0) + reach) * (1.0 / 65536.0);
+    if (!(reach - reach == 0.0) || !(slack + t0 + dt + off - (slack + t0 + dt + off) == 0.0)) return;  // not finite
+    const double lower = cell_first > 0 ? static_cast<double>(cell_first) : -HUGE_VAL;
+    const double upper = cell_end < cells[0] ? static_cast<double>(cell_end) : HUGE_VAL;
+    double enter = (lower - at_zero) / rate, leave = (upper - at_zero) / rate;
+    if (rate < 0.0) {
+      const double swap = enter;
+      enter = leave;
+      leave = swap;
+    }
+    const double k_first = floor_of((enter - slack - t0) / dt - off) - 2.0;
+    const double k_end = ceil_of((leave + slack - t0) / dt - off) + 3.0;
+    const double cap = static_cast<double>(max_samples);
+    *first = k_first > 0.0 ? (k_first < cap ? static_cast<int64_t>(k_first) : max_samples) : 0;
+    *end = k_end > 0.0 ? (k_end < cap ? static_cast<int64_t>(k_end) : max_samples) : 0;
+  }
+
+  // Grid coordinates of the point at distance t (box or contracted), and the flat index of its occupancy cell
+  // (its cell along the first axis in *first_axis, when given).
+  CUDA_EXT_HOST_DEVICE int64_t locate(T t, T* unit, int64_t* first_axis = nullptr) const {
     for (int a = 0; a < 3; ++a) {
       const T world = add_rn(origin[a], mul_rn(t, direction[a]));
       unit[a] = add_rn(mul_rn(add_rn(world, -low[a]), scale[a]), T(-1));
@@ -133,6 +176,7 @@ struct MarchRay {
       const T last = static_cast<T>(cells[a] - 1);
       cell = cell > T(0) ? (cell < last ? cell : last) : T(0);  // NaN -> 0, as clamp(long(NaN)) in the reference
       index = index * cells[a] + static_cast<int64_t>(cell);
+      if (a == 0 && first_axis != nullptr) *first_axis = static_cast<int64_t>(cell);
     }
     return index;
   }
@@ -172,6 +216,15 @@ inline void check_march_inputs(const at::Tensor& origins, const at::Tensor& dire
               ": step must be a finite number > 0, got ", step);
   TORCH_CHECK(max_samples >= 1 && max_samples <= (int64_t{1} << 24), op, ": max_samples must be in [1, 2^24], got ",
               max_samples);
+}
+
+// The optional slab: [first, end) cells of the occupancy's first axis, 0 <= first < end <= R0.
+inline void check_march_slab(const at::OptionalIntArrayRef& slab, const at::Tensor& occupancy) {
+  if (!slab) return;
+  TORCH_CHECK(slab->size() == 2, "march_rays: slab must be [first, end], got ", slab->size(), " values");
+  TORCH_CHECK(0 <= (*slab)[0] && (*slab)[0] < (*slab)[1] && (*slab)[1] <= occupancy.size(0),
+              "march_rays: slab must be cells [first, end) with 0 <= first < end <= ", occupancy.size(0), ", got [",
+              (*slab)[0], ", ", (*slab)[1], ")");
 }
 
 // march_rays_capped's capacity: a size (>= 0) the outputs are allocated at, whatever the samples' count.

@@ -71,17 +71,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> visible_samples_cappe
     int64_t alive_capacity, int64_t shown_capacity, const std::optional<at::Tensor>& start_depth);
 
 // march_rays: packed samples of (B, 3) rays where the (R0, R1, R2) occupancy grid is set -> (ray (N,),
-// t (N,), points (N, 3) in grid coordinates, ray_offsets (B + 1,)); t_split given: the contracted space.
+// t (N,), points (N, 3) in grid coordinates, ray_offsets (B + 1,)); t_split given: the contracted space; slab given:
+// only samples in those first-axis cells [first, end).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    const std::optional<at::Tensor>& t_split);
+    const std::optional<at::Tensor>& t_split, at::OptionalIntArrayRef slab);
 // march_rays_capped: the same samples into outputs of a fixed size (capacity,), with no host sync: the first
 // `capacity` of them, the ray offsets clamped to it, the rest padding; plus (1,) int64 the samples' true total.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_capped_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    int64_t capacity, const std::optional<at::Tensor>& t_split);
+    int64_t capacity, const std::optional<at::Tensor>& t_split, at::OptionalIntArrayRef slab);
 
 // sparse_adam_step: Adam on the listed rows of a (M, C) parameter, in place; with clear_grad the listed rows of
 // the gradient are left zero.
@@ -115,11 +116,11 @@ at::Tensor sampled_tv_cpu(const at::Tensor& grad, const at::Tensor& values, cons
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    const std::optional<at::Tensor>& t_split);
+    const std::optional<at::Tensor>& t_split, at::OptionalIntArrayRef slab);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_capped_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    int64_t capacity, const std::optional<at::Tensor>& t_split);
+    int64_t capacity, const std::optional<at::Tensor>& t_split, at::OptionalIntArrayRef slab);
 void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, const at::Tensor& rows, int64_t step, double lr, double beta1,
                            double beta2, double eps, bool clear_grad);

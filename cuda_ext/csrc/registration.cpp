@@ -60,12 +60,12 @@ TORCH_LIBRARY(cuda_ext, m) {
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "march_rays(Tensor origins, Tensor directions, Tensor t_start, Tensor t_end, Tensor offset, "
-      "Tensor occupancy, Tensor box, float step, int max_samples, Tensor? t_split=None) "
+      "Tensor occupancy, Tensor box, float step, int max_samples, Tensor? t_split=None, int[]? slab=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "march_rays_capped(Tensor origins, Tensor directions, Tensor t_start, Tensor t_end, Tensor offset, "
-      "Tensor occupancy, Tensor box, float step, int max_samples, int capacity, Tensor? t_split=None) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor occupancy, Tensor box, float step, int max_samples, int capacity, Tensor? t_split=None, "
+      "int[]? slab=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "sparse_adam_step(Tensor(a!) param, Tensor(d!) grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor rows, "
       "int step, float lr, float beta1, float beta2, float eps, bool clear_grad=False) -> ()");

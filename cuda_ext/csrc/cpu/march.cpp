@@ -13,16 +13,6 @@ namespace {
 
 constexpr int64_t kRayGrain = 64;  // rays per task: a ray is up to max_samples lookups
 
-// Calls emit(t, unit) for each kept sample of ray b, in order; stops at the first sample where the ray ends.
-template <typename scalar_t, typename Emit>
-void for_each_kept(const MarchRay<scalar_t>& ray, const bool* occupied, int64_t max_samples, Emit&& emit) {
-  scalar_t unit[3], t;
-  for (int64_t k = 0; k < max_samples; ++k) {
-    if (!ray.sample(k, &t)) break;
-    if (occupied[ray.locate(t, unit)]) emit(t, unit);
-  }
-}
-
 // The op's per-ray inputs, read-only; split is null for the bounded case.
 template <typename scalar_t>
 struct RayInputs {
@@ -30,11 +20,27 @@ struct RayInputs {
   const int64_t* shape;
   scalar_t step;
   int64_t max_samples;
+  int64_t slab_first, slab_end;  // the first-axis cells a sample may be kept in; clip: walk only near them
+  bool clip;
 
   MarchRay<scalar_t> at(int64_t b) const {
     MarchRay<scalar_t> ray(o + 3 * b, d + 3 * b, box, shape, t0[b], t1[b], off[b], step);
     if (split != nullptr) ray.contract_at(split[b], box, max_samples);
     return ray;
+  }
+
+  // Calls emit(t, unit) for each kept sample of ray b, in order; stops at the first sample where the ray ends.
+  template <typename Emit>
+  void for_each_kept(int64_t b, const bool* occupied, Emit&& emit) const {
+    const MarchRay<scalar_t> ray = at(b);
+    int64_t first = 0, end = max_samples, cell = 0;
+    if (clip) ray.slab_span(slab_first, slab_end, max_samples, &first, &end);
+    scalar_t unit[3], t;
+    for (int64_t k = first; k < end; ++k) {
+      if (!ray.sample(k, &t)) break;
+      const int64_t index = ray.locate(t, unit, &cell);
+      if (cell >= slab_first && cell < slab_end && occupied[index]) emit(t, unit);
+    }
   }
 };
 
@@ -44,8 +50,9 @@ struct RayInputs {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_packed_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    const std::optional<at::Tensor>& t_split, std::optional<int64_t> capacity) {
+    const std::optional<at::Tensor>& t_split, std::optional<int64_t> capacity, const at::OptionalIntArrayRef& slab) {
   check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split, at::kCPU);
+  check_march_slab(slab, occupancy);
   if (capacity) check_march_capacity(*capacity);
   const auto o = origins.contiguous(), d = directions.contiguous(), t0 = t_start.contiguous(), t1 = t_end.contiguous(),
              off = offset.contiguous(), grid = occupancy.contiguous(), bx = box.contiguous();
@@ -65,12 +72,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_pac
                                  split.defined() ? split.const_data_ptr<scalar_t>() : nullptr,
                                  shape,
                                  static_cast<scalar_t>(step),
-                                 max_samples};
+                                 max_samples,
+                                 slab ? (*slab)[0] : 0,
+                                 slab ? (*slab)[1] : shape[0],
+                                 slab.has_value()};
     int64_t* counts = ray_offsets.data_ptr<int64_t>() + 1;  // counts, then inclusive sums in place
     at::parallel_for(0, rays, kRayGrain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         int64_t count = 0;
-        for_each_kept(in.at(b), occupied, max_samples, [&](scalar_t, const scalar_t*) { ++count; });
+        in.for_each_kept(b, occupied, [&](scalar_t, const scalar_t*) { ++count; });
         counts[b] = count;
       }
     });
@@ -87,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_pac
       for (int64_t b = begin; b < end; ++b) {
         int64_t i = first[b];
         const int64_t stop = first[b + 1];  // clamped: an overflowing ray keeps its samples up to the capacity
-        for_each_kept(in.at(b), occupied, max_samples, [&](scalar_t distance, const scalar_t* unit) {
+        in.for_each_kept(b, occupied, [&](scalar_t distance, const scalar_t* unit) {
           if (i >= stop) return;
           out_ray[i] = b;
           out_t[i] = distance;
@@ -105,18 +115,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_pac
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    const std::optional<at::Tensor>& t_split) {
+    const std::optional<at::Tensor>& t_split, at::OptionalIntArrayRef slab) {
   auto [ray, t, points, ray_offsets, total] = march_packed_cpu(origins, directions, t_start, t_end, offset, occupancy,
-                                                               box, step, max_samples, t_split, std::nullopt);
+                                                               box, step, max_samples, t_split, std::nullopt, slab);
   return {ray, t, points, ray_offsets};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_capped_cpu(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    int64_t capacity, const std::optional<at::Tensor>& t_split) {
+    int64_t capacity, const std::optional<at::Tensor>& t_split, at::OptionalIntArrayRef slab) {
   return march_packed_cpu(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split,
-                          capacity);
+                          capacity, slab);
 }
 
 }  // namespace cuda_ext

@@ -33,6 +33,8 @@ struct MarchArgs {
   GridShape shape;
   scalar_t step;
   int64_t max_samples, rays;
+  int64_t slab_first, slab_end;  // the first-axis cells a sample may be kept in; clip: walk only near them
+  bool clip;
 };
 
 // kWrite false: counts[b] = ray b's kept samples. kWrite true: its samples at [offsets[b], offsets[b + 1]) (the
@@ -48,15 +50,22 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
   if (args.t_split != nullptr) ray.contract_at(args.t_split[b], args.box, args.max_samples);
   int64_t slot = kWrite ? counts_or_offsets[b] : 0;
   const int64_t stop = kWrite ? counts_or_offsets[b + 1] : 0;
-  for (int64_t first = 0; first < args.max_samples; first += kWarp) {
+  int64_t walk_first = 0, walk_end = args.max_samples;
+  if (args.clip) ray.slab_span(args.slab_first, args.slab_end, args.max_samples, &walk_first, &walk_end);
+  for (int64_t first = walk_first; first < walk_end; first += kWarp) {
     const int64_t k = first + lane;
     scalar_t t;
-    const bool inside = k < args.max_samples && ray.sample(k, &t);
+    const bool inside = k < walk_end && ray.sample(k, &t);  // past walk_end: no sample of the slab, as if ended
     const unsigned outside_lanes = __ballot_sync(kAll, !inside);
     // the ray ends at the first lane outside: the lanes below it are the chunk's live samples
     const unsigned live_lanes = outside_lanes ? (1u << (__ffs(outside_lanes) - 1)) - 1u : kAll;
     scalar_t unit[3];
-    const bool kept = ((live_lanes >> lane) & 1u) && __ldg(args.occupied + ray.locate(t, unit)) != 0;
+    int64_t cell = 0;
+    bool kept = false;
+    if ((live_lanes >> lane) & 1u) {
+      const int64_t index = ray.locate(t, unit, &cell);
+      kept = cell >= args.slab_first && cell < args.slab_end && __ldg(args.occupied + index) != 0;
+    }
     const unsigned kept_lanes = __ballot_sync(kAll, kept);
     const int64_t i = slot + __popc(kept_lanes & ((1u << lane) - 1u));
     if (kWrite && kept && i < stop) {
@@ -76,9 +85,10 @@ __global__ void __launch_bounds__(kBlockThreads) march_kernel(MarchArgs<scalar_t
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_packed_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    const std::optional<at::Tensor>& t_split, std::optional<int64_t> capacity) {
+    const std::optional<at::Tensor>& t_split, std::optional<int64_t> capacity, const at::OptionalIntArrayRef& slab) {
   check_march_inputs(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split,
                      at::kCUDA);
+  check_march_slab(slab, occupancy);
   if (capacity) check_march_capacity(*capacity);
   const c10::cuda::CUDAGuard device_guard(origins.device());
   const auto o = origins.contiguous(), d = directions.contiguous(), t0 = t_start.contiguous(), t1 = t_end.contiguous(),
@@ -99,7 +109,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_pac
                              GridShape{{grid.size(0), grid.size(1), grid.size(2)}},
                              static_cast<scalar_t>(step),
                              max_samples,
-                             rays};
+                             rays,
+                             slab ? (*slab)[0] : 0,
+                             slab ? (*slab)[1] : grid.size(0),
+                             slab.has_value()};
     const int64_t blocks = (rays * kWarp + kBlockThreads - 1) / kBlockThreads;
     const auto stream = c10::cuda::getCurrentCUDAStream();
     if (rays > 0) {
@@ -132,18 +145,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_pac
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    const std::optional<at::Tensor>& t_split) {
+    const std::optional<at::Tensor>& t_split, at::OptionalIntArrayRef slab) {
   auto [ray, t, points, ray_offsets, total] = march_packed_cuda(origins, directions, t_start, t_end, offset, occupancy,
-                                                                box, step, max_samples, t_split, std::nullopt);
+                                                                box, step, max_samples, t_split, std::nullopt, slab);
   return {ray, t, points, ray_offsets};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> march_rays_capped_cuda(
     const at::Tensor& origins, const at::Tensor& directions, const at::Tensor& t_start, const at::Tensor& t_end,
     const at::Tensor& offset, const at::Tensor& occupancy, const at::Tensor& box, double step, int64_t max_samples,
-    int64_t capacity, const std::optional<at::Tensor>& t_split) {
+    int64_t capacity, const std::optional<at::Tensor>& t_split, at::OptionalIntArrayRef slab) {
   return march_packed_cuda(origins, directions, t_start, t_end, offset, occupancy, box, step, max_samples, t_split,
-                           capacity);
+                           capacity, slab);
 }
 
 }  // namespace cuda_ext
