@@ -15,8 +15,9 @@ exactly the samples it would), their composited values are zeros (which moves th
 and the gradient all-reduce and the slabs' broadcasts are skipped.
 
 A rank's time here is its device work and launches with free, instantaneous exchanges: the floor of a split step on S
-GPUs. One GPU's step over the largest rank's is then the most S GPUs can gain at these slabs; a measured split
-step above that floor is the exchanges, the waits for the slower rank and the host. On a GPU each configuration's
+GPUs. One GPU's step over the largest rank's (``one_over_slowest``; on a GPU also by the median steps) is then the
+most S GPUs can gain at these slabs; a measured split step above that floor is the exchanges, the waits for the
+slower rank and the host. On a GPU each configuration's
 ``--profile`` further steps run under torch.profiler: its kernels' time a step and the largest kernels, then as many
 eager steps by ATen call and input shapes (what each kernel computes on). Without a GPU it runs eagerly (no step
 graph; the tests run it so) and the times are the CPU's.
@@ -219,6 +220,9 @@ def measure(trainer, args) -> dict:
                 entry["rank"][-1]["kernels"] = kernels(trainer, args.profile, args.rows)
             slowest = max(r["ms_per_step"] for r in entry["rank"])
             entry["one_over_slowest"] = round(report["one"]["ms_per_step"] / slowest, 3)
+            if "median_ms" in report["one"]:  # the steadier figure (a call's means move by ~0.1 ms)
+                slowest = max(r["median_ms"] for r in entry["rank"])
+                entry["one_over_slowest_median"] = round(report["one"]["median_ms"] / slowest, 3)
             report["splits"].append(entry)
             args.json.write_text(json.dumps(report, indent=1))  # so far: a run cut short keeps what it measured
             times = [r["ms_per_step"] for r in entry["rank"]]
