@@ -7,8 +7,9 @@ path ``train.parallel=auto`` gives every rank). Then the model as it stands is f
 kernels run, nothing moves) and one training batch is fixed, and ``--steps`` steps are timed:
 - one GPU's step, as the run took it;
 - for each S of ``--ranks`` and each cut (even planes; the planes ``train.space_planes=samples`` would cut from the
-  shaded samples of ``--batches`` training batches), each rank r as the split runs it: the march of its slab, its
-  lookups, shading, backward, Adam on its slab's occupied rows, its step graph.
+  shaded samples of ``--batches`` training batches, and ``work`` from those and the rows Adam steps), each rank r as
+  the split runs it: the march of its slab, its lookups, shading, backward, Adam on its slab's occupied rows, its
+  step graph.
 The split's collectives are emulated in this process (:class:`Exchanges`): a rank's own part is copied into place, the
 other ranks' optical depth in front comes from their slabs' own march of the same rays (so each rank keeps and shades
 exactly the samples it would), their composited values are zeros (which moves the gradients' values, not the work),
@@ -46,7 +47,7 @@ from slab_balance import LayerCounts  # noqa: E402
 
 from models import space_split  # noqa: E402
 from models.capacities import SampleCapacities  # noqa: E402
-from models.space_split import Slabs, split_march  # noqa: E402
+from models.space_split import Slabs, split_march, work_layers  # noqa: E402
 from training import trainer as trainer_module  # noqa: E402
 from training.distributed import Group  # noqa: E402
 from training.space_parallel import SpaceParallel  # noqa: E402
@@ -206,9 +207,11 @@ def measure(trainer, args) -> dict:
     print(f"rank alone: one process {report['one']}", flush=True)
     report["splits"] = []
     for ranks in args.ranks:
+        shaded = counter.counts["shown"] / args.batches  # a step's
         cuts = {
             "even": Slabs.even(model.grid_shape[0], ranks, 0).planes,
-            "samples": Slabs.balanced(counter.counts["shown"], ranks, 0).planes,
+            "samples": Slabs.balanced(shaded, ranks, 0).planes,
+            "work": Slabs.balanced(work_layers(shaded, model.occupancy.mask), ranks, 0).planes,
         }
         for cut, planes in cuts.items():
             space_split.ALL_GATHER = plain_gather

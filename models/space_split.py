@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from models import render_views
 from models.decoder import DIFFUSE_CHANNELS
-from models.field import cell_index
+from models.field import cell_corners, cell_index
 
 if TYPE_CHECKING:
     from models.model import VoxelNeRF
@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 # torch >= 2.14 names it all_gather_single; torch 2.4 - 2.13 have all_gather_into_tensor alone (same arguments)
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 OPAQUE_DEPTH = 100.0  # visible_samples clips each sample's optical depth at this (cuda_ext._reference_rays)
+# one row that Adam steps (train.sparse_adam=occupied, both grids), in shaded samples' work: 0.158 ns a row against
+# ~4.8 ns a shaded sample's decoding and lookups (bench/rank_alone.py profiles, one H200, lego, 2026-11-29)
+ROW_WORK = 0.033
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,15 @@ def regrid_layers(counts: torch.Tensor, span: tuple[float, float], new_span: tup
     fraction = ((new - lower) / (upper - lower).clamp(min=1e-300)).clamp(0, 1)
     at = cumulative[index - 1] + fraction * (cumulative[index] - cumulative[index - 1])
     return at.diff()
+
+
+def work_layers(shaded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(C,) shaded samples a step per first-axis cell layer and the (C, R1-1, R2-1) occupancy mask -> (C,) float64
+    CPU, a rank's work per layer: the samples, plus :data:`ROW_WORK` for each grid row Adam steps there (the corners
+    of occupied cells; a vertex plane's rows count in the cell layer after it, the last plane's in the last layer)."""
+    rows = cell_corners(mask).sum((1, 2)).double().cpu()  # (C + 1,) by vertex plane
+    rows[-2] += rows[-1]
+    return shaded.double().cpu() + ROW_WORK * rows[:-1]
 
 
 def gather_ranks(values: torch.Tensor, ranks: int, group) -> torch.Tensor:
@@ -195,14 +207,17 @@ class SlabPass:
     plus: torch.Tensor  # (B,) bool: the rays towards +x (the slabs in rank order)
     slabs: Slabs
     group: Any = None
-    layers: torch.Tensor | None = None  # (R0 - 1,) float64: this slab's shaded samples per first-axis cell layer
+    # (R0,) float64: this slab's shaded samples per first-axis cell layer, then the count of the steps counted
+    layers: torch.Tensor | None = None
 
     def count_shaded(self, points: torch.Tensor) -> None:
-        """Add the (N, 3) shaded points (in [-1, 1]; no padding) to :attr:`layers`, if kept
-        (``train.space_planes=samples``); no sync."""
+        """Add one step's (N, 3) shaded points (in [-1, 1]; no padding) to :attr:`layers`, if kept
+        (``train.space_planes`` samples or work); no sync."""
         if self.layers is not None:
-            layer = cell_index(points[:, 0].detach(), self.layers.numel() + 1)
-            self.layers.index_add_(0, layer, torch.ones_like(layer, dtype=self.layers.dtype))
+            counts = self.layers[:-1]
+            layer = cell_index(points[:, 0].detach(), counts.numel() + 1)
+            counts.index_add_(0, layer, torch.ones_like(layer, dtype=counts.dtype))
+            self.layers[-1:] += 1
 
     def start_depth(self, depth: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """(B,) the optical depth in front of this slab's samples on each ray: the clamped sums of the slabs in front,
@@ -239,8 +254,8 @@ def split_march(
     features (B, F-3), depth (B,), opacity (B,), samples: this rank's count, packed: this rank's samples'
     RenderedSamples), what ``model.march`` returns up to float rounding (bounded space, no pose refinement, no
     touched-row marks). Every rank passes the same rays. The slab's own march is :func:`models.render_views.march`
-    (with ``model.capped_samples``, in fixed sample capacities). ``layers``: the (R0 - 1,) float64 counts to add the
-    slab's shaded samples to, per first-axis cell layer, in the steps that march without padding
+    (with ``model.capped_samples``, in fixed sample capacities). ``layers``: the (R0,) float64 counts to add the slab's
+    shaded samples to, per first-axis cell layer, and the step, in the steps that march without padding
     (:meth:`SlabPass.count_shaded`)."""
     slab = SlabPass(directions[:, 0] >= 0, slabs, group, layers)
     out = render_views.march(model, origins, directions, jitter, views, slab=slab)
@@ -257,4 +272,4 @@ def split_march(
     }
 
 
-__all__ = ["Slabs", "SlabPass", "gather_ranks", "ray_sums", "regrid_layers", "split_march"]
+__all__ = ["ROW_WORK", "Slabs", "SlabPass", "gather_ranks", "ray_sums", "regrid_layers", "split_march", "work_layers"]

@@ -21,7 +21,7 @@ def test_a_tiny_run_times_one_process_and_each_rank(tmp_path, scene_cache):  # n
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["at"] == 6 and report["one"]["ms_per_step"] > 0 and report["one"]["sizes"]
-    assert [(s["ranks"], s["cut"]) for s in report["splits"]] == [(2, "even"), (2, "samples")]
+    assert [(s["ranks"], s["cut"]) for s in report["splits"]] == [(2, "even"), (2, "samples"), (2, "work")]
     for split in report["splits"]:
         assert len(split["planes"]) == 1 and len(split["rank"]) == 2 and split["one_over_slowest"] > 0
         one_march = report["one"]["sizes"]["march"]

@@ -17,7 +17,7 @@ from test_model import make_model, randomize_density, rays_towards_centre
 from models.capacities import SampleCapacities
 from models.grid_tv import DeferredTV
 from models.render_views import march
-from models.space_split import SlabPass, Slabs, ray_sums, regrid_layers, split_march
+from models.space_split import ROW_WORK, SlabPass, Slabs, ray_sums, regrid_layers, split_march, work_layers
 from training.space_parallel import SpaceParallel
 
 OUTPUTS = ("diffuse", "features", "depth", "opacity")
@@ -148,6 +148,21 @@ def test_balanced_slabs_cut_where_the_layer_weights_split_evenly():
     assert Slabs.balanced(torch.zeros(8), 2, 0).planes == (4,)  # nothing to weigh: even
 
 
+def test_work_layers_add_the_rows_adam_steps_to_the_samples():
+    mask = torch.zeros(4, 3, 3, dtype=torch.bool)  # 4 cell layers, 5 vertex planes of 4 x 4 vertices
+    mask[1, 1, 1] = True  # one occupied cell: its 8 corners, 4 on vertex plane 1, 4 on plane 2
+    mask[3, 0, 0] = True  # and one in the last layer: planes 3 and 4 (the last plane's rows go to the last layer)
+    shaded = torch.tensor([5.0, 0.0, 1.0, 2.0])
+    want = shaded.double() + ROW_WORK * torch.tensor([0.0, 4.0, 4.0, 8.0]).double()
+    torch.testing.assert_close(work_layers(shaded, mask), want, rtol=0, atol=0)
+    # a slab heavy in rows but light in samples gives up layers to the other
+    rows_heavy = torch.zeros(8, 6, 6, dtype=torch.bool)
+    rows_heavy[4:] = True
+    samples = torch.ones(8) * 10
+    assert Slabs.balanced(samples, 2, 0).planes == (4,)
+    assert Slabs.balanced(work_layers(samples, rows_heavy), 2, 0).planes[0] > 4
+
+
 def test_counts_move_onto_other_layers_of_another_box():
     counts = torch.tensor([1.0, 2.0, 3.0, 4.0])
     torch.testing.assert_close(regrid_layers(counts, (0.0, 1.0), (0.0, 1.0), 4), counts.double())
@@ -171,9 +186,11 @@ def test_a_split_cuts_its_planes_where_the_shaded_samples_split_evenly(monkeypat
         points = torch.rand(4000, 3, generator=generator, dtype=torch.float64) * 2 - 1
         points[:, 0] = low + torch.rand(4000, generator=generator, dtype=torch.float64) * 0.5
         slab = SlabPass(torch.ones(1, dtype=torch.bool), split.slabs, None, split._counting())
-        slab.count_shaded(points)
+        slab.count_shaded(points[:1000])  # two steps' samples
+        slab.count_shaded(points[1000:])
     counted = [split._layers[0].clone() for split in splits]
-    assert counted[0].sum() == counted[1].sum() == 4000 and counted[0][: (r0 - 1) // 2].sum() == 0
+    assert counted[0][:-1].sum() == counted[1][:-1].sum() == 4000 and counted[0][: (r0 - 1) // 2].sum() == 0
+    assert counted[0][-1] == counted[1][-1] == 2  # the steps counted
     for rank, split in enumerate(splits):  # the all-reduce: the other rank's counts added
         monkeypatch.setattr(space_parallel.dist, "all_reduce", lambda t, other=counted[1 - rank]: t.add_(other))
         split.balance()
@@ -287,16 +304,17 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
     cases = (("dense", "false", "false", 2), ("occupied", "occupied", "false", 2), ("capped", "occupied", "true", 2))
     cases += (("three", "occupied", "false", 3),)  # three slabs: two planes, a middle rank that owns both
     cases += (("samples", "occupied", "false", 2),)  # the planes cut again at the growth, by the shaded samples
+    cases += (("work", "occupied", "false", 2),)  # and by those and the rows Adam steps
     for name, adam, capped, count in cases:  # capped: every rank's march in fixed sample capacities
         extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6", f"model.capped_samples={capped}"]
-        extra += [f"train.space_planes={'samples' if name == 'samples' else 'even'}"]
+        extra += [f"train.space_planes={name if name in ('samples', 'work') else 'even'}"]
         extra += ["model.tv_density=0", "model.tv_features=0"]  # the split's TV is stratified: a test of its own
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
         assert result.returncode == 0, result.stderr[-2000:]
         pair = torchrun(count, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])
         assert pair.returncode == 0, ranks_output(pair)
         assert pair.stdout.count("eval on") == 1, f"{name}: {ranks_output(pair)}"
-        assert (name == "samples") == ("space split: slabs cut at vertex planes" in pair.stdout)
+        assert (name in ("samples", "work")) == ("space split: slabs cut at vertex planes" in pair.stdout)
         metrics = json.loads((tmp_path / f"two_{name}" / "metrics.json").read_text())
         ranks = metrics["sample_capacity_ranks"]
         assert (ranks is None) == (capped == "false") and (ranks is None or len(ranks) == count)

@@ -27,10 +27,12 @@ import torch.distributed as dist
 
 from models.capacities import SampleCapacities
 from models.grid_tv import DeferredTV
-from models.space_split import Slabs, gather_ranks, regrid_layers, split_march
+from models.space_split import Slabs, gather_ranks, regrid_layers, split_march, work_layers
 from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
 from training.distributed import check_shards
+
+COUNTED = ("samples", "work")  # the cuts that count the shaded samples
 
 
 class SpaceParallel:
@@ -42,7 +44,7 @@ class SpaceParallel:
             raise ConfigError(f"train.parallel: space {refusal}")
         group, model, cfg = trainer.group, trainer.model, trainer.train_cfg
         self.trainer, self.model, self.group = trainer, model, group
-        self.balance_by = str(cfg.get("space_planes", "samples"))  # samples | even
+        self.balance_by = str(cfg.get("space_planes", "work"))  # work | samples | even
         self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
         self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut
         self.graphed = graphed  # a rank's step from a CUDA graph (training.step_graph)
@@ -86,16 +88,17 @@ class SpaceParallel:
 
     @torch.no_grad()
     def balance(self) -> None:
-        """``train.space_planes=samples``: the planes cut where the shaded samples counted since the last cut
-        (every rank its slab's, summed over the ranks; mapped onto the grids as they are now) split evenly: the
-        decoder's work, ~2/3 of a step's kernels, then falls evenly on the ranks. Even planes where nothing was
-        counted (the start, a resume). Only when every rank holds the same whole grids with no Adam history that
-        the new owner of a row would lack: right after a growth (new parameters, new moments) or a resume (the
-        moments were gathered for the checkpoint). A collective: every rank calls it at the same step.
-        Lego 400, one H200 (bench/slab_balance.py, 2026-11-29): at even planes the larger slab shaded 56% of the
-        samples over the run, at the samples' own cut 50.5%; the occupancy's surface cells (session 40's rule) gave
-        57-58%."""
-        if self.balance_by != "samples":
+        """``train.space_planes`` samples or work: the planes cut where the shaded samples a step counted since the
+        last cut (every rank its slab's, summed over the ranks; mapped onto the grids as they are now) split evenly,
+        with ``work`` each grid row that Adam steps added as :data:`models.space_split.ROW_WORK` of a sample
+        (:func:`models.space_split.work_layers`): the decoder's work, ~2/3 of a step's kernels, and Adam's then fall
+        evenly on the ranks. Even planes where nothing was counted (the start, a resume). Only when every rank
+        holds the same whole grids with no Adam history that the new owner of a row would lack: right after a growth
+        (new parameters, new moments) or a resume (the moments were gathered for the checkpoint). A collective: every
+        rank calls it at the same step. Lego 400, one H200 (bench/slab_balance.py, 2026-11-29): at even planes the
+        larger slab shaded 56% of the samples over the run, at the samples' own cut 50.5%; the occupancy's surface
+        cells (session 40's rule) gave 57-58%."""
+        if self.balance_by not in COUNTED:
             return
         shape, counted = self.model.grid_shape, self._layers
         span = self._span()
@@ -104,8 +107,11 @@ class SpaceParallel:
             self._planes = None
             return
         counts, counted_span = counted
-        dist.all_reduce(counts)
-        layers = regrid_layers(counts, counted_span, span, shape[0] - 1)
+        dist.all_reduce(counts)  # the samples over the ranks; the steps, which every rank counted alike, times S
+        steps = max(float(counts[-1]) / self.group.world, 1.0)  # a host sync, at a cut only
+        layers = regrid_layers(counts[:-1] / steps, counted_span, span, shape[0] - 1)
+        if self.balance_by == "work":
+            layers = work_layers(layers, self.model.occupancy.mask)
         planes = Slabs.balanced(layers, self.group.world, self.group.rank).planes
         self._planes = (shape, planes)
         if self.group.rank == 0:
@@ -118,15 +124,15 @@ class SpaceParallel:
         return low, high
 
     def _counting(self) -> torch.Tensor | None:
-        """The (R0 - 1,) counts the march adds this slab's shaded samples to (``samples``), None otherwise and inside
-        a captured step (training.step_graph: its samples have padding rows, so it counts none; the counts must not
-        be made there either, or every replay would zero them)."""
+        """The (R0,) counts the march adds this slab's shaded samples to, per cell layer, and its steps (samples or
+        work), None otherwise and inside a captured step (training.step_graph: its samples have padding rows, so it
+        counts none; the counts must not be made there either, or every replay would zero them)."""
         capturing = self.model.bbox.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.balance_by != "samples" or capturing:
+        if self.balance_by not in COUNTED or capturing:
             return None
         cells = self.model.grid_shape[0] - 1
-        if self._layers is None or self._layers[0].numel() != cells:
-            zeros = torch.zeros(cells, dtype=torch.float64, device=self.model.bbox.device)
+        if self._layers is None or self._layers[0].numel() != cells + 1:
+            zeros = torch.zeros(cells + 1, dtype=torch.float64, device=self.model.bbox.device)
             self._layers = (zeros, self._span())
         return self._layers[0]
 
