@@ -119,6 +119,9 @@ def work_layers(shaded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(C,) shaded samples a step per first-axis cell layer and the (C, R1-1, R2-1) occupancy mask -> (C,) float64
     CPU, a rank's work per layer: the samples, plus :data:`ROW_WORK` for each grid row Adam steps there (the corners
     of occupied cells; a vertex plane's rows count in the cell layer after it, the last plane's in the last layer)."""
+    if mask.dim() != 3 or mask.shape[0] != shaded.numel():
+        cells, shape = shaded.numel(), tuple(mask.shape)
+        raise ValueError(f"work_layers: mask must have {cells} first-axis cells, got shape {shape}")
     rows = cell_corners(mask).sum((1, 2)).double().cpu()  # (C + 1,) by vertex plane
     rows[-2] += rows[-1]
     return shaded.double().cpu() + ROW_WORK * rows[:-1]

@@ -161,6 +161,29 @@ def test_work_layers_add_the_rows_adam_steps_to_the_samples():
     samples = torch.ones(8) * 10
     assert Slabs.balanced(samples, 2, 0).planes == (4,)
     assert Slabs.balanced(work_layers(samples, rows_heavy), 2, 0).planes[0] > 4
+    with pytest.raises(ValueError, match="work_layers: mask must have 8 first-axis cells"):
+        work_layers(samples, rows_heavy[:7])
+
+
+def test_the_work_cut_weighs_the_rows_of_a_mask_of_the_grids_shape(monkeypatch):
+    import training.space_parallel as space_parallel
+
+    model = scene("deferred")[0]
+    r0 = model.grid_shape[0]
+    monkeypatch.setattr(space_parallel.dist, "all_reduce", lambda t: t)  # one rank's counts: the sum
+    heavy = torch.zeros_like(model.occupancy.mask)
+    heavy[(r0 - 1) // 2 :] = True  # every row of the upper half stepped
+    planes = {}
+    for name, mask in (("fitting", heavy), ("other shape", heavy[1:])):  # other: a growth before the first refresh
+        model.occupancy.mask = mask  # a fresh model of this test's own
+        split = space_split_of(model, 0)
+        split.balance_by = "work"
+        counts = torch.ones(r0, dtype=torch.float64)  # one shaded sample a layer, in one step
+        split._layers = (counts, split._span())
+        split.balance()
+        planes[name] = split.slabs.planes
+    even = Slabs.even(r0, 2, 0).planes
+    assert planes["fitting"][0] > even[0] and planes["other shape"] == even  # the samples alone: even here
 
 
 def test_counts_move_onto_other_layers_of_another_box():

@@ -110,8 +110,9 @@ class SpaceParallel:
         dist.all_reduce(counts)  # the samples over the ranks; the steps, which every rank counted alike, times S
         steps = max(float(counts[-1]) / self.group.world, 1.0)  # a host sync, at a cut only
         layers = regrid_layers(counts[:-1] / steps, counted_span, span, shape[0] - 1)
-        if self.balance_by == "work":
-            layers = work_layers(layers, self.model.occupancy.mask)
+        mask = self.model.occupancy.mask
+        if self.balance_by == "work" and mask.shape[0] == layers.numel():  # else a growth before the first refresh
+            layers = work_layers(layers, mask)
         planes = Slabs.balanced(layers, self.group.world, self.group.rank).planes
         self._planes = (shape, planes)
         if self.group.rank == 0:
