@@ -98,7 +98,7 @@ def _device_steps(params: list[torch.Tensor], state: list[dict]) -> list[torch.T
 def adam_step_dense(states, params: list[torch.Tensor], group: dict, fused: bool | None = None) -> None:
     """One ``torch.optim.Adam`` step of those ``params`` that have a gradient, through torch's own functional Adam
     (``fused``, by default on CUDA: two launches for all the group's tensors, where the multi-tensor path took
-    eight, ~0.09 ms of a split rank's step on an H200); ``states``: the optimiser's per-parameter state, keyed as
+    eight: the decoder's step ~0.10 -> 0.05 ms on an H200); ``states``: the optimiser's per-parameter state, keyed as
     :func:`adam_step_rows`'."""
     live = [param for param in params if param.grad is not None]
     if not live:

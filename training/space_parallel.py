@@ -46,7 +46,8 @@ class SpaceParallel:
         self.trainer, self.model, self.group = trainer, model, group
         self.balance_by = str(cfg.get("space_planes", "work"))  # work | samples | even
         self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
-        self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut
+        self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut,
+        # per cell layer, then the steps counted
         self.graphed = graphed  # a rank's step from a CUDA graph (training.step_graph)
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
         if model.capacities is not None:  # the largest rank's counts size every rank's capacities
