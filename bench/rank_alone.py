@@ -209,11 +209,12 @@ def measure(trainer, args) -> dict:
     for ranks in args.ranks:
         shaded = counter.counts["shown"] / args.batches  # a step's
         cuts = {
-            "even": Slabs.even(model.grid_shape[0], ranks, 0).planes,
-            "samples": Slabs.balanced(shaded, ranks, 0).planes,
-            "work": Slabs.balanced(work_layers(shaded, model.occupancy.mask), ranks, 0).planes,
+            "even": lambda: Slabs.even(model.grid_shape[0], ranks, 0).planes,
+            "samples": lambda: Slabs.balanced(shaded, ranks, 0).planes,
+            "work": lambda: Slabs.balanced(work_layers(shaded, model.occupancy.mask), ranks, 0).planes,
         }
-        for cut, planes in cuts.items():
+        for cut in args.cuts:
+            planes = cuts[cut]()
             space_split.ALL_GATHER = plain_gather
             fronts = slab_fronts(model, batch, planes)
             entry = {"ranks": ranks, "cut": cut, "planes": list(planes), "rank": []}
@@ -259,9 +260,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=int, default=10, help="steps under torch.profiler a configuration (GPU)")
     parser.add_argument("--rows", type=int, default=30, help="kernels listed a configuration")
     parser.add_argument("--batches", type=int, default=8, help="training batches counted for the samples cut")
+    parser.add_argument("--cuts", default="even,samples,work", help="the cuts timed, in this order")
     parser.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = parser.parse_args(argv)
     args.ranks = [int(r) for r in args.ranks.split(",")]
+    args.cuts = args.cuts.split(",")
+    unknown = sorted(set(args.cuts) - {"even", "samples", "work"})
+    if unknown:
+        parser.error(f"--cuts: unknown cut {unknown[0]!r} (expected even, samples or work)")
     install(args)
     sys.argv = [str(REPO / "train.py"), *args.overrides]
     runpy.run_path(str(REPO / "train.py"), run_name="__main__")
