@@ -407,6 +407,10 @@ def _rank_poisoned_at_the_end(rank: int, world: int, port: int, cache: str, run_
         cfg = compose(config_name="config", overrides=overrides)
     code = app.run(cfg, run_dir)
     Path(run_dir, f"code.{rank}").write_text(str(code))
+    # past what this test checks: a spawned gloo process's interpreter teardown aborted (SIGABRT, "terminate called
+    # without an active exception") in ~10% of runs on torch 2.14 CPU, after its run had returned and destroyed the
+    # group, at 65428e8 as after it (2026-11-29: 5 of 40 and 7 of 60 runs); the exit code is in the file above
+    os._exit(0)
 
 
 def test_ranks_agree_that_a_run_diverged_at_its_end(tmp_path):
