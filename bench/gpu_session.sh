@@ -19,7 +19,8 @@
 # lego-torch: the same with ops=torch; lego-in-order: with CUDA_EXT_GRID_REORDER=off
 # profile:    1000 lego steps at the final grid with train.profile=true (where a steady-state step's time goes)
 # split-profile: the same on every GPU of the machine under torchrun (train.parallel=auto: the space split, each
-#             rank's replays timed as the part step_graph) -> split_profile/profile.json, profile_rank<r>.json
+#             rank's replays timed as the part step_graph; $SPLIT_ARGS, default capped + step graph, which auto
+#             needs to split) -> split_profile/profile.json, profile_rank<r>.json
 # viewer:     bench/viewer_throughput.py on the shipped lego config: viewer off / on with a still / moving
 #             simulated browser (needs viser and its dependencies as py3.12 wheels in .whl); extra train.py
 #             overrides in $VIEWER_OVERRIDES (e.g. a shorter run: "train.iters=2000 train.eval_final_views=8")
@@ -130,7 +131,7 @@ for s in "${stages[@]}"; do
     split-profile) stage split_profile python3 -m torch.distributed.run --standalone \
       --nproc_per_node="$(nvidia-smi -L | wc -l)" train.py +experiment=blender data.root="$LEGO" train.profile=true \
       train.iters=1000 'model.grow_at=[]' train.eval_every=0 train.eval_final_views=8 train.turntable_frames=0 \
-      hydra.run.dir="$OUT/split_profile" ;;
+      hydra.run.dir="$OUT/split_profile" ${SPLIT_ARGS-model.capped_samples=true train.step_graph=true} ;;
     viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
       -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ${VIEWER_OVERRIDES:-} ;;
     peers) source bench/peers/gpu_stage.sh ;;

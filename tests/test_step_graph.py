@@ -78,6 +78,22 @@ def test_a_profiled_graphed_step_times_its_replays_as_one_part(tmp_path, scene_c
     assert sum(report["share"].values()) == pytest.approx(1.0)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL split needs two GPUs")
+def test_a_graphed_split_over_two_gpus_finishes_and_exits(tmp_path, scene_cache):
+    """Under torchrun on two GPUs (NCCL) the split's step graph holds captured collectives: the ranks must destroy it
+    before the process group, or ``ncclCommDestroy`` waits for it forever (StepGraph.release). A hang here is the
+    subprocess timeout."""
+    from test_distributed import ranks_output, torchrun
+
+    run = tmp_path / "split"
+    args = [*_overrides(scene_cache, 40, "cuda"), f"hydra.run.dir={run}", "train.parallel=auto"]  # auto: graphed
+    result = torchrun(2, args, timeout=300)
+    assert result.returncode == 0, ranks_output(result)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["parallel"] == {"ranks": 2, "split": "space"}, metrics["parallel"]
+    assert [r["replays"] > 0 for r in metrics["step_graph_ranks"]] == [True, True], metrics["step_graph_ranks"]
+
+
 def test_no_garbage_collection_inside_a_capture():
     import gc
 

@@ -127,6 +127,8 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
         finally:
             if trainer.viewer is not None:
                 trainer.viewer.close()
+            if trainer.step_graph is not None:  # before the process group goes (StepGraph.release)
+                trainer.step_graph.release()
         if code != EXIT_OK or not group.is_main:  # rank 0 alone evaluates and writes the outputs
             return code
     metrics = write_outputs(trainer, bool(cfg.render_only), data_seconds)

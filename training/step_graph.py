@@ -173,6 +173,15 @@ class StepGraph:
         counts = {"captures": self.captures, "replays": self.replays, "eager": self.eager_steps}
         return {**counts, "capture_s": seconds, "captured_at": list(self.captured_at)}
 
+    def release(self) -> None:
+        """Destroy the graph once training is over. Under torchrun this must come before the process group goes: a
+        graph that captured NCCL collectives holds its communicator, and ``ncclCommDestroy`` waits for every such
+        graph to be destroyed (pytorch/pytorch#115388: the split's runs hung at exit while the trainer lived)."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+        self.graph, self.key, self.warm, self.outputs, self.counts, self.inputs = None, None, None, (), None, {}
+
     def _replay(self):
         with self.profiler.section("step_graph"):
             self.graph.replay()
