@@ -4,7 +4,7 @@
 #
 #   bench/gpu_session.sh [tests] [grid-tests] [op-tests] [bench] [bench-grid] [bench-render] [train] [lego] [lego-in-order]
 #                        [lego-torch] [profile] [split-profile] [grid-channels] [variants] [exchange] [syncs] [kernels]
-#                        [balance] [rank-alone] [decoder-profile]
+#                        [balance] [rank-alone] [decoder-profile] [run-profile]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate*.py only
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
@@ -21,11 +21,14 @@
 # split-profile: the same on every GPU of the machine under torchrun (train.parallel=auto: the space split, each
 #             rank's replays timed as the part step_graph; $SPLIT_ARGS, default capped + step graph, which auto
 #             needs to split) -> split_profile/profile.json, profile_rank<r>.json
+# run-profile: the lego preset's whole run under train.profile=true on one GPU, then under torchrun on every GPU
+#             (train.parallel=auto), each profile's 100-step windows side by side -> run_profile.md (bench/profile_windows.py)
 # viewer:     bench/viewer_throughput.py on the shipped lego config: viewer off / on with a still / moving
 #             simulated browser (needs viser and its dependencies as py3.12 wheels in .whl); extra train.py
 #             overrides in $VIEWER_OVERRIDES (e.g. a shorter run: "train.iters=2000 train.eval_final_views=8")
 # variants:   bench/quality_runs.py, one run at a time (timed alone), over $VARIANTS ("NAME=OVERRIDES;NAME=...");
-#             on $VARIANT_DATA (default lego) with +experiment=$VARIANT_EXPERIMENT (blender | capture)
+#             on $VARIANT_DATA (default lego) with +experiment=$VARIANT_EXPERIMENT (blender | capture); $VARIANT_PARALLEL
+#             (default 1) at a time on one device (more: the PSNR only, their times shared)
 # peers:      ours and 3DGS (gsplat, needs its wheel in .whl) on each scene of $PEER_SCENES, each run alone, into
 #             $OUT/peers/<date>-<scene>.json and .png (bench/peers/gpu_stage.sh: $PEER_DATA, $PEER_STEPS,
 #             $CAPTURE_OVERRIDES, $OURS_EXTRA)
@@ -132,6 +135,14 @@ for s in "${stages[@]}"; do
       --nproc_per_node="$(nvidia-smi -L | wc -l)" train.py +experiment=blender data.root="$LEGO" train.profile=true \
       train.iters=1000 'model.grow_at=[]' train.eval_every=0 train.eval_final_views=8 train.turntable_frames=0 \
       hydra.run.dir="$OUT/split_profile" ${SPLIT_ARGS-model.capped_samples=true train.step_graph=true} ;;
+    run-profile)  # the whole preset run under train.profile (its 100-step windows): one GPU, then every GPU split
+      stage run_profile_one python3 train.py +experiment=blender data.root="$LEGO" train.profile=true \
+        train.eval_final_views=8 train.turntable_frames=0 hydra.run.dir="$OUT/run_profile_one"
+      stage run_profile_split python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+        train.py +experiment=blender data.root="$LEGO" train.profile=true train.eval_final_views=8 \
+        train.turntable_frames=0 hydra.run.dir="$OUT/run_profile_split"
+      python3 bench/profile_windows.py "$OUT/run_profile_one/profile.json" "$OUT"/run_profile_split/profile*.json \
+        >"$OUT/run_profile.md" 2>&1 ;;
     viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
       -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ${VIEWER_OVERRIDES:-} ;;
     peers) source bench/peers/gpu_stage.sh ;;
@@ -161,7 +172,7 @@ for s in "${stages[@]}"; do
       args=(); IFS=';' read -ra specs <<<"${VARIANTS:-base=}"
       for spec in "${specs[@]}"; do args+=(--variant "$spec"); done
       stage variants python3 bench/quality_runs.py --data "${VARIANT_DATA:-$LEGO}" \
-        --experiment "${VARIANT_EXPERIMENT:-blender}" --parallel 1 --runs "$OUT/variants" \
+        --experiment "${VARIANT_EXPERIMENT:-blender}" --parallel "${VARIANT_PARALLEL:-1}" --runs "$OUT/variants" \
         --json "$OUT/variants.json" "${args[@]}" ;;
     balance)
       stage balance python3 bench/slab_balance.py --out "$OUT/slab_balance.json" --at "${BALANCE_AT:-1000,2000,2990}" -- \
@@ -176,5 +187,5 @@ find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -d
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
-for f in decoder_profile.json slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in run_profile.md decoder_profile.json slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

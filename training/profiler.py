@@ -41,6 +41,9 @@ REPORT_PARTS = (
 )
 
 
+WINDOW = 100  # steps a row of the report's ``windows`` covers: where in a run the time goes (its first steps, growths)
+
+
 class StepProfiler:
     """Accumulates synchronised times of named regions while :attr:`recording` is True."""
 
@@ -53,6 +56,7 @@ class StepProfiler:
         self.rays = 0
         self.work: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # bytes / flops a part must do
         self.matmul_dtype = torch.float32  # what the decoder's matmuls run in (its floor's rate is measured so)
+        self.marks: list[tuple[int, dict[str, float]]] = []  # (steps, totals) at the end of every WINDOW steps
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -167,32 +171,33 @@ class StepProfiler:
         if self.enabled and self.recording:
             self.steps += 1
             self.rays += rays
+            if self.steps % WINDOW == 0:
+                self.marks.append((self.steps, dict(self.totals)))
+
+    def windows(self) -> list[dict]:
+        """Each WINDOW profiled steps' (the last window: the rest's) step and parts in mean ms a step, in order."""
+        marks = [(0, {}), *self.marks]
+        if self.steps > marks[-1][0]:
+            marks.append((self.steps, dict(self.totals)))
+        rows = []
+        for (first, before), (last, after) in zip(marks, marks[1:]):
+            spent = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+            ms = {name: round(1000.0 * value / (last - first), 4) for name, value in _parts(spent).items()}
+            rows.append(
+                {
+                    "steps": [first + 1, last],
+                    "step_ms": round(1000.0 * spent.get("step", 0.0) / (last - first), 4),
+                    "per_step_ms": ms,
+                }
+            )
+        return rows
 
     def report(self) -> dict:
         """Mean milliseconds per step of each part, their shares of the step, and rays per second."""
         steps = max(self.steps, 1)
         t = self.totals
-        parts = {
-            "sampling": t["sampling"],
-            "grid_interpolate": t["grid_interpolate"],
-            "march_rays": t["march_rays"],
-            "rendering": t["forward"]
-            - t["march_rays"]
-            - t["grid_interpolate"]
-            - t["upsample_bilinear2d"]
-            - t["decoder"],
-            "upsample_bilinear2d": t["upsample_bilinear2d"],
-            "decoder": t["decoder"],
-            "regularization": t["regularization"],
-            "loss_backward": t["loss_backward"],
-            "tv_gradient": t["tv_gradient"],
-            "grad_sync": t["grad_sync"],
-            "step_graph": t["step_graph"],
-            "optimizer": t["optimizer"],
-            "schedule": t["schedule"],
-        }
+        parts = _parts(t)
         total = t["step"]
-        parts["other"] = total - sum(parts.values())  # timer overhead, learning-rate updates, bookkeeping
         limits = device_limits(self.device, self.matmul_dtype)
         floors = floors_ms(self.work, steps, limits)
         return {
@@ -206,6 +211,7 @@ class StepProfiler:
             "device_limits": limits,
             "work_per_step": {k: {u: v / steps for u, v in amounts.items()} for k, amounts in self.work.items()},
             "rays_per_second": self.rays / total if total > 0 else 0.0,
+            "windows": self.windows(),
             "parts": dict(REPORT_PARTS),
             "note": "device-synchronised timers around each part (slower than a normal run); every op's "
             "backward is inside loss_backward",
@@ -231,3 +237,15 @@ class StepProfiler:
                 f"{limits['matmul_dtype']} matmul, measured on this device"
             )
         return "\n".join(lines)
+
+
+def _parts(totals: dict[str, float]) -> dict[str, float]:
+    """The report's exclusive parts (seconds) from inclusive region ``totals``; ``other``: the step's rest (timer
+    overhead, learning-rate updates, bookkeeping)."""
+    t = defaultdict(float, totals)
+    parts = {name: t[name] for name, _ in REPORT_PARTS}
+    parts["rendering"] = (
+        t["forward"] - t["march_rays"] - t["grid_interpolate"] - t["upsample_bilinear2d"] - t["decoder"]
+    )
+    parts["other"] = t["step"] - sum(parts.values())
+    return parts
