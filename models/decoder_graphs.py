@@ -66,6 +66,10 @@ class DecoderGraphs:
         self.replays = 0  # calls served from a graph
         self.pool = None  # the memory pool every size's graphs share (made at the first capture)
 
+    def report(self) -> dict:
+        """For metrics.json: graphs captured (each new size: three warm-up passes and a capture) and calls replayed."""
+        return {"captures": self.captures, "replays": self.replays}
+
     def applies(self, features: torch.Tensor, directions: torch.Tensor, views: torch.Tensor | None) -> bool:
         """Whether this call can replay a graph (see the module doc)."""
         return (

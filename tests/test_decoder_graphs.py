@@ -3,6 +3,8 @@ gradients, follows its parameters as Adam updates them, and stays out of the way
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_model import make_model
@@ -38,7 +40,7 @@ def test_off_the_gpu_it_is_the_decoder():
     features, directions, ray = inputs(MIN_ROWS + 5, 64, "cpu")
     assert not model.decoder_graphs.applies(features, directions, None)
     assert torch.equal(model.decode_samples(features, directions, ray), model.decoder(features, directions, ray))
-    assert model.decoder_graphs.captures == 0
+    assert model.decoder_graphs.report() == {"captures": 0, "replays": 0}  # metrics.json's decoder_graphs
     assert make_model(shading="per_sample", upsample=1).decoder_graphs is None  # off by default
     assert make_model(shading="deferred", decoder_graphs=True).decoder_graphs is None  # per-sample shading only
 
@@ -187,6 +189,7 @@ def test_training_with_the_graphs_learns_what_training_without_them_does(tmp_pat
         results[graphs] = read_model(run / "model.pt")[1]["history"]
     graphs = max(made, key=lambda made_graphs: made_graphs.replays)  # the trained model's (the run with them)
     assert graphs.replays >= 250 and 1 <= graphs.captures <= 40
+    assert json.loads((tmp_path / "graphs_True" / "metrics.json").read_text())["decoder_graphs"] == graphs.report()
     off, on = results[False], results[True]
     assert off["step"] == on["step"]
     # the same run up to float rounding (bf16 GEMMs over differently padded rows): the loss curves agree

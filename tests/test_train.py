@@ -24,6 +24,7 @@ from training.compact_model import read_model
 REPO = Path(__file__).resolve().parents[1]
 METRIC_KEYS = {
     "psnr",
+    "decoder_graphs",
     "ssim",
     "per_view",
     "iters",

@@ -361,6 +361,7 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         # model.capped_samples: the sample capacities at the end, and the reviews that found an overflow
         "sample_capacity": None if trainer.model.capacities is None else trainer.model.capacities.report(),
         "step_graph": None if trainer.step_graph is None else trainer.step_graph.report(),  # train.step_graph
+        "decoder_graphs": None if trainer.model.decoder_graphs is None else trainer.model.decoder_graphs.report(),
         **rank_reports(trainer),  # under torchrun: every rank's sample capacities and step graph, by rank
         "parallel": parallel_summary(trainer),  # under torchrun: the ranks and how they split (train.parallel)
         "pose_refinement": trainer.model.poses.summary(),  # how far the training cameras moved (None: off)
