@@ -94,6 +94,31 @@ def test_a_graphed_split_over_two_gpus_finishes_and_exits(tmp_path, scene_cache)
     assert [r["replays"] > 0 for r in metrics["step_graph_ranks"]] == [True, True], metrics["step_graph_ranks"]
 
 
+@pytest.mark.parametrize("device_fails", [False, True])
+def test_release_destroys_the_graph_even_when_the_device_failed(monkeypatch, device_fails):
+    """What the split's ranks do before the process group goes (the NCCL one waits for graphs holding its
+    collectives); a device that failed (the run stopping with its own error) must not keep the graph alive."""
+    from training.step_graph import StepGraph
+
+    class Graph:
+        resets = 0
+
+        def reset(self):
+            Graph.resets += 1
+
+    def synchronize():
+        if device_fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    step_graph = StepGraph(None, lambda: None, lambda *args: None)
+    step_graph.graph, step_graph.key, step_graph.outputs = Graph(), ("sizes",), (torch.zeros(1),)
+    step_graph.release()
+    assert Graph.resets == 1 and step_graph.graph is None and step_graph.key is None and step_graph.outputs == ()
+    step_graph.release()  # nothing left: nothing to do
+    assert Graph.resets == 1
+
+
 def test_no_garbage_collection_inside_a_capture():
     import gc
 

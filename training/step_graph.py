@@ -178,7 +178,10 @@ class StepGraph:
         graph that captured NCCL collectives holds its communicator, and ``ncclCommDestroy`` waits for every such
         graph to be destroyed (pytorch/pytorch#115388: the split's runs hung at exit while the trainer lived)."""
         if self.graph is not None:
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()  # no replay still running when the graph's memory pool goes back
+            except RuntimeError:  # a failed device or collective: the run is stopping with its own error
+                pass
             self.graph.reset()
         self.graph, self.key, self.warm, self.outputs, self.counts, self.inputs = None, None, None, (), None, {}
 
