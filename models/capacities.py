@@ -20,7 +20,11 @@ every padding row is looked up, shaded and differentiated (lego, one H200, sessi
 the run's mean fill (count / size) of each kind. Split by space (training.space_parallel) the ranks share their counts
 (``share``) and size from the largest rank's, at the same steps: the same sizes everywhere, so that a rank's step
 graph is captured again when the others' are (a capture holds every rank up), and the lighter ranks' extra padding
-stays off the critical path (they wait for the largest at every exchange).
+stays off the critical path (they wait for the largest at every exchange). With ``model.capped_refresh=observe`` an
+occupancy refresh after the warmup has no measuring step (an eager step with its syncs, ~3x a replayed one in the
+split): the capped steps go on at their sizes, and the first step checked after the refresh resizes them as a
+measurement would, from its true counts (:meth:`SampleCapacities.refreshed`); only the ``LAG`` + 1 steps in flight
+can overflow meanwhile, where a refresh moves the counts by more than the headroom.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ class SampleCapacities:
         # captured again when the others' are: a capture holds them all up)
         self.share: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rank = 0  # this rank's row of the shared counts (its own fill)
+        self.generation = 0  # occupancy refreshes that resize from the counts observed after them (refreshed)
+        self.resized = 0  # the last generation resized so
+        self.measurements = 0  # measuring steps (the report)
+        self.resizes = 0  # resizes from observed counts (the report)
 
     @property
     def measuring(self) -> bool:
@@ -82,6 +90,11 @@ class SampleCapacities:
     def invalidate(self) -> None:
         """The samples a ray gets changed (a refresh, growth): the next march measures."""
         self.stale = True
+
+    def refreshed(self) -> None:
+        """An occupancy refresh that moves the counts a little (``model.capped_refresh=observe``): no measuring step;
+        the first step checked that ran after it resizes as :meth:`measured` would, from its true counts."""
+        self.generation += 1
 
     def measured(self, march: int, alive: int, shown: int, rays: int | None = None) -> None:
         """Sizes from a synchronising march's counts over ``rays`` rays (None: many). A size that holds its count's
@@ -92,11 +105,16 @@ class SampleCapacities:
         if self.share is not None:  # the largest rank's (a sync: a measuring step has them anyway)
             every = self.share(torch.tensor([march, alive, shown], dtype=torch.int64)).tolist()
             march, alive, shown = (max(column) for column in zip(*every))
-        fresh = {kind: headroom(count, rays) for kind, count in zip(KINDS, (march, alive, shown))}
+        self._resize([march, alive, shown])
+        self.stale = False
+        self.measurements += 1
+
+    def _resize(self, counts: list[int]) -> None:
+        """Sizes for these counts (march, alive, shown), keeping each that fits within ``KEEP``; a new window."""
+        fresh = {kind: headroom(count, self.rays) for kind, count in zip(KINDS, counts)}
         old = self.sizes or {}
         kept = {kind for kind, size in fresh.items() if size <= old.get(kind, 0) <= KEEP * size}
         self.sizes = {kind: old[kind] if kind in kept else size for kind, size in fresh.items()}
-        self.stale = False
         self.peak, self.checked = [0, 0, 0], 0
 
     def observe(self, march_total: torch.Tensor, visible_totals: torch.Tensor | None) -> None:
@@ -117,13 +135,13 @@ class SampleCapacities:
             return
         sizes = dict(self.sizes)
         if counts.device.type != "cuda":
-            self._check(counts.tolist(), sizes)
+            self._check(counts.tolist(), sizes, self.generation)
             return
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         host.copy_(counts, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.in_flight.append((event, host, sizes))
+        self.in_flight.append((event, host, sizes, self.generation))
         self._arrived(wait=False)
 
     def take_captured(self) -> torch.Tensor:
@@ -137,14 +155,15 @@ class SampleCapacities:
         """Check the counts of the steps more than ``LAG`` back (waiting for them), with ``wait`` every step's: at
         fixed steps, so that ranks sharing their counts change their sizes at the same steps."""
         while self.in_flight and (wait or len(self.in_flight) > LAG):
-            event, host, sizes = self.in_flight.popleft()
+            event, host, sizes, generation = self.in_flight.popleft()
             event.synchronize()
-            self._check(host.tolist(), sizes)
+            self._check(host.tolist(), sizes, generation)
 
-    def _check(self, every: list[list[int]], sizes: dict[str, int]) -> None:
-        """One step's counts, every rank's (by rank), against the sizes it ran with: the largest rank's set them (an
-        overflow grows the current sizes at once, and every ``WINDOW`` steps the window's peak shrinks the sizes it
-        fell well below); this rank's own give its fill."""
+    def _check(self, every: list[list[int]], sizes: dict[str, int], generation: int) -> None:
+        """One step's counts, every rank's (by rank), against the sizes it ran with: the largest rank's set them (the
+        first step after a :meth:`refreshed` resizes them; else an overflow grows the current sizes at once, and
+        every ``WINDOW`` steps the window's peak shrinks the sizes it fell well below); this rank's own give its
+        fill. ``generation``: the refreshes before the step."""
         counts = [max(column) for column in zip(*every)]
         self.peak = [max(p, c) for p, c in zip(self.peak, counts)]
         self.checked += 1
@@ -155,6 +174,11 @@ class SampleCapacities:
         self.overflows += bool(over)
         if over:
             self.overflowed_at.append(self.fills)
+        if generation == self.generation > self.resized:  # the first step run after a refresh: its counts
+            self.resized = generation
+            self.resizes += 1
+            self._resize(counts)
+            return
         for kind, count in over:
             self.sizes[kind] = max(self.sizes[kind], headroom(GROWTH * count, self.rays))
         if self.checked < WINDOW:
@@ -184,5 +208,7 @@ class SampleCapacities:
             "overflowed_at": self.overflowed_at[:50],
             "shrinks": self.shrinks,
             "reviews": self.reviews,
+            "measurements": self.measurements,  # measuring steps (eager, synchronising)
+            "resizes": self.resizes,  # model.capped_refresh=observe: resized from a refresh's first counts
             "fill": fill,
         }

@@ -71,6 +71,7 @@ class ModelConfig:
     decoder_precision: str = "float32"  # bfloat16: the MLP under CUDA autocast (CPU stays float32)
     decoder_graphs: bool = False  # training's per-sample decoder replayed from CUDA graphs (models/decoder_graphs.py)
     capped_samples: bool = False  # the training march in fixed sample capacities (models/capacities.py)
+    capped_refresh: str = "measure"  # measure | observe: how the capacities follow an occupancy refresh
     upsample: int = 2
     step_ratio: float = 1.0
     max_samples: int = 512
@@ -156,6 +157,8 @@ def check_model_config(c: ModelConfig) -> None:
         )
     if c.gelu_approximate not in GELU_MODES:
         raise ValueError(f"model.gelu_approximate: expected 'none' or 'tanh', got {c.gelu_approximate!r}")
+    if c.capped_refresh not in ("measure", "observe"):
+        raise ValueError(f"model.capped_refresh: expected 'measure' or 'observe', got {c.capped_refresh!r}")
     if c.decoder_precision not in DECODER_PRECISIONS:
         raise ValueError(f"model.decoder_precision: expected 'float32' or 'bfloat16', got {c.decoder_precision!r}")
     if c.appearance not in APPEARANCE_MODES:

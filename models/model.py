@@ -258,9 +258,10 @@ class VoxelNeRF(nn.Module):
             self.touched.before_whole_read(density_only=True)  # the refresh reads the density grid alone
             self.refresh_occupancy()
         # the samples a ray gets changed: the next march measures them (before the warmup at every step: the density
-        # forms and the samples shaded multiply, models/capacities.py)
-        if self.capacities is not None and (grown or due or step < c.occupancy.warmup):
-            self.capacities.invalidate()
+        # forms and the samples shaded multiply; a later refresh with capped_refresh=observe: models/capacities.py)
+        if self.capacities is not None and (grown or step <= c.occupancy.warmup or due):
+            refresh_only = not grown and step > c.occupancy.warmup and c.capped_refresh == "observe"
+            self.capacities.refreshed() if refresh_only else self.capacities.invalidate()
         return grown
 
     def query_density(self, unit_points: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,90 @@ def test_every_step_before_the_occupancy_warmup_measures():
         model.on_step(step, 100)
         measured.append(model.capacities.measuring)
     assert [step for step, measures in zip(range(1, 13), measured) if measures] == [1, 2, 3, 4, 5, 8, 12]
+    # model.capped_refresh=observe: the refreshes past the warmup go without a measuring step
+    settings = {"capped_samples": True, "capped_refresh": "observe", "occupancy.warmup": 5, "grow_at": []}
+    model = make_model(**settings, **{"occupancy.refresh_every": 4})
+    measured, generations = [], []
+    for step in range(1, 13):
+        model.capacities.measured(1000, 600, 300)
+        model.on_step(step, 100)
+        measured.append(model.capacities.measuring)
+        generations.append(model.capacities.generation)
+    assert [step for step, measures in zip(range(1, 13), measured) if measures] == [1, 2, 3, 4, 5]
+    assert generations == [0] * 7 + [1] * 4 + [2]  # refreshed at steps 8 and 12
+
+
+def test_after_an_observed_refresh_the_first_counts_checked_resize():
+    """``model.capped_refresh=observe``: no measuring step; the steps run before the refresh are checked as before,
+    the first run after it resizes from its counts as a measurement would (a rise past a size: that count's
+    capacity, not GROWTH times it), and the checks after that are the usual ones."""
+    capacities = SampleCapacities()
+    capacities.measured(10_000, 6_000, 3_000, rays=4096)
+    before = dict(capacities.sizes)
+    capacities.observe(torch.tensor([9_000]), torch.tensor([5_000, 2_000]))  # before the refresh: within the sizes
+    capacities.refreshed()
+    assert not capacities.measuring  # the capped steps go on
+    capacities.observe(torch.tensor([9_950]), torch.tensor([7_000, 1_000]))  # the first after it
+    assert capacities.sizes == {
+        "march": before["march"],  # still fits within KEEP: kept
+        "alive": headroom(7_000, 4096),  # rose past its size (an overflow): the new count's capacity
+        "shown": headroom(1_000, 4096),  # fell far: the new count's
+    }
+    assert capacities.overflows == 1 and capacities.resizes == 1 and capacities.measurements == 1
+    resized = dict(capacities.sizes)
+    capacities.observe(torch.tensor([30_000]), torch.tensor([5_000, 900]))  # then an overflow grows as before
+    assert capacities.sizes["march"] == headroom(GROWTH * 30_000, 4096) and capacities.resizes == 1
+    assert capacities.sizes["alive"] == resized["alive"]
+    report = capacities.report()
+    assert report["measurements"] == 1 and report["resizes"] == 1 and report["overflows"] == 2
+
+
+def test_an_observed_refresh_resizes_from_the_steps_after_it_not_those_in_flight():
+    """Counts still on their way when the refresh comes (on a GPU: checked ``LAG`` steps late) ran with the old mask
+    and carry its generation: they are checked as before; the first of a step run after it resizes."""
+    capacities = SampleCapacities()
+    capacities.measured(10_000, 6_000, 3_000)
+    sizes = dict(capacities.sizes)
+    capacities.refreshed()
+    capacities._check([[5_000, 3_000, 1_000]], sizes, generation=0)  # a step in flight, from before the refresh
+    assert capacities.sizes == sizes and capacities.resizes == 0
+    capacities._check([[5_000, 3_000, 1_000]], sizes, generation=1)  # the first run after it
+    assert capacities.sizes == {"march": headroom(5_000), "alive": headroom(3_000), "shown": headroom(1_000)}
+    capacities._check([[4_000, 2_000, 500]], dict(capacities.sizes), generation=1)  # then as before: no resize
+    assert capacities.resizes == 1 and capacities.sizes["march"] == headroom(5_000)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the counts' copy to the host without a sync")
+def test_on_the_device_an_observed_refresh_resizes_from_the_first_step_after_it():
+    capacities = SampleCapacities()
+    capacities.measured(10_000, 6_000, 3_000)
+    device = torch.device("cuda")
+    for _ in range(LAG):  # in flight at the refresh
+        capacities.observe(torch.tensor([9_000], device=device), torch.tensor([5_000, 2_000], device=device))
+    capacities.refreshed()
+    capacities.observe(torch.tensor([5_000], device=device), torch.tensor([3_000, 1_000], device=device))
+    assert capacities.review() is False and capacities.resizes == 1
+    assert capacities.sizes == {"march": headroom(5_000), "alive": headroom(3_000), "shown": headroom(1_000)}
+
+
+def test_ranks_resize_together_after_an_observed_refresh():
+    """Split by space, every rank refreshes at the same step and resizes from the same shared counts."""
+    ranks = [SampleCapacities(), SampleCapacities()]
+    now = torch.tensor([[1000, 600, 300], [700, 300, 200]])
+    for rank, capacities in enumerate(ranks):
+        capacities.share, capacities.rank = (lambda counts: now.clone()), rank
+        capacities.measured(*now[rank].tolist())
+    for capacities in ranks:
+        capacities.refreshed()
+    now = torch.tensor([[800, 500, 250], [990, 700, 260]])  # the lighter rank now carries more
+    for capacities in ranks:
+        own = now[capacities.rank]
+        capacities.observe(own[:1], own[1:])
+    largest = [max(column) for column in zip(*now.tolist())]  # (990, 700, 260)
+    assert headroom(largest[0]) <= headroom(1000) <= KEEP * headroom(largest[0])  # the march's size still fits
+    want = {"march": headroom(1000), "alive": headroom(largest[1]), "shown": headroom(largest[2])}
+    assert ranks[0].sizes == ranks[1].sizes == want
+    assert ranks[0].resizes == ranks[1].resizes == 1
 
 
 def test_overflows_are_reported_with_their_steps():
@@ -219,3 +303,30 @@ def test_an_overflow_is_counted_and_the_sizes_grow(tmp_path, scene_cache, monkey
     assert app_module.run(cfg, tmp_path / "run") == 0
     metrics = _metrics(tmp_path / "run")
     assert metrics["sample_capacity"]["overflows"] >= 1 and metrics["psnr"] > 0
+
+
+def test_an_observed_refresh_trains_with_fewer_measuring_steps(tmp_path, scene_cache):
+    """``model.capped_refresh=observe`` in a run: measuring steps only before the warmup (and at it), each later
+    refresh resized from its first counts; training goes on to a PSNR near the measuring run's."""
+    runs = {}
+    for mode in ("measure", "observe"):
+        run = tmp_path / mode
+        args = _common(scene_cache, 16, "per_sample") + [
+            f"hydra.run.dir={run}", "model.capped_samples=true", f"model.capped_refresh={mode}", "model.grow_at=[]"
+        ]  # fmt: skip
+        result = run_train(args)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        runs[mode] = _metrics(run)
+    measure, observe = runs["measure"]["sample_capacity"], runs["observe"]["sample_capacity"]
+    # warmup 3: steps 1-4 measure in both (the first, and after on_step at 1, 2 and the warmup's refresh at 3); the
+    # refreshes at 5, 10, 15 have steps 6, 11, 16 measure, or the first counts after them resize
+    assert measure["measurements"] == 7 and measure["resizes"] == 0
+    assert observe["measurements"] == 4 and observe["resizes"] == 3
+    assert runs["observe"]["psnr"] == pytest.approx(runs["measure"]["psnr"], abs=0.5)
+
+
+def test_capped_refresh_is_checked(tmp_path, scene_cache):
+    result = run_train(
+        _common(scene_cache, 2, "deferred") + [f"hydra.run.dir={tmp_path}", "model.capped_refresh=sometimes"]
+    )
+    assert result.returncode != 0 and "model.capped_refresh: expected 'measure' or 'observe'" in result.stderr

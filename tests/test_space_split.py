@@ -236,8 +236,10 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
     cases += (("three", "occupied", "false", 3),)  # three slabs: two planes, a middle rank that owns both
     cases += (("samples", "occupied", "false", 2),)  # the planes cut again at the growth, by the shaded samples
     cases += (("work", "occupied", "false", 2),)  # and by those and the rows Adam steps
+    cases += (("observe", "occupied", "true", 2),)  # capped, the refreshes at 8 and 12 resized from their counts
     for name, adam, capped, count in cases:  # capped: every rank's march in fixed sample capacities
         extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6", f"model.capped_samples={capped}"]
+        extra += [f"model.capped_refresh={'observe' if name == 'observe' else 'measure'}"]
         extra += [f"train.space_planes={name if name in ('samples', 'work') else 'even'}"]
         extra += ["model.tv_density=0", "model.tv_features=0"]  # the split's TV is stratified: a test of its own
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
@@ -252,6 +254,7 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         assert ranks is None or all(r["sizes"] == ranks[0]["sizes"] for r in ranks)  # the largest rank's, shared
         # capped steps were checked (they start at the occupancy warmup: tiny_overrides' step 4)
         assert ranks is None or all(r["fill"]["march"] > 0 for r in ranks)
+        assert ranks is None or all((r["resizes"] > 0) == (name == "observe") for r in ranks)
         assert metrics["step_graph_ranks"] is None and metrics["parallel"] == {"ranks": count, "split": "space"}
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         two = load_checkpoint(tmp_path / f"two_{name}" / "checkpoints" / "last.pt", map_location="cpu")
