@@ -57,6 +57,22 @@ def test_a_graphed_step_trains_what_the_eager_step_trains(tmp_path, scene_cache)
 
 
 @cuda
+def test_observed_refreshes_replay_through_them(tmp_path, scene_cache):
+    """``model.capped_refresh=observe``: a refresh past the warmup has no measuring step, so the graph replays
+    through it (fewer eager steps than measuring at each refresh), and trains what the eager capped step trains."""
+    observe = ["model.capped_refresh=observe"]
+    eager, eager_history = _train(tmp_path, scene_cache, "eager", [*observe, "train.step_graph=false"])
+    graphed, graphed_history = _train(tmp_path, scene_cache, "graphed", [*observe, "train.step_graph=true"])
+    measured, _ = _train(tmp_path, scene_cache, "measured", ["train.step_graph=true"])
+    assert graphed["step_graph"]["eager"] < measured["step_graph"]["eager"], (
+        graphed["step_graph"],
+        measured["step_graph"],
+    )
+    assert graphed["sample_capacity"]["resizes"] >= 2
+    assert graphed_history["loss"] == pytest.approx(eager_history["loss"], rel=2e-3)
+
+
+@cuda
 def test_a_graphed_step_with_the_batch_graph_and_decoder_graphs(tmp_path, scene_cache):
     """The batch built in place by its own graph is read in place; the decoder's graphs stay out of the capture."""
     extra = ["train.batch_graph=true", "model.decoder_graphs=true", "train.random_background=true"]
