@@ -24,7 +24,8 @@ stays off the critical path (they wait for the largest at every exchange). With 
 occupancy refresh after the warmup has no measuring step (an eager step with its syncs, ~3x a replayed one in the
 split): the capped steps go on at their sizes, and the first step checked after the refresh resizes them as a
 measurement would, from its true counts (:meth:`SampleCapacities.refreshed`); only the ``LAG`` + 1 steps in flight
-can overflow meanwhile, where a refresh moves the counts by more than the headroom.
+can overflow meanwhile, where a refresh moves the counts by more than the headroom. Before the warmup it measures
+only while the shown samples rise; then the steps follow their own counts, eagerly (:meth:`SampleCapacities.schedule`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class SampleCapacities:
         self.generation = 0  # occupancy refreshes that resize from the counts observed after them (refreshed)
         self.resized = 0  # the last generation resized so
         self.measurements = 0  # measuring steps (the report)
+        self.shown: int | None = None  # the last measurement's shown samples (every rank's largest)
+        self.falling = False  # whether it was below the one before: the density formed (the warmup's first steps)
+        self.warming = False  # following counts that move every step before the occupancy's warmup: no step graph
         self.resizes = 0  # resizes from observed counts (the report)
 
     @property
@@ -90,6 +94,21 @@ class SampleCapacities:
     def invalidate(self) -> None:
         """The samples a ray gets changed (a refresh, growth): the next march measures."""
         self.stale = True
+
+    def schedule(self, step: int, warmup: int, grown: bool, refreshed: bool, observe: bool) -> None:
+        """After training step ``step``: ``grown`` grids or a ``refreshed`` occupancy (the first at ``warmup``, when
+        the skipping starts) moved the samples a ray gets, and before the warmup the density forms and they move at
+        every step. ``observe`` False (``model.capped_refresh=measure``): the next step then measures. ``observe``:
+        growths, the warmup's refresh and the first steps measure, until a measurement finds fewer shown samples
+        than the one before (lego: from step 5 on, as the density forms); past that the steps' own counts resize
+        the sizes (:meth:`refreshed`), and while warming up no step graph is captured (:attr:`warming`: sizes that
+        move every step would capture every step)."""
+        follow = observe and not grown and (step > warmup or (step < warmup and self.falling))
+        self.warming = follow and step < warmup
+        if follow and (refreshed or step < warmup):
+            self.refreshed()
+        elif grown or refreshed or step < warmup:
+            self.invalidate()
 
     def refreshed(self) -> None:
         """An occupancy refresh that moves the counts a little (``model.capped_refresh=observe``): no measuring step;
@@ -108,6 +127,7 @@ class SampleCapacities:
         self._resize([march, alive, shown])
         self.stale = False
         self.measurements += 1
+        self.falling, self.shown = self.shown is not None and shown < self.shown, shown
 
     def _resize(self, counts: list[int]) -> None:
         """Sizes for these counts (march, alive, shown), keeping each that fits within ``KEEP``; a new window."""
@@ -174,7 +194,7 @@ class SampleCapacities:
         self.overflows += bool(over)
         if over:
             self.overflowed_at.append(self.fills)
-        if generation == self.generation > self.resized:  # the first step run after a refresh: its counts
+        if generation > self.resized:  # the first step checked that ran after a refresh not yet resized from
             self.resized = generation
             self.resizes += 1
             self._resize(counts)

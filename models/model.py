@@ -257,11 +257,9 @@ class VoxelNeRF(nn.Module):
         if step >= c.occupancy.warmup and (grown or due):
             self.touched.before_whole_read(density_only=True)  # the refresh reads the density grid alone
             self.refresh_occupancy()
-        # the samples a ray gets changed: the next march measures them (before the warmup at every step: the density
-        # forms and the samples shaded multiply; a later refresh with capped_refresh=observe: models/capacities.py)
-        if self.capacities is not None and (grown or step <= c.occupancy.warmup or due):
-            refresh_only = not grown and step > c.occupancy.warmup and c.capped_refresh == "observe"
-            self.capacities.refreshed() if refresh_only else self.capacities.invalidate()
+        if self.capacities is not None:  # the samples a ray gets moved: measured or followed (models/capacities.py)
+            observe = c.capped_refresh == "observe"
+            self.capacities.schedule(step, c.occupancy.warmup, grown, due and step >= c.occupancy.warmup, observe)
         return grown
 
     def query_density(self, unit_points: torch.Tensor) -> torch.Tensor:

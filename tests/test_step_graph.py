@@ -135,6 +135,24 @@ def test_release_destroys_the_graph_even_when_the_device_failed(monkeypatch, dev
     assert Graph.resets == 1
 
 
+def test_no_capture_while_the_capacities_follow_the_warmups_counts():
+    """``model.capped_refresh=observe`` before the warmup: the sizes follow counts that move every step, so those
+    steps run eagerly (capped, without syncs) rather than capture a graph each."""
+    from types import SimpleNamespace
+
+    from models.capacities import SampleCapacities
+    from training.step_graph import StepGraph
+
+    capacities = SampleCapacities()
+    capacities.measured(1000, 600, 300)
+    off = SimpleNamespace(enabled=False, collecting=False)
+    model = SimpleNamespace(capacities=capacities, fine=off, touched=off, training=True)
+    step_graph = StepGraph(model, lambda: None, lambda *args: None)
+    assert step_graph.applies()
+    capacities.warming = True
+    assert not step_graph.applies()
+
+
 def test_no_garbage_collection_inside_a_capture():
     import gc
 
