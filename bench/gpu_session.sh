@@ -4,7 +4,7 @@
 #
 #   bench/gpu_session.sh [tests] [grid-tests] [op-tests] [bench] [bench-grid] [bench-render] [train] [lego] [lego-in-order]
 #                        [lego-torch] [profile] [split-profile] [grid-channels] [variants] [exchange] [syncs] [kernels]
-#                        [balance] [rank-alone] [decoder-profile] [run-profile]
+#                        [balance] [rank-alone] [decoder-profile] [run-profile] [host-profile]
 #
 # tests:      the whole pytest suite (CUDA tests included); grid-tests: tests/test_grid_interpolate*.py only
 # op-tests:   the training-step ops' tests (volume_render, sparse_adam_step, march_rays); bench-render: their
@@ -23,6 +23,9 @@
 #             needs to split) -> split_profile/profile.json, profile_rank<r>.json
 # run-profile: the lego preset's whole run under train.profile=true on one GPU, then under torchrun on every GPU
 #             (train.parallel=auto), each profile's 100-step windows side by side -> run_profile.md (bench/profile_windows.py)
+# host-profile: the lego preset's whole run under train.profile=host (the host's time in each part, no syncs) for
+#             each NAME=OVERRIDES of $HOST_VARIANTS (default: one= and capped + step graph, the split's path on one
+#             GPU), their 100-step windows side by side -> host_profile.md, host/<name>/profile.json
 # viewer:     bench/viewer_throughput.py on the shipped lego config: viewer off / on with a still / moving
 #             simulated browser (needs viser and its dependencies as py3.12 wheels in .whl); extra train.py
 #             overrides in $VIEWER_OVERRIDES (e.g. a shorter run: "train.iters=2000 train.eval_final_views=8")
@@ -143,6 +146,17 @@ for s in "${stages[@]}"; do
         train.turntable_frames=0 hydra.run.dir="$OUT/run_profile_split"
       python3 bench/profile_windows.py "$OUT/run_profile_one/profile.json" "$OUT"/run_profile_split/profile*.json \
         >"$OUT/run_profile.md" 2>&1 ;;
+    host-profile)  # the preset's whole run under train.profile=host (no syncs: the host's time a part) per variant
+      IFS=';' read -ra specs <<<"${HOST_VARIANTS:-one=;capped=model.capped_samples=true train.step_graph=true}"
+      profiles=()
+      for spec in "${specs[@]}"; do
+        name=${spec%%=*}
+        # shellcheck disable=SC2086  # the overrides are words
+        stage "host_$name" python3 train.py +experiment=blender data.root="$LEGO" train.profile=host \
+          train.eval_final_views=8 train.turntable_frames=0 hydra.run.dir="$OUT/host/$name" ${spec#*=}
+        profiles+=("$OUT/host/$name/profile.json")
+      done
+      python3 bench/profile_windows.py "${profiles[@]}" >"$OUT/host_profile.md" 2>&1 ;;
     viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
       -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ${VIEWER_OVERRIDES:-} ;;
     peers) source bench/peers/gpu_stage.sh ;;
@@ -182,10 +196,10 @@ for s in "${stages[@]}"; do
 done
 log "done: $failures failure(s)"
 # keep what comes back small: checkpoints and videos stay on the device machine
-find "$OUT" \( -name "*.pt" -o -name "*.mp4" -o -name "*.npy" \) -delete
+find "$OUT" \( -name "*.pt" -o -name "*.pt.*.tmp" -o -name "*.mp4" -o -name "*.npy" \) -delete
 find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -delete  # three views per run come back
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
-for f in run_profile.md decoder_profile.json slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in run_profile.md host_profile.md decoder_profile.json slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures

@@ -48,6 +48,8 @@ def test_bad_config_fails_fast_in_one_line(tmp_path, overrides, key):
         ("data.n_train=0", "data.n_train"),
         ("seed=-3", "seed"),
         ("train.opacity_loss=-0.1", "train.opacity_loss"),
+        ("train.profile=sync", "train.profile"),
+        ("train.profile=1", "train.profile"),
     ],
 )
 def test_validate_config_names_the_key(override, key):

@@ -1,5 +1,6 @@
 """training.profiler.StepProfiler's windows: each WINDOW profiled steps' parts, so that a run's profile says where in
-the run the time went (the first steps before the occupancy skips anything, the growths), not only its mean."""
+the run the time went (the first steps before the occupancy skips anything, the growths), not only its mean; and
+``train.profile=host``: the same parts without a device sync."""
 
 from __future__ import annotations
 
@@ -48,3 +49,31 @@ def test_a_run_shorter_than_a_window_is_one_window_and_no_steps_none():
         }
     ]
     assert _profiled([], 0.1).report()["windows"] == []
+
+
+@pytest.mark.parametrize("synchronised", [True, False], ids=["synchronised", "host"])
+def test_host_mode_times_the_parts_without_syncing_the_device(monkeypatch, synchronised):
+    """On CUDA a synchronised part syncs the device before and after it; ``host`` never does (the host's own time)."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    profiler = StepProfiler(torch.device("cuda"), True, synchronised=synchronised)
+    profiler.recording = True
+    with profiler.section("step"), profiler.section("optimizer"):
+        pass
+    assert len(syncs) == (4 if synchronised else 0)
+    assert profiler.totals["optimizer"] > 0 and profiler.totals["step"] >= profiler.totals["optimizer"]
+
+
+def test_a_host_report_says_so_and_claims_no_device_floors():
+    profiler = StepProfiler(torch.device("cpu"), True, synchronised=False)
+    profiler.recording = True
+    profiler.totals["step"] += 0.01
+    profiler.count("decoder", flops=1e9)  # counted work, but a host time has no floor to compare it with
+    profiler.end_step(rays=64)
+    report = profiler.report()
+    assert report["synchronised"] is False and report["floor_ms"] == {} and report["floor_share"] == {}
+    assert report["note"].startswith("train.profile=host")
+    assert "(the host's time in each part)" in StepProfiler.format(report)
+    synchronised = _profiled([0.01], 0.1).report()
+    assert synchronised["synchronised"] is True and "host" not in StepProfiler.format(synchronised)

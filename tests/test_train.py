@@ -236,6 +236,18 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, scene_cache
     assert not (tmp_path / "metrics.json").exists()
 
 
+def test_profile_host_writes_the_hosts_parts(tmp_path, scene_cache):
+    """``train.profile=host``: the same parts, timed without syncs, and no device floors."""
+    result = run_train(
+        tiny_overrides(scene_cache, 4) + [f"hydra.run.dir={tmp_path}", "train.profile=host", "train.turntable_frames=0"]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert report["steps"] == 4 and report["synchronised"] is False and report["floor_ms"] == {}
+    assert report["per_step_ms"]["optimizer"] > 0 and report["per_step_ms"]["loss_backward"] > 0
+    assert "profile over 4 steps (the host's time in each part)" in result.stdout
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["decoder", "decoder_graphs"])
 def test_profile_writes_a_breakdown(tmp_path, scene_cache, graphs):
     """With ``model.decoder_graphs`` the decoder is timed around the model's decoding (its graphs' replays run no

@@ -101,7 +101,7 @@ class TrainConfig:
     eval_views: int = 4
     eval_final_views: int = 0  # 0: every eval view; K: K views spread evenly over the eval split
     resume: bool = False
-    profile: bool = False
+    profile: Any = False  # false | true (device-synchronised parts) | host (the host's time in each part, no syncs)
     render_chunk: int = 8192
     turntable_frames: int = 40
     turntable_max_side: int = 400

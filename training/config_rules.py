@@ -240,7 +240,6 @@ def _check_train(cfg: DictConfig) -> None:
         _check_int(cfg, key, minimum=0)
     for key in (
         "train.resume",
-        "train.profile",
         "train.overwrite",
         "train.random_background",
         "train.pixel_jitter",
@@ -251,6 +250,9 @@ def _check_train(cfg: DictConfig) -> None:
         _check_bool(cfg, key)
     if _get(cfg, "train.step_graph") is True and _get(cfg, "model.capped_samples") is not True:
         raise ConfigError("train.step_graph: needs model.capped_samples=true (a graph's sample counts are fixed)")
+    profile = _get(cfg, "train.profile")
+    if profile is not _ABSENT and not isinstance(profile, bool) and profile != "host":
+        raise ConfigError(f"train.profile: must be true, false or host (got {profile!r})")
     _check_viewer(cfg)
     eps = _get(cfg, "train.adam_eps")
     if eps is not _ABSENT and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1):

@@ -1,8 +1,11 @@
-"""Per-step time breakdown for ``train.profile=true``: device-synchronised wall-clock timers.
+"""Per-step time breakdown for ``train.profile``: wall-clock timers around a step's parts.
 
-Each timed region is bracketed by ``torch.cuda.synchronize`` (on CUDA), so asynchronous kernels are charged to
-the region that launched them. That slows training down, which is why the trainer only builds an enabled
+``true``: each timed region is bracketed by ``torch.cuda.synchronize`` (on CUDA), so asynchronous kernels are
+charged to the region that launched them. That slows training down, which is why the trainer only builds an enabled
 profiler when asked: a disabled one hands out a shared no-op context and leaves ops and modules untouched.
+``host``: the same regions without the syncs: the host's own time in each (Python, launches, and any wait it meets),
+at the run's own pace. Where the host's parts add up to the step, the host sets the pace (a rank of the space split
+has about half one GPU's kernels and all of its host work); where they add up to less, the device does.
 Regions may nest; each records its inclusive time, and :meth:`StepProfiler.report` derives exclusive parts.
 """
 
@@ -41,15 +44,23 @@ REPORT_PARTS = (
 )
 
 
+NOTES = {
+    True: "device-synchronised timers around each part (slower than a normal run); every op's backward is inside "
+    "loss_backward",
+    False: "train.profile=host: the host's time in each part, no syncs (a part that waits for the device holds the "
+    "wait); every op's backward is inside loss_backward",
+}
+
 WINDOW = 100  # steps a row of the report's ``windows`` covers: where in a run the time goes (its first steps, growths)
 
 
 class StepProfiler:
     """Accumulates synchronised times of named regions while :attr:`recording` is True."""
 
-    def __init__(self, device: torch.device, enabled: bool):
+    def __init__(self, device: torch.device, enabled: bool, synchronised: bool = True):
         self.device = torch.device(device)
         self.enabled = enabled
+        self.synchronised = synchronised  # False: train.profile=host, the host's time alone
         self.recording = False
         self.totals: dict[str, float] = defaultdict(float)
         self.steps = 0
@@ -59,7 +70,7 @@ class StepProfiler:
         self.marks: list[tuple[int, dict[str, float]]] = []  # (steps, totals) at the end of every WINDOW steps
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        if self.synchronised and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
@@ -199,7 +210,7 @@ class StepProfiler:
         parts = _parts(t)
         total = t["step"]
         limits = device_limits(self.device, self.matmul_dtype)
-        floors = floors_ms(self.work, steps, limits)
+        floors = floors_ms(self.work, steps, limits) if self.synchronised else {}  # a host time has no device floor
         return {
             "steps": self.steps,
             "step_ms": 1000.0 * total / steps,
@@ -213,15 +224,16 @@ class StepProfiler:
             "rays_per_second": self.rays / total if total > 0 else 0.0,
             "windows": self.windows(),
             "parts": dict(REPORT_PARTS),
-            "note": "device-synchronised timers around each part (slower than a normal run); every op's "
-            "backward is inside loss_backward",
+            "synchronised": self.synchronised,
+            "note": NOTES[self.synchronised],
         }
 
     @staticmethod
     def format(report: dict) -> str:
         """A small text table of :meth:`report`."""
+        host = "" if report.get("synchronised", True) else " (the host's time in each part)"
         lines = [
-            f"profile over {report['steps']} steps: {report['step_ms']:.2f} ms/step, "
+            f"profile over {report['steps']} steps{host}: {report['step_ms']:.2f} ms/step, "
             f"{report['rays_per_second']:,.0f} rays/s"
         ]
         floors = report.get("floor_ms", {})

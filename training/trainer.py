@@ -76,7 +76,8 @@ class Trainer:
         self.paths, self.device, self.seed = paths, device, seed
         self.train_scene, self.eval_scene = train_scene, eval_scene
         self.iters = int(cfg.train.iters)
-        self.profiler = StepProfiler(device, bool(cfg.train.profile))
+        profile = cfg.train.profile  # false | true | host (training.profiler)
+        self.profiler = StepProfiler(device, bool(profile), synchronised=profile != "host")
         if device.type == "cuda":  # the per-sample decoder's matmuls dominate a step in fp32 (bench/README.md)
             torch.backends.cuda.matmul.allow_tf32 = bool(cfg.train.get("tf32", True))
         self.ops = ops
