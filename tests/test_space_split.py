@@ -103,6 +103,51 @@ def test_slabs_render_and_differentiate_what_one_march_does(tmp_path, shading, c
         torch.testing.assert_close(got[-1][-1], grad[-1], **close)
 
 
+def _kept_plane_rank(rank: int, ranks: int, init_file: str, out: str, clear: bool) -> None:
+    """Steps of the split's gradient handling on a plane row no Adam step clears (the TV's, in empty space): every
+    step adds ``fresh`` on each owner, the sync sums the owners' copies, then (``clear``) the upper owner drops its
+    copy, as the trainer does after Adam. Saves the row's value after each sync."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks)
+    try:
+        model = scene("deferred")[0]
+        split = space_split_of(model, rank, ranks)
+        for grid in (model.density.grid, model.features.grid):
+            grid.grad = torch.zeros_like(grid)
+        owned = [plane for plane in split.slabs.planes if plane in split.slabs.cells]
+        seen = []
+        for _ in range(6):
+            for plane in owned:
+                model.density.grid.grad[plane, 1, 2] += 0.25  # this step's own part on the plane
+            split.sync_gradients()
+            seen.append([float(model.density.grid.grad[plane, 1, 2]) for plane in split.slabs.planes])
+            if clear:
+                split.clear_upper_planes()
+        torch.save(seen, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_plane_gradient_kept_between_steps_adds_up_as_one_process_s(tmp_path, count):
+    """Both owners hold a plane's summed gradient after the sync; a row Adam does not clear keeps it, and without
+    the upper owner's clear the next sum doubles it (two H200s: inf, then a NaN loss)."""
+    for clear in (True, False):
+        out = tmp_path / f"out_{clear}"
+        mp.spawn(_kept_plane_rank, args=(count, str(tmp_path / f"init_{clear}"), str(out), clear), nprocs=count)
+        seen = [torch.load(f"{out}.{rank}") for rank in range(count)]
+        for rank in range(count):
+            slabs = Slabs.even(scene("deferred")[0].grid_shape[0], count, rank)
+            for p, plane in enumerate(slabs.planes):
+                if plane not in slabs.cells:
+                    continue
+                values = [step[p] for step in seen[rank]]
+                one_process = [0.5 * (k + 1) for k in range(6)]  # two owners' 0.25 a step, accumulated
+                if clear:
+                    assert values == pytest.approx(one_process)
+                else:
+                    assert values[-1] > 4 * one_process[-1]  # doubled a step
+
+
 def test_slabs_split_the_cells_at_their_planes():
     shape = (9, 5, 5)
     x = torch.linspace(-1.0, 1.0, 41, dtype=torch.float64)

@@ -209,6 +209,21 @@ class SpaceParallel:
         torch._foreach_copy_(targets, [chunk.view_as(part) for part, chunk, keep in zip(parts, chunks, kept) if keep])
 
     @torch.no_grad()
+    def clear_upper_planes(self) -> None:
+        """After Adam: the gradient of the plane this rank shares with the rank below, zeroed here (the plane's upper
+        owner). Adam (``train.sparse_adam=occupied``) leaves only the rows it stepped zero; the plane's other rows (the
+        TV estimate's gradient in empty space) keep theirs between steps, as one process's do, and both owners hold
+        it after :meth:`sync_gradients`, whose next sum would double it: every step, to inf and then NaN (two H200s,
+        ``model.capped_refresh=observe``, which has no eager step to zero it at a refresh: NaN by step 600). Kept by
+        the lower owner alone, it accumulates as one process's does."""
+        first, _ = self.slabs.cells
+        if self.group.rank == 0:
+            return
+        for grid in (self.model.density.grid, self.model.features.grid):
+            if grid.grad is not None:
+                grid.grad[first].zero_()
+
+    @torch.no_grad()
     def gather(self, moments: bool = False, features: bool = True) -> None:
         """Every rank's slab of the grids (and with ``moments`` of their Adam moments) onto the other ranks: rank r
         broadcasts its rows past its lower plane up to its upper plane (the last rank: to the end). ``features``

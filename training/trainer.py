@@ -179,6 +179,8 @@ class Trainer:
                 loss, mse, samples = self._gradients(batch, background, target, True)
             with profiler.section("optimizer"):
                 self.optimizer.step()
+                if self.space is not None:  # the shared planes' gradient kept by one owner alone
+                    self.space.clear_upper_planes()
             if profiler.enabled and not isinstance(self.optimizer, (SparseGridAdam, LazyGridAdam)):  # dense only
                 profiler.count("optimizer", bytes=adam_bytes(p for p in self.model.parameters() if p.grad is not None))
             self.step += 1
