@@ -71,7 +71,7 @@ class ModelConfig:
     decoder_precision: str = "float32"  # bfloat16: the MLP under CUDA autocast (CPU stays float32)
     decoder_graphs: bool = False  # training's per-sample decoder replayed from CUDA graphs (models/decoder_graphs.py)
     capped_samples: bool = False  # the training march in fixed sample capacities (models/capacities.py)
-    capped_refresh: str = "measure"  # measure | observe: how the capacities follow an occupancy refresh
+    capped_refresh: str = "observe"  # observe | measure: how the capacities follow an occupancy refresh
     upsample: int = 2
     step_ratio: float = 1.0
     max_samples: int = 512

@@ -135,12 +135,14 @@ def test_counts_on_the_device_are_checked_within_the_lag():
 
 
 def test_every_step_before_the_occupancy_warmup_measures():
-    """Before the warmup the density forms and the samples shaded multiply from step to step: a capped step there
-    overflows (lego, one H200: runs with two or three such steps ended 0.2-0.4 dB from the plain march's). So every
-    step until then measures; after it, only refreshes (the first at the warmup) and growth do."""
+    """``model.capped_refresh=measure``: before the warmup the density forms and the samples shaded multiply from
+    step to step: a capped step there overflows (lego, one H200: runs with two or three such steps ended 0.2-0.4 dB
+    from the plain march's). So every step until then measures; after it, only refreshes (the first at the warmup)
+    and growth do."""
     from test_model import make_model
 
-    model = make_model(**{"capped_samples": True, "occupancy.warmup": 5, "occupancy.refresh_every": 4, "grow_at": []})
+    settings = {"capped_samples": True, "capped_refresh": "measure", "occupancy.warmup": 5, "grow_at": []}
+    model = make_model(**settings, **{"occupancy.refresh_every": 4})
     measured = []
     for step in range(1, 13):
         model.capacities.measured(1000, 600, 300)
@@ -148,8 +150,7 @@ def test_every_step_before_the_occupancy_warmup_measures():
         measured.append(model.capacities.measuring)
     assert [step for step, measures in zip(range(1, 13), measured) if measures] == [1, 2, 3, 4, 5, 8, 12]
     # model.capped_refresh=observe: the refreshes past the warmup go without a measuring step
-    settings = {"capped_samples": True, "capped_refresh": "observe", "occupancy.warmup": 5, "grow_at": []}
-    model = make_model(**settings, **{"occupancy.refresh_every": 4})
+    model = make_model(**{**settings, "capped_refresh": "observe", "occupancy.refresh_every": 4})
     measured, generations = [], []
     for step in range(1, 13):
         model.capacities.measured(1000, 600, 300)

@@ -40,8 +40,9 @@ def _train(tmp_path, cache, name: str, extra: list[str], iters: int = 40, device
 
 @cuda
 def test_a_graphed_step_trains_what_the_eager_step_trains(tmp_path, scene_cache):
-    eager, eager_history = _train(tmp_path, scene_cache, "eager", ["train.step_graph=false"])
-    graphed, graphed_history = _train(tmp_path, scene_cache, "graphed", ["train.step_graph=true"])
+    measure = "model.capped_refresh=measure"  # a measuring step at each refresh: the sizes never overflow here
+    eager, eager_history = _train(tmp_path, scene_cache, "eager", [measure, "train.step_graph=false"])
+    graphed, graphed_history = _train(tmp_path, scene_cache, "graphed", [measure, "train.step_graph=true"])
     report = graphed["step_graph"]
     # every step either eager (the first, the warm-up, a measuring step after each refresh) or replayed; a
     # measurement that keeps the sizes keeps the graph, whose gradient tensors the eager step between zeroed in place
@@ -63,7 +64,7 @@ def test_observed_refreshes_replay_through_them(tmp_path, scene_cache):
     observe = ["model.capped_refresh=observe"]
     eager, eager_history = _train(tmp_path, scene_cache, "eager", [*observe, "train.step_graph=false"])
     graphed, graphed_history = _train(tmp_path, scene_cache, "graphed", [*observe, "train.step_graph=true"])
-    measured, _ = _train(tmp_path, scene_cache, "measured", ["train.step_graph=true"])
+    measured, _ = _train(tmp_path, scene_cache, "measured", ["model.capped_refresh=measure", "train.step_graph=true"])
     assert graphed["step_graph"]["eager"] < measured["step_graph"]["eager"], (
         graphed["step_graph"],
         measured["step_graph"],
@@ -74,11 +75,13 @@ def test_observed_refreshes_replay_through_them(tmp_path, scene_cache):
 
 @cuda
 def test_a_graphed_step_with_the_batch_graph_and_decoder_graphs(tmp_path, scene_cache):
-    """The batch built in place by its own graph is read in place; the decoder's graphs stay out of the capture."""
+    """The batch built in place by its own graph is read in place; the decoder's graphs stay out of the capture, and
+    with the step graph out of the eager steps too (StepGraph.for_trainer)."""
     extra = ["train.batch_graph=true", "model.decoder_graphs=true", "train.random_background=true"]
     eager, eager_history = _train(tmp_path, scene_cache, "eager", [*extra, "train.step_graph=false"])
     graphed, graphed_history = _train(tmp_path, scene_cache, "graphed", [*extra, "train.step_graph=true"])
     assert graphed["step_graph"]["replays"] >= 20
+    assert graphed["decoder_graphs"] is None and eager["decoder_graphs"]["captures"] > 0  # eager steps: as is
     assert graphed_history["loss"] == pytest.approx(eager_history["loss"], rel=5e-3)
 
 
@@ -174,3 +177,23 @@ def test_step_graph_needs_capped_samples(tmp_path, scene_cache):
 def test_on_the_cpu_the_steps_run_eagerly(tmp_path, scene_cache):
     metrics, _ = _train(tmp_path, scene_cache, "cpu", ["train.step_graph=true"], iters=6, device="cpu")
     assert metrics["step_graph"] is None and metrics["psnr"] > 0
+
+
+def test_the_step_graph_runs_the_eager_steps_decoder_as_is():
+    """Where the step graph applies, the model's decoder graphs go: the replays hold the decoder, and the eager steps
+    left shade too many samples for launches to matter."""
+    from types import SimpleNamespace
+
+    from models.capacities import SampleCapacities
+    from training.step_graph import StepGraph
+
+    def trainer(device: str, capped: bool = True):
+        model = SimpleNamespace(capacities=SampleCapacities() if capped else None, decoder_graphs="graphs")
+        return SimpleNamespace(train_cfg={"step_graph": True}, space=None, device=torch.device(device),
+                               group=SimpleNamespace(active=False), model=model, optimizer=None,
+                               _gradients=None, profiler=None)  # fmt: skip
+
+    graphed = trainer("cuda")
+    assert StepGraph.for_trainer(graphed) is not None and graphed.model.decoder_graphs is None
+    for kept in (trainer("cpu"), trainer("cuda", capped=False)):  # no step graph: the decoder graphs stay
+        assert StepGraph.for_trainer(kept) is None and kept.model.decoder_graphs == "graphs"
