@@ -81,7 +81,7 @@ def test_a_graphed_step_with_the_batch_graph_and_decoder_graphs(tmp_path, scene_
     eager, eager_history = _train(tmp_path, scene_cache, "eager", [*extra, "train.step_graph=false"])
     graphed, graphed_history = _train(tmp_path, scene_cache, "graphed", [*extra, "train.step_graph=true"])
     assert graphed["step_graph"]["replays"] >= 20
-    assert graphed["decoder_graphs"] is None and eager["decoder_graphs"]["captures"] > 0  # eager steps: as is
+    assert graphed["decoder_graphs"] is None and eager["decoder_graphs"] is not None  # eager steps: as is
     assert graphed_history["loss"] == pytest.approx(eager_history["loss"], rel=5e-3)
 
 
