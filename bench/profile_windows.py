@@ -2,10 +2,12 @@
 
     python bench/profile_windows.py ONE/profile.json SPLIT/profile.json [SPLIT/profile_rank1.json ...]
 
-Each argument is a ``profile.json`` of ``train.profile=true`` (training.profiler: its ``windows``), the first the
+Each argument is a ``profile.json`` of ``train.profile`` (training.profiler: its ``windows``), the first the
 reference (one GPU). Prints a markdown table: each window's mean step (ms) in every profile and the first's over each
-other's, then each profile's parts in the window where it gains least. The timers synchronise the device around
-every part, so the steps are slower than an unprofiled run's: compare profiles with each other, not with run times.
+other's, then each profile's parts in the window where it gains least. Under ``train.profile=true`` the timers
+synchronise the device around every part, so the steps are slower than an unprofiled run's: compare such profiles
+with each other, not with run times. Under ``train.profile=host`` the steps run at their own pace and a part is the
+host's time in it, waits included: the windows are the run's, and a part that waits for the device holds the wait.
 """
 
 from __future__ import annotations
