@@ -21,8 +21,9 @@
 # split-profile: the same on every GPU of the machine under torchrun (train.parallel=auto: the space split, each
 #             rank's replays timed as the part step_graph; $SPLIT_ARGS, default capped + step graph, which auto
 #             needs to split) -> split_profile/profile.json, profile_rank<r>.json
-# run-profile: the lego preset's whole run under train.profile=true on one GPU, then under torchrun on every GPU
-#             (train.parallel=auto), each profile's 100-step windows side by side -> run_profile.md (bench/profile_windows.py)
+# run-profile: the lego preset's whole run under train.profile=$RUN_PROFILE (host: no syncs, the default; true: the
+#             device synchronised around each part) on one GPU, then under torchrun on every GPU (train.parallel=auto),
+#             each profile's 100-step windows side by side -> run_profile.md (bench/profile_windows.py)
 # host-profile: the lego preset's whole run under train.profile=host (the host's time in each part, no syncs) for
 #             each NAME=OVERRIDES of $HOST_VARIANTS (default: one= and capped + step graph, the split's path on one
 #             GPU), their 100-step windows side by side -> host_profile.md, host/<name>/profile.json
@@ -139,10 +140,10 @@ for s in "${stages[@]}"; do
       train.iters=1000 'model.grow_at=[]' train.eval_every=0 train.eval_final_views=8 train.turntable_frames=0 \
       hydra.run.dir="$OUT/split_profile" ${SPLIT_ARGS-model.capped_samples=true train.step_graph=true} ;;
     run-profile)  # the whole preset run under train.profile (its 100-step windows): one GPU, then every GPU split
-      stage run_profile_one python3 train.py +experiment=blender data.root="$LEGO" train.profile=true \
+      stage run_profile_one python3 train.py +experiment=blender data.root="$LEGO" train.profile="${RUN_PROFILE:-host}" \
         train.eval_final_views=8 train.turntable_frames=0 hydra.run.dir="$OUT/run_profile_one"
       stage run_profile_split python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
-        train.py +experiment=blender data.root="$LEGO" train.profile=true train.eval_final_views=8 \
+        train.py +experiment=blender data.root="$LEGO" train.profile="${RUN_PROFILE:-host}" train.eval_final_views=8 \
         train.turntable_frames=0 hydra.run.dir="$OUT/run_profile_split"
       python3 bench/profile_windows.py "$OUT/run_profile_one/profile.json" "$OUT"/run_profile_split/profile*.json \
         >"$OUT/run_profile.md" 2>&1 ;;
