@@ -217,9 +217,9 @@ class SpaceParallel:
         it after :meth:`sync_gradients`, whose next sum would double it: every step, to inf and then NaN (two H200s,
         ``model.capped_refresh=observe``, which has no eager step to zero it at a refresh: NaN by step 600). Kept by
         the lower owner alone, it accumulates as one process's does."""
-        first, _ = self.slabs.cells
-        if self.group.rank == 0:
+        if self.group.rank == 0:  # the first plane's lower owner
             return
+        first, _ = self.slabs.cells
         for grid in (self.model.density.grid, self.model.features.grid):
             if grid.grad is not None:
                 grid.grad[first].zero_()
@@ -254,7 +254,7 @@ def split_for(trainer) -> SpaceParallel | None:
     """This rank's slab under torchrun, or None (data parallel; one process), as ``train.parallel`` asks. ``auto``
     (the default): by space on CUDA where the split takes the run, with ``model.capped_samples`` and
     ``train.step_graph`` on (lego: two H200s 1.61-1.63x one GPU at the same PSNR, four 1.85x, where data parallel
-    is 0.71-0.80x; bench/README "Two and four H200s at last"); else data parallel, which every run takes."""
+    is 0.71-0.80x; bench/README "Two H200s: 1.61-1.63x"); else data parallel, which every run takes."""
     asked, group = str(trainer.train_cfg.get("parallel", "auto")), trainer.group
     if not group.active:
         if asked == "space":
