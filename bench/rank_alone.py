@@ -18,7 +18,10 @@ and the gradient all-reduce and the slabs' broadcasts are skipped.
 A rank's time here is its device work and launches with free, instantaneous exchanges: the floor of a split step on S
 GPUs. One GPU's step over the largest rank's (``one_over_slowest``; on a GPU also by the median steps) is then the
 most S GPUs can gain at these slabs; a measured split step above that floor is the exchanges, the waits for the
-slower rank and the host. On a GPU each configuration's
+slower rank and the host. On a GPU, ``--phases`` further steps of each rank are profiled with a marker at each
+exchange (bench/exchange_phases.py): its phases between them, and ``barrier_ms``, the split step when every exchange
+waits for the slowest rank's phase before it (``one_over_barrier``: one GPU's step, profiled alike, over it): what the
+cut's balance per phase costs beyond the floor. Each configuration's
 ``--profile`` further steps run under torch.profiler: its kernels' time a step and the largest kernels, then as many
 eager steps by ATen call and input shapes (what each kernel computes on). Without a GPU it runs eagerly (no step
 graph; the tests run it so) and the times are the CPU's.
@@ -42,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from exchange_phases import EXCHANGES, barrier_ms, kernel_timeline, mark, phase_times  # noqa: E402
 from kernel_profile import device_rows  # noqa: E402
 from slab_balance import LayerCounts  # noqa: E402
 
@@ -67,6 +71,7 @@ class Exchanges:
         self.rank, self.ranks, self.fronts = rank, ranks, fronts
 
     def all_gather(self, parts: torch.Tensor, values: torch.Tensor, group=None) -> None:
+        mark()  # where the exchange is (bench/exchange_phases.py)
         view = parts.view(self.ranks, *values.shape)
         for k in range(self.ranks):
             if k == self.rank or values.dtype == torch.int64:
@@ -132,6 +137,26 @@ def timed(trainer, at: int, steps: int, warm: int) -> dict:
     return result
 
 
+def phases(trainer, steps: int, exchanges: int) -> dict | None:
+    """``steps`` more steps under torch.profiler, a marker before each: the mean phases (ms) between this process's
+    ``exchanges`` exchanges a step (bench/exchange_phases.py; one process: 0, its whole step) over the steps that had
+    them; None without a GPU."""
+    if steps <= 0 or trainer.device.type != "cuda":
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(steps):
+            mark(step=True)
+            trainer.train_step()
+        mark(step=True)
+        sync(trainer.device)
+    found = phase_times(kernel_timeline(profile), exchanges)
+    if not found:
+        return None
+    means = [round(statistics.fmean(step[k] for step in found), 4) for k in range(exchanges + 1)]
+    return {"ms": means, "steps": len(found)}
+
+
 def _profiled(trainer, steps: int, shapes: bool = False):
     """``steps`` training steps under torch.profiler (the device's activity too on a GPU)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -184,7 +209,8 @@ def become_rank(trainer, rank: int, ranks: int, planes: tuple[int, ...], exchang
 def measure(trainer, args) -> dict:
     model = trainer.model
     plain_gather = space_split.ALL_GATHER
-    dist.all_reduce = dist.broadcast = lambda *a, **k: None  # the gradients' sum and the slabs' refresh: skipped
+    dist.broadcast = lambda *a, **k: None  # the slabs' gathers before a refresh: skipped
+    dist.all_reduce = lambda *a, **k: mark()  # the gradients' sum: skipped, its place marked (exchange_phases)
     counter, capacities = LayerCounts(model), model.capacities
     model.capacities = None  # the shaded samples per first-axis layer, counted as the samples cut counts them: unpadded
     for _ in range(args.batches):
@@ -203,6 +229,7 @@ def measure(trainer, args) -> dict:
     trainer._set_learning_rates = frozen
     report = {"at": args.at, "steps": args.steps, "grid": list(model.grid_shape), "device": str(trainer.device)}
     report["one"] = timed(trainer, args.at, args.steps, args.warm)
+    report["one"]["phases"] = phases(trainer, args.phases, 0)
     report["one"]["kernels"] = kernels(trainer, args.profile, args.rows)
     print(f"rank alone: one process {report['one']}", flush=True)
     report["splits"] = []
@@ -221,12 +248,17 @@ def measure(trainer, args) -> dict:
             for rank in range(ranks):
                 become_rank(trainer, rank, ranks, planes, Exchanges(rank, ranks, fronts))
                 entry["rank"].append(timed(trainer, args.at, args.steps, args.warm))
+                entry["rank"][-1]["phases"] = phases(trainer, args.phases, EXCHANGES)
                 entry["rank"][-1]["kernels"] = kernels(trainer, args.profile, args.rows)
             slowest = max(r["ms_per_step"] for r in entry["rank"])
             entry["one_over_slowest"] = round(report["one"]["ms_per_step"] / slowest, 3)
             if "median_ms" in report["one"]:  # the steadier figure (a call's means move by ~0.1 ms)
                 slowest = max(r["median_ms"] for r in entry["rank"])
                 entry["one_over_slowest_median"] = round(report["one"]["median_ms"] / slowest, 3)
+            measured = [r["phases"] for r in entry["rank"]]
+            if report["one"]["phases"] and all(measured):  # every exchange waiting for the slowest rank's phase
+                entry["barrier_ms"] = round(barrier_ms([m["ms"] for m in measured]), 4)
+                entry["one_over_barrier"] = round(sum(report["one"]["phases"]["ms"]) / entry["barrier_ms"], 3)
             report["splits"].append(entry)
             args.json.write_text(json.dumps(report, indent=1))  # so far: a run cut short keeps what it measured
             times = [r["ms_per_step"] for r in entry["rank"]]
@@ -259,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", default="2,4", help="the split's rank counts")
     parser.add_argument("--profile", type=int, default=10, help="steps under torch.profiler a configuration (GPU)")
     parser.add_argument("--rows", type=int, default=30, help="kernels listed a configuration")
+    parser.add_argument("--phases", type=int, default=50, help="steps profiled for the phases between exchanges (GPU)")
     parser.add_argument("--batches", type=int, default=8, help="training batches counted for the samples cut")
     parser.add_argument("--cuts", default="even,samples,work", help="the cuts timed, in this order")
     parser.add_argument("overrides", nargs="*", help="train.py overrides (after --)")

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from test_train import REPO, scene_cache, tiny_overrides  # noqa: F401 (scene_cache: the fixture)
 
@@ -85,3 +86,38 @@ def test_with_the_slabs_fronts_each_rank_keeps_its_share_of_one_march():
         space_split.ALL_GATHER = plain
     assert sum(kept) == want and all(0 < count < want for count in kept)
     assert sum(kept_alone) > want
+
+
+def test_the_phases_between_the_exchanges_and_the_barriers_they_make():
+    """exchange_phases: a step's phases are the device time from marker to marker; S ranks take the sum over the
+    barrier phases of the slowest rank's, Adam and the next march being one phase."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from exchange_phases import MARKER, barrier_ms, phase_times
+
+    def step(t0: float, gaps: list[float], exchanges: int = 4) -> list[tuple[str, float, float]]:
+        """A step marker (10 us) at t0, then kernels and exchange markers (2 us) after the given phases (us)."""
+        kernels, t = [(MARKER, t0, t0 + 10.0)], t0 + 10.0
+        for k, gap in enumerate(gaps):
+            kernels.append(("void march_kernel", t + 1.0, t + gap - 1.0))  # the phase's work, gaps included
+            t += gap
+            if k < exchanges:
+                kernels.append((MARKER, t, t + 2.0))
+                t += 2.0
+        return kernels
+
+    first = step(0.0, [100.0, 20.0, 300.0, 500.0, 80.0])  # 10 + the phases + 4 markers of 2 us: 1018 us
+    second = step(1018.0, [110.0, 25.0, 290.0, 520.0, 60.0])
+    extra = step(2041.0, [50.0, 20.0, 20.0, 300.0, 500.0, 70.0], exchanges=5)  # an eager step: left out
+    closing = [(MARKER, 3021.0, 3031.0)]
+    kernels = first + second + extra + closing
+    assert phase_times(list(reversed(kernels))) == [
+        [0.1, 0.02, 0.3, 0.5, 0.08],
+        [0.11, 0.025, 0.29, 0.52, 0.06],
+    ]
+    # one process: no exchanges, each step whole (from its marker's end to the next marker)
+    one = step(0.0, [900.0], exchanges=0) + step(910.0, [950.0], exchanges=0) + [(MARKER, 1870.0, 1880.0)]
+    assert phase_times(one, 0) == [[0.9], [0.95]]
+    ranks = [[0.1, 0.02, 0.3, 0.5, 0.08], [0.2, 0.03, 0.25, 0.45, 0.1]]
+    # (Adam + march) max(0.18, 0.3) + max(0.02, 0.03) + max(0.3, 0.25) + max(0.5, 0.45), above the slowest sum 1.03
+    assert barrier_ms(ranks) == pytest.approx(0.3 + 0.03 + 0.3 + 0.5)
+    assert barrier_ms(ranks) > max(sum(rank) for rank in ranks)
