@@ -20,7 +20,8 @@ every padding row is looked up, shaded and differentiated (lego, one H200, sessi
 the run's mean fill (count / size) of each kind. Split by space (training.space_parallel) the ranks share their counts
 (``share``) and size from the largest rank's, at the same steps: the same sizes everywhere, so that a rank's step
 graph is captured again when the others' are (a capture holds every rank up), and the lighter ranks' extra padding
-stays off the critical path (they wait for the largest at every exchange). With ``model.capped_refresh=observe`` an
+stays off the critical path (they wait for the largest at every exchange). With ``model.capped_refresh=observe`` (the
+default; two H200s split by space, lego: 18.6 / 17.9 s against ``measure``'s 19.7 s in one call, same PSNR) an
 occupancy refresh after the warmup has no measuring step (an eager step with its syncs, ~3x a replayed one in the
 split): the capped steps go on at their sizes, and the first step checked after the refresh resizes them as a
 measurement would, from its true counts (:meth:`SampleCapacities.refreshed`); only the ``LAG`` + 1 steps in flight
