@@ -105,8 +105,8 @@ def test_slabs_render_and_differentiate_what_one_march_does(tmp_path, shading, c
 
 def _kept_plane_rank(rank: int, ranks: int, init_file: str, out: str, clear: bool) -> None:
     """Steps of the split's gradient handling on a plane row no Adam step clears (the TV's, in empty space): every
-    step adds ``fresh`` on each owner, the sync sums the owners' copies, then (``clear``) the upper owner drops its
-    copy, as the trainer does after Adam. Saves the row's value after each sync."""
+    step adds 0.25 on each owner, the sync sums the owners' copies, then (``clear``) the upper owner drops its copy,
+    as the trainer does after Adam. Saves the row's value after each sync."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks)
     try:
         model = scene("deferred")[0]
@@ -128,7 +128,7 @@ def _kept_plane_rank(rank: int, ranks: int, init_file: str, out: str, clear: boo
 
 
 @pytest.mark.parametrize("count", [2, 3])
-def test_a_plane_gradient_kept_between_steps_adds_up_as_one_process_s(tmp_path, count):
+def test_a_plane_gradient_kept_between_steps_adds_up_as_in_one_process(tmp_path, count):
     """Both owners hold a plane's summed gradient after the sync; a row Adam does not clear keeps it, and without
     the upper owner's clear the next sum doubles it (two H200s: inf, then a NaN loss)."""
     for clear in (True, False):
