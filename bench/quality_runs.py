@@ -9,7 +9,8 @@ under ``--runs``; ``--variant NAME@N=OVERRIDES`` runs it on N GPUs (``torchrun -
 --nproc_per_node=N``, split as ``train.parallel`` says). ``--parallel`` runs share the device, so their PSNR is what
 the config gives but their times are not: time a variant alone (``--parallel 1``) before quoting its speed. The
 JSON has, per variant, mean PSNR / SSIM, the mean of the worst 10% of views, the worst views, training seconds,
-rays/s and the final grid shape and box.
+rays/s, the final grid shape and box, the split and step graph's reports, and with ``train.profile`` (``host``
+keeps the run's pace) among the overrides each rank's 100-step windows.
 """
 
 from __future__ import annotations
@@ -72,7 +73,20 @@ def run_variant(name: str, overrides: list[str], args: argparse.Namespace, ranks
     ):
         result[key] = metrics.get(key)
     result["eval_history"] = metrics.get("eval_history")
+    result["parallel"] = metrics.get("parallel")
+    result["step_graph"] = metrics.get("step_graph_ranks") or metrics.get("step_graph")
+    result["profile_windows"] = profile_windows(run_dir)
     return result
+
+
+def profile_windows(run_dir: Path) -> dict | None:
+    """With ``train.profile`` among the overrides: each rank's 100-step windows (training.profiler's profile.json,
+    profile_rank<r>.json) as [first step, last step, mean ms a step]; None without them."""
+    found = {}
+    for path in sorted(run_dir.glob("profile*.json")):
+        windows = json.loads(path.read_text()).get("windows") or []
+        found[path.stem] = [[*window["steps"], window["step_ms"]] for window in windows]
+    return found or None
 
 
 def main() -> int:

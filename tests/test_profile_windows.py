@@ -44,3 +44,16 @@ def test_a_profile_without_windows_is_named(tmp_path):
     old.write_text(json.dumps({"steps": 10, "step_ms": 5.0}))
     result = _run(old)
     assert result.returncode != 0 and f"{old}: no 'windows'" in result.stderr
+
+
+def test_quality_runs_records_each_ranks_windows_of_a_profiled_run(tmp_path, load_bench):
+    """bench/quality_runs.py: a variant run under train.profile keeps every rank's 100-step windows in its JSON."""
+    quality_runs = load_bench("quality_runs")
+    run = tmp_path / "two"
+    _write(run / "profile.json", [16.0, 5.0], [6.0, 2.0])
+    _write(run / "profile_rank1.json", [15.0, 5.5], [6.0, 2.0])
+    assert quality_runs.profile_windows(run) == {
+        "profile": [[1, 100, 16.0], [101, 200, 5.0]],
+        "profile_rank1": [[1, 100, 15.0], [101, 200, 5.5]],
+    }
+    assert quality_runs.profile_windows(tmp_path / "unprofiled") is None
