@@ -300,7 +300,10 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         # capped steps were checked (they start at the occupancy warmup: tiny_overrides' step 4)
         assert ranks is None or all(r["fill"]["march"] > 0 for r in ranks)
         assert ranks is None or all((r["resizes"] > 0) == (name == "observe") for r in ranks)
-        assert metrics["step_graph_ranks"] is None and metrics["parallel"] == {"ranks": count, "split": "space"}
+        assert metrics["step_graph_ranks"] is None and metrics["parallel"]["split"] == "space"
+        assert metrics["parallel"]["ranks"] == count
+        cuts = metrics["parallel"]["cuts"]  # the planes each growth cut, by the counted samples (or work)
+        assert bool(cuts) == (name in ("samples", "work")) and all(len(cut["planes"]) == count - 1 for cut in cuts)
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         two = load_checkpoint(tmp_path / f"two_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         assert one["step"] == two["step"] == 12

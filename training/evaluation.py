@@ -318,10 +318,13 @@ def rank_reports(trainer: Trainer) -> dict:
 
 
 def parallel_summary(trainer: Trainer) -> dict | None:
-    """Under torchrun, ``{"ranks", "split"}``: data (the rays) or space (the voxels); None for one process."""
+    """Under torchrun, ``{"ranks", "split"}``: data (the rays) or space (the voxels, with its ``cuts``: each growth's
+    planes cut by the counted work, training.space_parallel); None for one process."""
     if not trainer.group.active:
         return None
-    return {"ranks": trainer.group.world, "split": "data" if trainer.space is None else "space"}
+    if trainer.space is None:
+        return {"ranks": trainer.group.world, "split": "data"}
+    return {"ranks": trainer.group.world, "split": "space", "cuts": list(trainer.space.cuts)}
 
 
 def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds: float, files_seconds: float) -> dict:

@@ -50,6 +50,7 @@ class SpaceParallel:
         self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut,
         # per cell layer, then the steps counted
         self.graphed = graphed  # a rank's step from a CUDA graph (training.step_graph)
+        self.cuts: list[dict] = []  # each cut by the counts: step, first-axis vertices, planes (metrics.json parallel)
         model.space_split = self  # the model's march, TV and the optimiser's rows consult it
         if model.capacities is not None:  # the largest rank's counts size every rank's capacities
             model.capacities.share, model.capacities.rank = self.share_counts, group.rank
@@ -117,6 +118,7 @@ class SpaceParallel:
             layers = work_layers(layers, mask)
         planes = Slabs.balanced(layers, self.group.world, self.group.rank).planes
         self._planes = (shape, planes)
+        self.cuts.append({"step": self.trainer.step, "vertices": shape[0], "planes": list(planes)})
         if self.group.rank == 0:
             even = Slabs.even(shape[0], self.group.world, 0).planes
             print(f"space split: slabs cut at vertex planes {planes} of {shape[0]} (even: {even})")
