@@ -43,8 +43,9 @@
 # ab:         the code against a baseline on one machine (times compare only within one call): each line of $AB_RUNS
 #             ("name|tree|scene|experiment|overrides", tree "new" = this checkout, "old" = the Python tree of
 #             $AB_OLD_TGZ, made with `git archive BASE | gzip > FILE`, run with this build's extension: the old Python
-#             must not need an op this build lacks) trains `+experiment=experiment data.root=scene`, alone, in order
-#             -> $OUT/ab/<name>/metrics.json; interleave old and new lines so drift on the host hits both
+#             must not need an op this build lacks; "new@N" / "old@N": under torchrun on N GPUs) trains
+#             `+experiment=experiment data.root=scene`, alone, in order -> $OUT/ab/<name>/metrics.json; interleave
+#             old and new lines so drift on the host hits both
 # kernels:    bench/kernel_profile.py: torch.profiler over 30 steps from $KERNELS_FIRST (2800) of the
 #             +experiment=$KERNELS_EXPERIMENT (blender) run on $KERNELS_DATA (lego) -> $OUT/kernel_profile.txt
 # balance:    bench/slab_balance.py on the lego preset: the samples per first-axis cell layer at $BALANCE_AT, and how
@@ -178,9 +179,11 @@ for s in "${stages[@]}"; do
       cp cuda_ext/_C*.so cuda_ext/_build_config.py /tmp/ab_old/cuda_ext/
       while IFS='|' read -r name tree scene experiment overrides; do
         [ -z "$name" ] && continue
-        dir=$PWD; [ "$tree" = old ] && dir=/tmp/ab_old
+        launch=(python3); [ "$tree" != "${tree%@*}" ] && launch=(python3 -m torch.distributed.run --standalone \
+          --nproc_per_node="${tree#*@}")  # tree@N: under torchrun on N GPUs
+        dir=$PWD; [ "${tree%@*}" = old ] && dir=/tmp/ab_old
         # shellcheck disable=SC2086  # the overrides are words
-        stage "ab_$name" env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH:-}" python3 train.py +experiment="$experiment" \
+        stage "ab_$name" env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH:-}" "${launch[@]}" train.py +experiment="$experiment" \
           data.root="$(realpath "$scene")" hydra.run.dir="$OUT/ab/$name" train.turntable_frames=0 $overrides
       done <"${AB_RUNS:?ab: set AB_RUNS}" ;;
     variants)

@@ -236,6 +236,29 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, scene_cache
     assert not (tmp_path / "metrics.json").exists()
 
 
+def test_the_ranks_start_the_training_clock_together(tmp_path, scene_cache, monkeypatch):
+    """Under torchrun each rank sets up at its own pace; the clock of ``train_seconds`` starts after a barrier, so a
+    rank's wait for another's set-up (its first collective would hold it there) is not training time."""
+    from hydra import compose, initialize_config_dir
+
+    from training import app as app_module
+    from training import trainer as trainer_module
+    from training.distributed import Group
+
+    events: list[str] = []
+    clock = trainer_module.time.perf_counter
+    monkeypatch.setattr(Group, "barrier", lambda self: events.append("barrier"))
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: events.append("clock") or clock())
+    step = trainer_module.Trainer.train_step
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", lambda self: events.append("step") or step(self))
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose(config_name="config", overrides=tiny_overrides(scene_cache, 3) + ["train.turntable_frames=0"])
+    assert app_module.run(cfg, tmp_path) == 0
+    first = events.index("step")
+    assert events[:first].count("barrier") == 1 and events[first - 1] == "clock"  # barrier, clock, the first step
+    assert events.index("barrier") < first - 1 and "barrier" not in events[first:]
+
+
 def test_profile_host_writes_the_hosts_parts(tmp_path, scene_cache):
     """``train.profile=host``: the same parts, timed without syncs, and no device floors."""
     result = run_train(

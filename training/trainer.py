@@ -283,6 +283,7 @@ class Trainer:
         self.tensorboard = progress.tensorboard  # the periodic evaluations write theirs too
         code = EXIT_OK
         with InterruptGuard() as guard:
+            self.group.barrier()  # the ranks start the clock together: a wait for another rank's set-up is not training
             sync(self.device)
             self.startup_seconds = process_seconds() if self.startup_seconds is None else self.startup_seconds
             segment_start = time.perf_counter()
