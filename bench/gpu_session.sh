@@ -43,11 +43,13 @@
 # ab:         the code against a baseline on one machine (times compare only within one call): each line of $AB_RUNS
 #             ("name|tree|scene|experiment|overrides", tree "new" = this checkout, "old" = the Python tree of
 #             $AB_OLD_TGZ, made with `git archive BASE | gzip > FILE`, run with this build's extension: the old Python
-#             must not need an op this build lacks; "new@N" / "old@N": under torchrun on N GPUs) trains
+#             must not need an op this build lacks; "new@N" / "old@N": under torchrun on N GPUs; an optional sixth
+#             field: VAR=VALUE words set in the run's environment, e.g. NCCL_PROTO=Simple) trains
 #             `+experiment=experiment data.root=scene`, alone, in order -> $OUT/ab/<name>/metrics.json; interleave
 #             old and new lines so drift on the host hits both
 # kernels:    bench/kernel_profile.py: torch.profiler over 30 steps from $KERNELS_FIRST (2800) of the
 #             +experiment=$KERNELS_EXPERIMENT (blender) run on $KERNELS_DATA (lego) -> $OUT/kernel_profile.txt
+#             ($KERNELS_RANKS > 1: under torchrun on that many GPUs, train.parallel=auto; rank r > 0 writes .rank<r>)
 # balance:    bench/slab_balance.py on the lego preset: the samples per first-axis cell layer at $BALANCE_AT, and how
 #             evenly, at the surface and at the shaded samples' quantiles cut slabs would share them -> $OUT/slab_balance.json
 # rank-alone: bench/rank_alone.py: one split rank's step alone (exchanges emulated) against one GPU's, at step
@@ -162,7 +164,9 @@ for s in "${stages[@]}"; do
     viewer) stage viewer_throughput python3 bench/viewer_throughput.py --json "$OUT/viewer_throughput.json" \
       -- +experiment=blender data.root="$LEGO" train.checkpoint_every=0 ${VIEWER_OVERRIDES:-} ;;
     peers) source bench/peers/gpu_stage.sh ;;
-    kernels) stage kernel_profile python3 bench/kernel_profile.py --out "$OUT/kernel_profile.txt" \
+    kernels) ranks=(); [ "${KERNELS_RANKS:-1}" -gt 1 ] && ranks=(-m torch.distributed.run --standalone \
+        --nproc_per_node="$KERNELS_RANKS")
+      stage kernel_profile python3 "${ranks[@]}" bench/kernel_profile.py --out "$OUT/kernel_profile.txt" \
       --first "${KERNELS_FIRST:-2800}" -- +experiment="${KERNELS_EXPERIMENT:-blender}" data.root="${KERNELS_DATA:-$LEGO}" \
       train.turntable_frames=0 hydra.run.dir="$OUT/kernels" ;;
     rank-alone) stage rank_alone python3 bench/rank_alone.py --json "$OUT/rank_alone.json" --at "${ALONE_AT:-2800}" ${ALONE_ARGS:-} -- \
@@ -177,14 +181,14 @@ for s in "${stages[@]}"; do
     ab)
       mkdir -p /tmp/ab_old && tar -xzf "${AB_OLD_TGZ:?ab: set AB_OLD_TGZ}" -C /tmp/ab_old
       cp cuda_ext/_C*.so cuda_ext/_build_config.py /tmp/ab_old/cuda_ext/
-      while IFS='|' read -r name tree scene experiment overrides; do
+      while IFS='|' read -r name tree scene experiment overrides environment; do
         [ -z "$name" ] && continue
         launch=(python3); [ "$tree" != "${tree%@*}" ] && launch=(python3 -m torch.distributed.run --standalone \
           --nproc_per_node="${tree#*@}")  # tree@N: under torchrun on N GPUs
         dir=$PWD; [ "${tree%@*}" = old ] && dir=/tmp/ab_old
-        # shellcheck disable=SC2086  # the overrides are words
-        stage "ab_$name" env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH:-}" "${launch[@]}" train.py +experiment="$experiment" \
-          data.root="$(realpath "$scene")" hydra.run.dir="$OUT/ab/$name" train.turntable_frames=0 $overrides
+        # shellcheck disable=SC2086  # the overrides and the environment's assignments are words
+        stage "ab_$name" env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH:-}" ${environment:-} "${launch[@]}" train.py \
+          +experiment="$experiment" data.root="$(realpath "$scene")" hydra.run.dir="$OUT/ab/$name" train.turntable_frames=0 $overrides
       done <"${AB_RUNS:?ab: set AB_RUNS}" ;;
     variants)
       args=(); IFS=';' read -ra specs <<<"${VARIANTS:-base=}"
@@ -205,5 +209,5 @@ find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -d
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
-for f in run_profile.md host_profile.md decoder_profile.json slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
+for f in kernel_profile.txt kernel_profile.txt.rank1 run_profile.md host_profile.md decoder_profile.json slab_balance.json rank_alone.json grad_exchange.json step_syncs.json variants.json bench_render.md bench_march.json profile/profile.json op_tests.log model_tests.log pytests.log viewer_throughput.json; do [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/"; done
 exit $failures
