@@ -42,8 +42,8 @@
 #             dense / touched rows / occupied rows, -> $OUT/grad_exchange.json ($EXCHANGE_ARGS: e.g. --occupied 0.05)
 # ab:         the code against a baseline on one machine (times compare only within one call): each line of $AB_RUNS
 #             ("name|tree|scene|experiment|overrides", tree "new" = this checkout, "old" = the Python tree of
-#             $AB_OLD_TGZ, made with `git archive BASE | gzip > FILE`, run with this build's extension: the old Python
-#             must not need an op this build lacks; "new@N" / "old@N": under torchrun on N GPUs; an optional sixth
+#             $AB_OLD_TGZ, or a FILE.tgz path: one made with `git archive REF | gzip > FILE`, run with this build's
+#             extension: its Python must not need an op this build lacks; "TREE@N": under torchrun on N GPUs; a sixth
 #             field: VAR=VALUE words set in the run's environment, e.g. NCCL_PROTO=Simple) trains
 #             `+experiment=experiment data.root=scene`, alone, in order -> $OUT/ab/<name>/metrics.json; interleave
 #             old and new lines so drift on the host hits both
@@ -179,13 +179,18 @@ for s in "${stages[@]}"; do
       --nproc_per_node="$(nvidia-smi -L | wc -l)" bench/bench_grad_exchange.py --json "$OUT/grad_exchange.json" \
       ${EXCHANGE_ARGS:-} ;;
     ab)
-      mkdir -p /tmp/ab_old && tar -xzf "${AB_OLD_TGZ:?ab: set AB_OLD_TGZ}" -C /tmp/ab_old
-      cp cuda_ext/_C*.so cuda_ext/_build_config.py /tmp/ab_old/cuda_ext/
       while IFS='|' read -r name tree scene experiment overrides environment; do
         [ -z "$name" ] && continue
         launch=(python3); [ "$tree" != "${tree%@*}" ] && launch=(python3 -m torch.distributed.run --standalone \
           --nproc_per_node="${tree#*@}")  # tree@N: under torchrun on N GPUs
-        dir=$PWD; [ "${tree%@*}" = old ] && dir=/tmp/ab_old
+        source_tree=${tree%@*}; [ "$source_tree" = old ] && source_tree=${AB_OLD_TGZ:?ab: set AB_OLD_TGZ}
+        dir=$PWD
+        if [ "$source_tree" != new ]; then  # a tarball of a Python tree, unpacked once, with this build's extension
+          dir=/tmp/ab_trees/$(basename "$source_tree" .tgz)
+          if [ ! -d "$dir" ]; then
+            mkdir -p "$dir" && tar -xzf "$source_tree" -C "$dir" && cp cuda_ext/_C*.so cuda_ext/_build_config.py "$dir/cuda_ext/"
+          fi
+        fi
         # shellcheck disable=SC2086  # the overrides and the environment's assignments are words
         stage "ab_$name" env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH:-}" ${environment:-} "${launch[@]}" train.py \
           +experiment="$experiment" data.root="$(realpath "$scene")" hydra.run.dir="$OUT/ab/$name" train.turntable_frames=0 $overrides
