@@ -225,8 +225,10 @@ class Group:
             raise DistributedError(f"{name}: the ranks disagree ({', '.join(sorted(set(map(str, values))))})")
 
     def barrier(self) -> None:
+        """Wait here until every rank gets here: an all-reduce of one number, read back (on NCCL ``dist.barrier`` would
+        guess its device and warn about it on every run)."""
         if self.active:
-            _collective("barrier", dist.barrier)
+            self.minimum(0)
 
 
 @dataclass(frozen=True)
