@@ -42,7 +42,8 @@
 #             dense / touched rows / occupied rows, -> $OUT/grad_exchange.json ($EXCHANGE_ARGS: e.g. --occupied 0.05)
 # ab:         the code against a baseline on one machine (times compare only within one call): each line of $AB_RUNS
 #             ("name|tree|scene|experiment|overrides", tree "new" = this checkout, "old" = the Python tree of
-#             $AB_OLD_TGZ, or a FILE.tgz path: one made with `git archive REF | gzip > FILE`, run with this build's
+#             $AB_OLD_TGZ, or a FILE.tgz path (unpacked once, by its file name): one made with
+#             `git archive REF | gzip > FILE`, run with this build's
 #             extension: its Python must not need an op this build lacks; "TREE@N": under torchrun on N GPUs; a sixth
 #             field: VAR=VALUE words set in the run's environment, e.g. NCCL_PROTO=Simple) trains
 #             `+experiment=experiment data.root=scene`, alone, in order -> $OUT/ab/<name>/metrics.json; interleave
