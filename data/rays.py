@@ -65,7 +65,8 @@ def pixel_rays(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rays through continuous pixel positions.
 
-    c2w: (*S, 4, 4) (or broadcastable to that), u, v: (*S) column and row positions in full-res pixel units.
+    c2w: (*S, 4, 4) (or broadcastable to that; its first three rows, (*S, 3, 4), are all it reads), u, v: (*S)
+    column and row positions in full-res pixel units.
     intrinsics: (*S, 4) (or broadcastable) fx, fy, cx, cy, or a focal length with width and height.
     lens: None (pinhole) or the cameras' distortion, coefficients (*S, 6) or broadcastable.
     Returns origins and unit directions, each (*S, 3), in c2w's dtype.

@@ -110,6 +110,14 @@ class _SceneSampler:
         self.c2w = scene.c2w.to(self.device)
         self.intrinsics = scene.intrinsics.to(self.device, self.c2w.dtype)  # (V, 4) fx, fy, cx, cy per view
         self.lens = None if scene.lens is None else scene.lens.to(self.device, self.c2w.dtype)  # (V, 6) or None
+        # (V, 16): each view's camera-to-world rows (3, 4) and intrinsics side by side, so that a batch gathers its
+        # rays' cameras at once (two gathers of rows this short cost a lego step on an H200 ~0.06 ms each)
+        self.cameras = torch.cat([self.c2w[:, :3].reshape(-1, 12), self.intrinsics], 1)
+
+    def _cameras(self, views: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (*S, 3, 4) camera-to-world rows and (*S, 4) intrinsics of (*S,) views, from one gather."""
+        cameras = self.cameras[views]
+        return cameras[..., :12].unflatten(-1, (3, 4)), cameras[..., 12:]
 
     def _lens(self, views: torch.Tensor, extra_dims: int = 0):
         return None if self.lens is None else self.lens.take(views, extra_dims)
@@ -167,12 +175,13 @@ class RaySampler(_SceneSampler):
         rows = torch.div(within, width, rounding_mode="floor")
         cols = within - rows * width
         if self.table is not None:
-            origins, directions = _table_rays(self.c2w[views], self.table, views, rows, cols)
+            origins, directions = _table_rays(self._cameras(views)[0], self.table, views, rows, cols)
         else:
             u, v = cols + 0.5, rows + 0.5
             if within_pixel is not None:
                 u, v = cols + within_pixel[0], rows + within_pixel[1]
-            origins, directions = pixel_rays(self.c2w[views], u, v, self.intrinsics[views], lens=self._lens(views))
+            c2w, intrinsics = self._cameras(views)
+            origins, directions = pixel_rays(c2w, u, v, intrinsics, lens=self._lens(views))
         return RayBatch(
             origins,
             directions,

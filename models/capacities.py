@@ -26,7 +26,9 @@ occupancy refresh after the warmup has no measuring step (an eager step with its
 split): the capped steps go on at their sizes, and the first step checked after the refresh resizes them as a
 measurement would, from its true counts (:meth:`SampleCapacities.refreshed`); only the ``LAG`` + 1 steps in flight
 can overflow meanwhile, where a refresh moves the counts by more than the headroom. Before the warmup it measures
-only while the shown samples rise; then the steps follow their own counts, eagerly (:meth:`SampleCapacities.schedule`).
+only while the shown samples rise; then the steps follow their own counts, each size kept until it is ``WARM_KEEP``
+times what they need, so that one step graph (training.step_graph) serves several steps
+(:meth:`SampleCapacities.schedule`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ SPREAD = 3.0  # plus SPREAD / sqrt(rays): a batch's count varies with its rays' 
 GROWTH = 2.0  # after an overflow: room for counts still rising
 SHRINK = 1.15  # a size above SHRINK x the capacity for its window's peak shrinks to that
 KEEP = 1.05  # a measurement keeps a size at most KEEP x its count's capacity (and the step graph for the sizes)
+# before the occupancy's warmup (capped_refresh=observe) the counts fall at almost every step as the density forms: a
+# size then stays until it is WARM_KEEP x its count's capacity, so that a step graph serves several steps (the split's
+# eager warmup steps are its host's: two H200s, 12.5 ms a step against ~6 ms of kernels, bench/README session 47)
+WARM_KEEP = 1.3
 LAG = 2  # steps whose counts may still be on their way to the host
 WINDOW = 20  # checked steps between two shrinks
 KINDS = ("march", "alive", "shown")  # march_rays' samples, visible_samples' alive ones and shown ones
@@ -85,7 +91,7 @@ class SampleCapacities:
         self.measurements = 0  # measuring steps (the report)
         self.shown: int | None = None  # the last measurement's shown samples (every rank's largest)
         self.falling = False  # whether it was below the one before: the density formed (the warmup's first steps)
-        self.warming = False  # following counts that move every step before the occupancy's warmup: no step graph
+        self.warming = False  # following counts that move every step before the occupancy's warmup (sizes kept longer)
         self.resizes = 0  # resizes from observed counts (the report)
 
     @property
@@ -102,8 +108,8 @@ class SampleCapacities:
         every step. ``observe`` False (``model.capped_refresh=measure``): the next step then measures. ``observe``:
         growths, the warmup's refresh and the first steps measure, until a measurement finds fewer shown samples
         than the one before (lego: from step 5 on, as the density forms); past that the steps' own counts resize
-        the sizes (:meth:`refreshed`), and while warming up no step graph is captured (:attr:`warming`: sizes that
-        move every step would capture every step)."""
+        the sizes (:meth:`refreshed`), and while warming up a size stays until it is ``WARM_KEEP`` times what the counts
+        need (:attr:`warming`: counts that fall every step would otherwise capture a step graph every step)."""
         follow = observe and not grown and (step > warmup or (step < warmup and self.falling))
         self.warming = follow and step < warmup
         if follow and (refreshed or step < warmup):
@@ -134,7 +140,8 @@ class SampleCapacities:
         """Sizes for these counts (march, alive, shown), keeping each that fits within ``KEEP``; a new window."""
         fresh = {kind: headroom(count, self.rays) for kind, count in zip(KINDS, counts)}
         old = self.sizes or {}
-        kept = {kind for kind, size in fresh.items() if size <= old.get(kind, 0) <= KEEP * size}
+        keep = WARM_KEEP if self.warming else KEEP
+        kept = {kind for kind, size in fresh.items() if size <= old.get(kind, 0) <= keep * size}
         self.sizes = {kind: old[kind] if kind in kept else size for kind, size in fresh.items()}
         self.peak, self.checked = [0, 0, 0], 0
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_train import run_train, tiny_overrides
 
-from models.capacities import GROWTH, HEADROOM, KEEP, LAG, SPREAD, WINDOW, SampleCapacities, headroom
+from models.capacities import GROWTH, HEADROOM, KEEP, KINDS, LAG, SPREAD, WARM_KEEP, WINDOW, SampleCapacities, headroom
 from models.decoder import padded_rows
 from models.regularizers import RenderedSamples
 
@@ -242,6 +242,36 @@ def test_observing_the_warmup_measures_while_the_shown_samples_rise_then_follows
         measuring.measured(1000, 800, 500 - step)
         measuring.schedule(step, warmup, grown=False, refreshed=step in (6, 8), observe=False)
         assert measuring.measuring == (step <= 6 or step == 8) and not measuring.warming, step
+
+
+def test_while_warming_a_size_stays_until_its_counts_fall_below_the_warm_band():
+    """Before the warmup (``observe``) the counts fall at almost every step: each step's resize keeps a size until it
+    exceeds ``WARM_KEEP`` times the capacity its counts need (the step graph then serves several steps); past the
+    warmup ``KEEP`` holds again."""
+    capacities = SampleCapacities()
+    capacities.measured(100_000, 60_000, 30_000)
+    capacities.measured(100_000, 60_000, 20_000)  # falling: the steps now follow their counts
+    sizes = dict(capacities.sizes)
+    warmup = 50
+    counts = {10: [95_000, 55_000, 19_000], 11: [90_000, 50_000, 16_000], 12: [70_000, 40_000, 16_500]}
+    for step, now in counts.items():
+        capacities.schedule(step, warmup, grown=False, refreshed=False, observe=True)
+        assert capacities.warming
+        capacities._check([now], dict(capacities.sizes), capacities.generation)
+        if step < 12:  # within the band: every size kept (no new graph)
+            assert capacities.sizes == sizes, step
+    fresh = [headroom(count) for count in counts[12]]
+    for kind, size, old in zip(KINDS, fresh, sizes.values()):
+        assert capacities.sizes[kind] == (old if old <= WARM_KEEP * size else size), kind
+    assert capacities.sizes["march"] == headroom(70_000) and capacities.sizes["shown"] == sizes["shown"]
+    assert sizes["march"] > WARM_KEEP * headroom(70_000) and sizes["shown"] <= WARM_KEEP * headroom(16_500)
+    capacities.schedule(warmup, warmup, grown=False, refreshed=True, observe=True)  # the warmup's refresh: measured
+    capacities.measured(60_000, 30_000, 10_000)
+    capacities.schedule(warmup + 1, warmup, grown=False, refreshed=False, observe=True)
+    assert not capacities.warming
+    capacities.schedule(warmup + 2, warmup, grown=False, refreshed=True, observe=True)
+    capacities._check([[50_000, 25_000, 9_000]], dict(capacities.sizes), capacities.generation)
+    assert capacities.sizes["march"] == headroom(50_000)  # 60k's size is more than KEEP above 50k's: resized
 
 
 def test_ranks_resize_together_after_an_observed_refresh():

@@ -23,6 +23,7 @@ from data import (
     eval_split,
     list_splits,
     load_blender,
+    pixel_rays,
     project_to_pixels,
     synthetic,
 )
@@ -166,6 +167,10 @@ def test_ray_sampler_batches_match_pixels_and_cameras(tiny_scene, device):
     assert set(views.tolist()) == {0, 1, 2, 3} and rows.min() == 0 and rows.max() == SIZE - 1
     again = RaySampler(scene, 512, generator=torch.Generator(device).manual_seed(1)).sample()
     assert torch.equal(again.rgb, batch.rgb) and not torch.equal(sampler.sample().rgb, batch.rgb)
+    # the cameras from one gather of the (V, 16) table: bit for bit the rays of the (V, 4, 4) and (V, 4) gathers
+    u, v = cols + 0.5, rows + 0.5
+    whole = pixel_rays(sampler.c2w[views], u, v, sampler.intrinsics[views])
+    assert torch.equal(batch.origins, whole[0]) and torch.equal(batch.directions, whole[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -148,6 +148,19 @@ def test_a_plane_gradient_kept_between_steps_adds_up_as_in_one_process(tmp_path,
                     assert values[-1] > 4 * one_process[-1]  # doubled a step
 
 
+def test_the_cut_counts_the_shaded_samples_from_the_occupancy_warmup_on():
+    """Before the warmup every ray crosses the whole box: those steps' samples would pull the planes towards where
+    a dense march puts them, not where the later steps' fall."""
+    model = scene("deferred")[0]
+    split = space_split_of(model, 0)
+    warmup = model.config.occupancy.warmup
+    for step, counted in ((0, False), (warmup - 1, False), (warmup, True), (warmup + 7, True)):
+        split.trainer = SimpleNamespace(step=step)  # steps done: the next one's forward counts or not
+        layers = split._counting()
+        assert (layers is not None) == counted, step
+        assert layers is None or layers.numel() == model.grid_shape[0]  # the cell layers, then the steps counted
+
+
 def test_slabs_split_the_cells_at_their_planes():
     shape = (9, 5, 5)
     x = torch.linspace(-1.0, 1.0, 41, dtype=torch.float64)
@@ -289,6 +302,7 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         extra += [f"model.capped_refresh={'observe' if name == 'observe' else 'measure'}"]
         extra += [f"train.space_planes={name if name in ('samples', 'work') else 'even'}"]
         extra += ["model.tv_density=0", "model.tv_features=0"]  # the split's TV is stratified: a test of its own
+        extra += ["model.grow_at=[0.5]"]  # the growth at step 6, after the warmup's (4): the cut counts from there
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
         assert result.returncode == 0, result.stderr[-2000:]
         pair = torchrun(count, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])

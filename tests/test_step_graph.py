@@ -138,9 +138,10 @@ def test_release_destroys_the_graph_even_when_the_device_failed(monkeypatch, dev
     assert Graph.resets == 1
 
 
-def test_no_capture_while_the_capacities_follow_the_warmups_counts():
-    """``model.capped_refresh=observe`` before the warmup: the sizes follow counts that move every step, so those
-    steps run eagerly (capped, without syncs) rather than capture a graph each."""
+def test_a_step_graph_serves_the_warmups_steps_too():
+    """``model.capped_refresh=observe`` before the warmup: the sizes follow counts that fall every step, kept within
+    ``WARM_KEEP`` (models/capacities.py), so a graph applies there as after it (the split's eager warmup steps are its
+    host's); a measuring step or the fine grid's collection still runs eagerly."""
     from types import SimpleNamespace
 
     from models.capacities import SampleCapacities
@@ -153,6 +154,11 @@ def test_no_capture_while_the_capacities_follow_the_warmups_counts():
     step_graph = StepGraph(model, lambda: None, lambda *args: None)
     assert step_graph.applies()
     capacities.warming = True
+    assert step_graph.applies()
+    capacities.invalidate()
+    assert not step_graph.applies()  # a measuring step
+    capacities.stale = False
+    model.fine = SimpleNamespace(enabled=False, collecting=True)
     assert not step_graph.applies()
 
 

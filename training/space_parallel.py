@@ -130,10 +130,14 @@ class SpaceParallel:
 
     def _counting(self) -> torch.Tensor | None:
         """The (R0,) counts the march adds this slab's shaded samples to, per cell layer, and its steps (samples or
-        work), None otherwise and inside a captured step (training.step_graph: its samples have padding rows, so it
-        counts none; the counts must not be made there either, or every replay would zero them)."""
+        work; from the occupancy's warmup on), None otherwise and inside a captured step (training.step_graph: its
+        samples have padding rows, so it counts none; the counts must not be made there either, or every replay would
+        zero them)."""
         capturing = self.model.bbox.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.balance_by not in COUNTED or capturing:
+        # before the occupancy's warmup every ray is marched through the whole box: those steps' samples say little
+        # of where a later step's fall, and there are many of them (every step measures there)
+        warming = self.trainer.step < self.model.config.occupancy.warmup
+        if self.balance_by not in COUNTED or capturing or warming:
             return None
         cells = self.model.grid_shape[0] - 1
         if self._layers is None or self._layers[0].numel() != cells + 1:

@@ -96,7 +96,6 @@ class StepGraph:
         return (
             capacities is not None
             and not capacities.measuring
-            and not capacities.warming  # model.capped_refresh=observe before the warmup: sizes moving every step
             and not (self.model.fine.collecting and self.model.training)
             and not self.model.touched.enabled
         )
