@@ -48,7 +48,8 @@ SHRINK = 1.15  # a size above SHRINK x the capacity for its window's peak shrink
 KEEP = 1.05  # a measurement keeps a size at most KEEP x its count's capacity (and the step graph for the sizes)
 # before the occupancy's warmup (capped_refresh=observe) the counts fall at almost every step as the density forms: a
 # size then stays until it is WARM_KEEP x its count's capacity, so that a step graph serves several steps (the split's
-# eager warmup steps are its host's: two H200s, 12.5 ms a step against ~6 ms of kernels, bench/README session 47)
+# eager warmup steps were its host's: two H200s, 12.5 ms a step against ~6 ms of kernels; replayed, lego's first 100
+# steps take 13.6-15.6 ms against 17.7-20.6: bench/README "The warmup's steps replayed")
 WARM_KEEP = 1.3
 LAG = 2  # steps whose counts may still be on their way to the host
 WINDOW = 20  # checked steps between two shrinks

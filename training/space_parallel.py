@@ -1,7 +1,7 @@
 """``train.parallel=space`` under torchrun: the voxels split by space instead of the rays, one slab a rank (issue 33;
 two H200s: 0.95-1.18x one GPU on lego at the same PSNR, by host; with each rank's step from a CUDA graph
-(``train.step_graph``) and sizes that follow the refreshes' counts 1.51-1.63x, four H200s 2.02-2.05x: bench/README
-"Two H200s at 1.51-1.61x, four at 2.02-2.05x").
+(``train.step_graph``) and sizes that follow the refreshes' counts 1.61-1.69x, four H200s 2.02-2.05x: bench/README
+"The warmup's steps replayed", "Two H200s at 1.51-1.61x, four at 2.02-2.05x").
 
 Every rank draws the whole batch and marches, shades and differentiates only the samples of its slab of the grids
 (models.space_split: S ranks cut the first axis at S - 1 vertex planes; neighbours share their plane); the
@@ -259,8 +259,8 @@ class SpaceParallel:
 def split_for(trainer) -> SpaceParallel | None:
     """This rank's slab under torchrun, or None (data parallel; one process), as ``train.parallel`` asks. ``auto``
     (the default): by space on CUDA where the split takes the run, with ``model.capped_samples`` and
-    ``train.step_graph`` on (lego: two H200s 1.51-1.63x one GPU at the same PSNR, four 2.02-2.05x, where data parallel
-    is 0.71-0.80x; bench/README "Two H200s at 1.51-1.61x"); else data parallel, which every run takes."""
+    ``train.step_graph`` on (lego: two H200s 1.61-1.69x one GPU at the same PSNR, four 2.02-2.05x, where data parallel
+    is 0.71-0.80x; bench/README "The warmup's steps replayed"); else data parallel, which every run takes."""
     asked, group = str(trainer.train_cfg.get("parallel", "auto")), trainer.group
     if not group.active:
         if asked == "space":

@@ -83,9 +83,9 @@ class StepGraph:
         if trainer.model.capacities is None or not one_or_split:
             return None
         graph_key = tuple if trainer.space is None else trainer.space.graph_key
-        # the replays run the decoder inside the step's graph; what is left eager (the warmup's steps, the measuring
-        # ones) shades 0.7-6 M samples a step, whose kernels outlast their launches: there the decoder's own graphs
-        # (model.decoder_graphs: three warm-up passes and a capture for each new size) cost more than they save
+        # the replays run the decoder inside the step's graph; what is left eager (the measuring steps, the warmup's
+        # first ones) shades 0.7-6 M samples a step, whose kernels outlast their launches: there the decoder's own
+        # graphs (model.decoder_graphs: three warm-up passes and a capture for each new size) cost more than they save
         trainer.model.decoder_graphs = None
         return StepGraph(trainer.model, lambda: trainer.optimizer, trainer._gradients, graph_key, trainer.profiler)
 
