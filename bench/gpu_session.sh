@@ -212,6 +212,8 @@ log "done: $failures failure(s)"
 # keep what comes back small: checkpoints and videos stay on the device machine
 find "$OUT" \( -name "*.pt" -o -name "*.pt.*.tmp" -o -name "*.mp4" -o -name "*.npy" \) -delete
 find "$OUT" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "00[0-2]_*" -delete  # three views per run come back
+# ab's runs are for their times: one view's prediction each, so a call of many runs still fits the 16 MiB a file
+[ -d "$OUT/ab" ] && find "$OUT/ab" -path "*/renders/*" -name "[0-9][0-9][0-9]_*" ! -name "000_pred.png" -delete
 tar -C "$OUT" -czf "$FINAL/session.tgz" .
 cp "$OUT/session.log" "$FINAL/"; [ -f "$OUT/bench.json" ] && cp "$OUT/bench.json" "$OUT/bench.md" "$FINAL/"
 for f in "$OUT"/peers/*.json "$OUT"/peers/*.png; do [ -f "$f" ] && cp "$f" "$FINAL/"; done
