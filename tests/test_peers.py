@@ -185,7 +185,7 @@ def _fake_run(folder, psnr_value=30.0):
                for s in (500, 1000)]  # fmt: skip
     metrics = {"psnr": psnr_value, "ssim": 0.95, "psnr_worst10": 27.0, "worst_views": [3], "per_view": [{}] * 10,
                "iters": 1500, "train_seconds": 30.0, "eval_views": 10, "eval_history": history,
-               "device": "cuda:0 (NVIDIA H100 80GB HBM3)"}  # fmt: skip
+               "device": "cuda:0 (NVIDIA H100 80GB HBM3)", "peak_memory_bytes": 123456789}  # fmt: skip
     (folder / "metrics.json").write_text(json.dumps(metrics))
     (folder / "model.pt").write_bytes(b"x" * 1000)
     return folder
@@ -194,6 +194,7 @@ def _fake_run(folder, psnr_value=30.0):
 def test_our_entry_reads_the_run(tmp_path):
     entry = our_entry(_fake_run(tmp_path / "run"))
     assert entry["evaluations"][0]["model_bytes"] == 1000 and entry["evaluations"][0]["psnr"] == 30.0
+    assert entry["peak_memory_bytes"] == 123456789  # metrics.json's, as the peers' own
     assert [p["step"] for p in entry["curve"]] == [500, 1000, 1500]
     with pytest.raises(ValueError, match="--ours-run"):
         our_entry(tmp_path / "nothing")

@@ -38,6 +38,8 @@ METRIC_KEYS = {
     "torch",
     "date",
     "render_only",
+    "peak_memory_bytes",
+    "cuda_allocator",
 }
 N_TEST = 3
 
@@ -99,6 +101,7 @@ def test_run_writes_metrics_renders_and_checkpoint(finished_run):
     assert metrics["iters"] == 12 and metrics["render_only"] is False
     assert metrics["ops"] == backends("torch")
     assert metrics["device"] == "cpu" and metrics["resolution"] == [16, 16]
+    assert metrics["peak_memory_bytes"] is None and metrics["cuda_allocator"] is None  # CUDA's allocator only
     assert len(metrics["per_view"]) == N_TEST
     assert math.isfinite(metrics["psnr"]) and -1.0 <= metrics["ssim"] <= 1.0
     assert metrics["psnr"] == pytest.approx(sum(v["psnr"] for v in metrics["per_view"]) / N_TEST)
@@ -348,6 +351,9 @@ def test_cuda_run_with_custom_kernels(tmp_path, scene_cache):
     metrics = read_metrics(tmp_path)
     assert metrics["device"].startswith("cuda:") and set(metrics["ops"].values()) == {"custom"}
     assert math.isfinite(metrics["psnr"]) and metrics["iters"] == 20
+    allocator = metrics["cuda_allocator"]  # the model's grids alone went through the allocator
+    assert metrics["peak_memory_bytes"] >= allocator["allocated_bytes"] > 0
+    assert allocator["peak_reserved_bytes"] >= metrics["peak_memory_bytes"] and allocator["device_mallocs"] > 0
 
 
 def test_a_periodic_evaluation_runs_before_the_checkpoint_of_its_step(tmp_path, scene_cache):

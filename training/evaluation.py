@@ -22,7 +22,7 @@ from training.inference import HostPipeline, expected_depth, render_frames, rend
 from training.metrics import psnr_tensor, ssim_tensor
 from training.plots import plot_curve
 from training.run_dir import RunError, write_error, write_json
-from training.scenes import describe_device
+from training.scenes import describe_device, device_memory
 from training.timing import process_seconds
 from training.visualize import (
     colorize_depth,
@@ -327,6 +327,15 @@ def parallel_summary(trainer: Trainer) -> dict | None:
     return {"ranks": trainer.group.world, "split": "space", "cuts": list(trainer.space.cuts)}
 
 
+def memory_report(device: torch.device) -> dict:
+    """``peak_memory_bytes`` (the allocator's peak, None off CUDA) and ``cuda_allocator``, the rest of
+    training.scenes.device_memory's account (None off CUDA)."""
+    memory = device_memory(device)
+    if memory is None:
+        return {"peak_memory_bytes": None, "cuda_allocator": None}
+    return {"peak_memory_bytes": memory.pop("peak_memory_bytes"), "cuda_allocator": memory}
+
+
 def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds: float, files_seconds: float) -> dict:
     seconds = max(trainer.train_seconds, 1e-9)
     return {
@@ -349,6 +358,9 @@ def run_metrics(trainer: Trainer, result: dict, render_only: bool, data_seconds:
         "pixels_per_second": trainer.pixels_done / seconds if trainer.train_seconds > 0 else None,
         "ops": dict(trainer.ops.backends),
         "device": describe_device(trainer.device),
+        # CUDA: this rank's allocator over the whole command (the peers harness's peak_memory_bytes, so its tables
+        # compare ours on the same footing), and its calls to the driver
+        **memory_report(trainer.device),
         "seed": trainer.seed,
         "resolution": [trainer.eval_scene.height, trainer.eval_scene.width],
         "data": trainer.cfg.data.name,

@@ -10,10 +10,14 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from training.scenes import device_memory
 from training.tensorboard import TensorBoardLogger
 
 if TYPE_CHECKING:  # training.trainer imports this module
     from training.trainer import Trainer
+
+
+LOGGED_MEMORY = ("allocated_bytes", "device_mallocs", "device_frees")  # training.scenes.device_memory's, in TensorBoard
 
 
 class ProgressLog:
@@ -58,6 +62,10 @@ class ProgressLog:
         rates = {f"lr_{g.get('name', i)}": g["lr"] for i, g in enumerate(trainer.optimizer.param_groups)}
         model = trainer.model
         occupied = model.occupancy.mask.float().mean().item()
+        # CUDA: the bytes held and the allocator's driver calls so far: a window with new cudaMalloc / cudaFree
+        # calls (each free synchronises the device) shows where a slow window's time went
+        account = device_memory(trainer.device) or {}  # None off CUDA: scalars() leaves Nones out
+        memory = {name: account.get(name) for name in LOGGED_MEMORY}
         self.tensorboard.scalars(
             step,
             loss=loss,
@@ -66,6 +74,7 @@ class ProgressLog:
             resolution=model.resolution,
             occupancy=occupied,
             **rates,
+            **memory,
         )
         self.bar.set_postfix(
             loss=f"{loss:.4f}",

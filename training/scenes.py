@@ -33,6 +33,29 @@ def describe_device(device: torch.device) -> str:
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
+# the CUDA caching allocator's counters that device_memory reports, by its names (torch.cuda.memory_stats)
+ALLOCATOR_STATS = {
+    "allocated_bytes": "allocated_bytes.all.current",
+    "peak_memory_bytes": "allocated_bytes.all.peak",
+    "peak_reserved_bytes": "reserved_bytes.all.peak",
+    "device_mallocs": "num_device_alloc",
+    "device_frees": "num_device_free",
+    "alloc_retries": "num_alloc_retries",
+}
+
+
+def device_memory(device: torch.device) -> dict[str, int | None] | None:
+    """The CUDA caching allocator's account of this process so far (None off CUDA): the bytes its tensors hold now
+    and at their peak, the bytes it reserved at the peak, and its calls to the driver: ``device_mallocs`` and
+    ``device_frees`` (cudaMalloc / cudaFree, which synchronises the device: a step that makes one is slow),
+    ``alloc_retries`` (an allocation that failed, emptied the cache and tried again). A counter this torch's
+    allocator does not keep is None."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: None if key not in stats else int(stats[key]) for name, key in ALLOCATOR_STATS.items()}
+
+
 def seed_everything(seed: int | None) -> int:
     """Seed python, numpy and torch (every device); ``None`` draws a seed. Returns the seed used."""
     if seed is None:
