@@ -38,8 +38,8 @@ ALLOCATOR_STATS = {
     "allocated_bytes": "allocated_bytes.all.current",
     "peak_memory_bytes": "allocated_bytes.all.peak",
     "peak_reserved_bytes": "reserved_bytes.all.peak",
-    "device_mallocs": "num_device_alloc",
-    "device_frees": "num_device_free",
+    "device_mallocs": "segment.all.allocated",  # the segments it took from cudaMalloc, over the process
+    "device_frees": "segment.all.freed",  # ... and gave back with cudaFree
     "alloc_retries": "num_alloc_retries",
 }
 
