@@ -188,12 +188,12 @@ def test_ray_sums_sum_each_ray_and_leave_the_padding_out():
 
 
 def space_split_of(model, rank: int, ranks: int = 2) -> SpaceParallel:
-    """A rank's SpaceParallel on ``model`` without a trainer (a step count stands in) or a process group (its TV draws
-    need neither)."""
+    """A rank's SpaceParallel on ``model`` without a trainer (a step count stands in: the occupancy's warmup, the
+    first step whose shaded samples a cut counts) or a process group (its TV draws need neither)."""
     split = SpaceParallel.__new__(SpaceParallel)
     split.model, split.group = model, SimpleNamespace(rank=rank, world=ranks)
     split.balance_by, split._planes, split._layers = "samples", None, None
-    split.trainer, split.cuts = SimpleNamespace(step=0), []  # the step a cut is listed at
+    split.trainer, split.cuts = SimpleNamespace(step=model.config.occupancy.warmup), []  # also the step a cut lists
     return split
 
 
