@@ -111,8 +111,8 @@ class _SceneSampler:
         self.intrinsics = scene.intrinsics.to(self.device, self.c2w.dtype)  # (V, 4) fx, fy, cx, cy per view
         self.lens = None if scene.lens is None else scene.lens.to(self.device, self.c2w.dtype)  # (V, 6) or None
         # (V, 16): each view's camera-to-world rows (3, 4) and intrinsics side by side, so that a batch gathers its
-        # rays' cameras at once: one launch instead of two (a batch graph's launches are few; lego's late steps on two
-        # H200s were within the runs' spread either way, bench/README "The warmup's steps replayed")
+        # rays' cameras at once, one gather instead of two (lego's late steps on two H200s: within the runs' spread
+        # either way, bench/README "The warmup's steps replayed")
         self.cameras = torch.cat([self.c2w[:, :3].reshape(-1, 12), self.intrinsics], 1)
 
     def _cameras(self, views: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
