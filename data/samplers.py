@@ -238,8 +238,7 @@ class PatchSampler(_SceneSampler):
         y0 = torch.div(within, n_cols, rounding_mode="floor")
         x0 = within - y0 * n_cols
 
-        c2w = self.c2w[views][:, None, None]  # (n, 1, 1, 4, 4)
-        k = self.intrinsics[views][:, None, None]  # (n, 1, 1, 4)
+        c2w, k = (camera[:, None, None] for camera in self._cameras(views))  # (n, 1, 1, 3, 4), (n, 1, 1, 4)
         y0f, x0f = y0.float()[:, None, None], x0.float()[:, None, None]
         lr = self.lr_offsets
         lens = self._lens(views, 2)
