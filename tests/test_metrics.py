@@ -166,25 +166,3 @@ def test_window_filter_paths_agree(name, a, b):
 def test_ssim_on_cuda_equals_cpu():
     a, b = (torch.from_numpy(image) for image in list(_image_pairs())[1][1:])
     assert ssim(a.cuda(), b.cuda()) == pytest.approx(ssim(a, b), abs=1e-12)
-
-
-def test_device_memory_reports_the_cuda_allocators_counters(monkeypatch):
-    """training.scenes.device_memory: None off CUDA; on CUDA the allocator's counters by our names, and None for a
-    counter this torch's allocator does not keep (never a made-up 0)."""
-    from training.scenes import ALLOCATOR_STATS, device_memory
-
-    assert device_memory(torch.device("cpu")) is None
-    stats = {key: 1000 + i for i, key in enumerate(ALLOCATOR_STATS.values())}
-    del stats["segment.all.freed"]
-    asked = []
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: asked.append(device) or stats)
-    report = device_memory(torch.device("cuda", 1))
-    assert asked == [torch.device("cuda", 1)]
-    assert report == {
-        "allocated_bytes": 1000,
-        "peak_memory_bytes": 1001,
-        "peak_reserved_bytes": 1002,
-        "device_mallocs": 1003,
-        "device_frees": None,
-        "alloc_retries": 1005,
-    }

@@ -1,5 +1,6 @@
-"""What a run keeps and evaluates: train.keep_checkpoints (last.pt plus the newest periodic step_<step>.pt files)
-and train.eval_final_views (the final evaluation on views spread evenly over the eval split). CPU, tiny scenes."""
+"""What a run keeps and evaluates: train.keep_checkpoints (last.pt plus the newest periodic step_<step>.pt files),
+train.eval_final_views (the final evaluation on views spread evenly over the eval split) and the device memory that
+metrics.json reports. CPU, tiny scenes."""
 
 from __future__ import annotations
 
@@ -145,3 +146,25 @@ def test_kept_step_files_alone_make_a_folder_a_run(tmp_path):
     cfg = OmegaConf.create({"render_only": False, "train": {"resume": False, "overwrite": False}})
     with pytest.raises(RunError, match="step_000005.pt"):
         refuse_to_overwrite(cfg, paths)
+
+
+def test_device_memory_reports_the_cuda_allocators_counters(monkeypatch):
+    """training.scenes.device_memory: None off CUDA; on CUDA the allocator's counters by our names, and None for a
+    counter this torch's allocator does not keep (never a made-up 0)."""
+    from training.scenes import ALLOCATOR_STATS, device_memory
+
+    assert device_memory(torch.device("cpu")) is None
+    stats = {key: 1000 + i for i, key in enumerate(ALLOCATOR_STATS.values())}
+    del stats["segment.all.freed"]
+    asked = []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: asked.append(device) or stats)
+    report = device_memory(torch.device("cuda", 1))
+    assert asked == [torch.device("cuda", 1)]
+    assert report == {
+        "allocated_bytes": 1000,
+        "peak_memory_bytes": 1001,
+        "peak_reserved_bytes": 1002,
+        "device_mallocs": 1003,
+        "device_frees": None,
+        "alloc_retries": 1005,
+    }
