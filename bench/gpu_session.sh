@@ -47,7 +47,8 @@
 #             "TREE@N": under torchrun on N GPUs; a sixth field: VAR=VALUE words set in the run's environment, e.g.
 #             NCCL_PROTO=Simple) trains
 #             `+experiment=experiment data.root=scene`, alone, in order -> $OUT/ab/<name>/metrics.json; interleave
-#             old and new lines so drift on the host hits both
+#             old and new lines so drift on the host hits both; AB_STEPS=1: each under bench/step_outliers.py
+#             (-> $OUT/ab/<name>.steps.json: every step's host time, garbage collections, cudaMalloc / cudaFree)
 # kernels:    bench/kernel_profile.py: torch.profiler over 30 steps from $KERNELS_FIRST (2800) of the
 #             +experiment=$KERNELS_EXPERIMENT (blender) run on $KERNELS_DATA (lego) -> $OUT/kernel_profile.txt
 #             ($KERNELS_RANKS > 1: under torchrun on that many GPUs, train.parallel=auto; rank r > 0 writes .rank<r>)
@@ -192,8 +193,12 @@ for s in "${stages[@]}"; do
             mkdir -p "$dir" && tar -xzf "$source_tree" -C "$dir" && cp cuda_ext/_C*.so cuda_ext/_build_config.py "$dir/cuda_ext/"
           fi
         fi
+        # AB_STEPS=1: each run under bench/step_outliers.py (every step's host time, collections, driver allocations)
+        entry=(train.py); [ "${AB_STEPS:-0}" = 1 ] && entry=("$PWD/bench/step_outliers.py" --root "$dir" \
+          --json "$OUT/ab/$name.steps.json" --)
+        mkdir -p "$OUT/ab"
         # shellcheck disable=SC2086  # the overrides and the environment's assignments are words
-        stage "ab_$name" env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH:-}" ${environment:-} "${launch[@]}" train.py \
+        stage "ab_$name" env -C "$dir" PYTHONPATH="$dir:${PYTHONPATH:-}" ${environment:-} "${launch[@]}" "${entry[@]}" \
           +experiment="$experiment" data.root="$(realpath "$scene")" hydra.run.dir="$OUT/ab/$name" train.turntable_frames=0 $overrides
       done <"${AB_RUNS:?ab: set AB_RUNS}" ;;
     variants)

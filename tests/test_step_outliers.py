@@ -1,0 +1,53 @@
+"""bench/step_outliers.py: a tiny CPU run writes a row for every step, the slowest first, and windows that sum the
+rows; a garbage collection inside a step is charged to that step."""
+
+import gc
+import json
+import subprocess
+import sys
+
+from test_train import REPO, scene_cache, tiny_overrides  # noqa: F401 (scene_cache: the fixture)
+
+
+def test_tiny_run_writes_every_steps_row_and_the_windows(tmp_path, scene_cache):  # noqa: F811
+    out = tmp_path / "steps.json"
+    args = ["--json", str(out), "--top", "3", "--"]
+    args += tiny_overrides(scene_cache, 7) + [f"hydra.run.dir={tmp_path / 'run'}", "train.turntable_frames=0"]
+    result = subprocess.run(
+        [sys.executable, "bench/step_outliers.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [row[0] for row in rows] == list(range(1, 8))  # the step each row ends at
+    assert all(row[1] > 0 and row[2] >= 0 and row[4:] == [0, 0] for row in rows)  # no CUDA: no segments
+    assert [row[1] for row in report["slowest"]] == sorted((row[1] for row in rows), reverse=True)[:3]
+    window = report["windows"]["100"]  # steps 1-7 fall in the first window of 100
+    assert abs(window["host_ms"] - sum(row[1] for row in rows)) < 0.01
+    assert window["collections"] == sum(row[3] for row in rows)
+    assert (tmp_path / "run" / "metrics.json").exists() and "step_outliers: 7 steps" in result.stdout
+
+
+def test_a_collection_is_charged_to_the_step_that_made_it(load_bench):
+    outliers = load_bench("step_outliers")
+    recorder = outliers.StepRecorder()
+
+    class Trainer:
+        step = 0
+
+        def train_step(self):
+            self.step += 1
+            if self.step == 2:
+                gc.collect()
+
+    gc.callbacks.append(recorder.on_gc)
+    try:
+        step = recorder.wrap(Trainer.train_step)
+        trainer = Trainer()
+        for _ in range(3):
+            step(trainer)
+    finally:
+        gc.callbacks.remove(recorder.on_gc)
+    collections = [row[3] for row in recorder.rows]
+    assert collections[1] >= 1 and recorder.rows[1][2] > 0  # gc.collect() in step 2
+    assert recorder.report(1)["windows"]["100"]["collections"] == sum(collections)
