@@ -9,7 +9,9 @@ short and their cost shows at the next sync (the log steps); a one-off pause of 
 allocation, a graph capture, a growth of the grids) shows in the step that made it. The JSON holds every step's row
 and the ``--top`` slowest, and per 100 steps: the host's milliseconds, the collections' and the segments allocated
 and freed, which is where a slow TensorBoard window (``train/rays_per_second``) is read against what its steps did.
-Under torchrun each rank writes its own (``--json`` with ``.rank<r>`` for r > 0).
+Under torchrun each rank writes its own (``--json`` with ``.rank<r>`` for r > 0). The allocator's counters are read
+twice a step (tens of microseconds of host time): the run's times are for finding the slow steps, not for comparing
+runs with and without this script.
 """
 
 from __future__ import annotations
