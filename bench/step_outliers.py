@@ -106,8 +106,18 @@ def main(argv: list[str] | None = None) -> None:
     from training import trainer  # the root's
 
     recorder = StepRecorder()
+    save = lambda: out.write_text(json.dumps(recorder.report(args.top)) + "\n")  # noqa: E731
+    plain_fit = trainer.Trainer.fit
+
+    def fit(self) -> int:  # written when training ends: a torchrun rank > 0 leaves by os._exit (train.py), no finally
+        try:
+            return plain_fit(self)
+        finally:
+            save()
+
     gc.callbacks.append(recorder.on_gc)
     trainer.Trainer.train_step = recorder.wrap(trainer.Trainer.train_step)
+    trainer.Trainer.fit = fit
     sys.argv = [str(args.root / "train.py"), *args.overrides]
     try:
         runpy.run_path(str(args.root / "train.py"), run_name="__main__")
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
     finally:
         gc.callbacks.remove(recorder.on_gc)
-        out.write_text(json.dumps(recorder.report(args.top)) + "\n")
+        save()  # also where training never began (a config error)
         slowest = ", ".join(f"{row[0]}: {row[1]:.1f} ms" for row in recorder.report(5)["slowest"])
         print(f"step_outliers: {len(recorder.rows)} steps -> {out}; slowest {slowest}", flush=True)
 

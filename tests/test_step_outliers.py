@@ -1,5 +1,5 @@
 """bench/step_outliers.py: a tiny CPU run writes a row for every step, the slowest first, and windows that sum the
-rows; a garbage collection inside a step is charged to that step."""
+rows; under torchrun every rank writes its own; a garbage collection inside a step is charged to that step."""
 
 import gc
 import json
@@ -26,6 +26,18 @@ def test_tiny_run_writes_every_steps_row_and_the_windows(tmp_path, scene_cache):
     assert abs(window["host_ms"] - sum(row[1] for row in rows)) < 0.01
     assert window["collections"] == sum(row[3] for row in rows)
     assert (tmp_path / "run" / "metrics.json").exists() and "step_outliers: 7 steps" in result.stdout
+
+
+def test_under_torchrun_every_rank_writes_its_steps(tmp_path, scene_cache):  # noqa: F811
+    """A rank > 0 leaves train.py by os._exit (no finally): its rows are written when its training ends."""
+    from test_distributed import ranks_output, tiny, torchrun
+
+    out = tmp_path / "steps.json"
+    args = ["--json", str(out), "--", *tiny(scene_cache, tmp_path / "run", 6)]
+    result = torchrun(2, args, script="bench/step_outliers.py")
+    assert result.returncode == 0, ranks_output(result)
+    for path in (out, out.with_name("steps.json.rank1")):
+        assert [row[0] for row in json.loads(path.read_text())["rows"]] == list(range(1, 7)), path
 
 
 def test_a_collection_is_charged_to_the_step_that_made_it(load_bench):
