@@ -106,8 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     from training import trainer  # the root's
 
     recorder = StepRecorder()
-    save = lambda: out.write_text(json.dumps(recorder.report(args.top)) + "\n")  # noqa: E731
     plain_fit = trainer.Trainer.fit
+
+    def save() -> None:
+        out.write_text(json.dumps(recorder.report(args.top)) + "\n")
 
     def fit(self) -> int:  # written when training ends: a torchrun rank > 0 leaves by os._exit (train.py), no finally
         try:
