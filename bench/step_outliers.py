@@ -32,7 +32,9 @@ WINDOW = 100  # steps a window: the presets' log_every, so that a window lines u
 
 
 def segments() -> tuple[int, int]:
-    """(segments allocated, segments freed) by the caching allocator so far; (0, 0) without CUDA."""
+    """(segments allocated, segments freed) by the caching allocator so far; (0, 0) without CUDA. The keys are
+    training.scenes.ALLOCATOR_STATS' ``device_mallocs`` / ``device_frees``, read here because ``--root`` may be a tree
+    from before that table."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return 0, 0
     stats = torch.cuda.memory_stats()
