@@ -85,10 +85,35 @@ def checkpoint_path(run_dir: str | os.PathLike) -> Path:
     return path
 
 
-def scene_of(data_cfg: dict) -> dict:
-    """near, far and the scene box ((2, 3) nested list) from a run's data config (both loaders' keys)."""
+def scene_of(data_cfg: dict, foreground: bool = False) -> dict:
+    """near, far and the scene box ((2, 3) nested list) from a run's data config (both loaders' keys). A nerfstudio
+    capture's derived ones (null in the config) are derived again from its transforms file (data.nerfstudio); the
+    box only starts the model, whose state dict brings its own."""
+    if data_cfg.get("near") is None or data_cfg.get("far") is None or not isinstance(data_cfg.get("scene_box"), float):
+        if data_cfg.get("name") == "nerfstudio":
+            return _capture_scene(data_cfg, foreground)
     half = float(data_cfg.get("scene_box", 1.5))
     return {"near": float(data_cfg["near"]), "far": float(data_cfg["far"]), "bbox": [[-half] * 3, [half] * 3]}
+
+
+def _capture_scene(data_cfg: dict, foreground: bool) -> dict:
+    from data import SceneError
+    from data.nerfstudio import nerfstudio_bounds, read_capture
+
+    box = data_cfg.get("scene_box")
+    box = list(box) if isinstance(box, (list, tuple)) or hasattr(box, "__iter__") else box
+    try:
+        capture = read_capture(
+            Path(str(data_cfg["root"])).expanduser(),
+            int(data_cfg.get("eval_interval", 8)),
+            str(data_cfg.get("orient", "none")),
+        )
+        bounds = nerfstudio_bounds(capture, box, data_cfg.get("near"), data_cfg.get("far"), foreground)
+    except (SceneError, OSError, ValueError, KeyError) as error:
+        raise ExportError(
+            f"cannot derive the run's near/far from its capture {data_cfg.get('root')} ({' '.join(str(error).split())})"
+        ) from None
+    return {"near": float(bounds.near), "far": float(bounds.far), "bbox": np.asarray(bounds.box, float).tolist()}
 
 
 def build_model(model_cfg: dict, scene: dict, state_dict: dict, ops: OpSet | None = None) -> VoxelNeRF:
@@ -117,7 +142,8 @@ def load_run(run_dir: str | os.PathLike, ops: OpSet | None = None) -> tuple[Voxe
     if "model" not in state or "model" not in config or "data" not in config:
         raise ExportError(f"{path}: not a training checkpoint of this project (no model weights or config)")
     try:
-        model = build_model(config["model"], scene_of(config["data"]), state["model"], ops)
+        foreground = str(config["model"].get("contraction", "none")) != "none"
+        model = build_model(config["model"], scene_of(config["data"], foreground), state["model"], ops)
     except (RuntimeError, KeyError, ValueError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ExportError(f"{path}: cannot rebuild the model ({first})") from None
