@@ -39,6 +39,7 @@ from data.blender import _check_rotation, _frame_matrix, _read_json, _worker_cou
 from data.bounds import Bounds, capture_bounds
 from data.camera_models import Lens
 from data.capture_cameras import check_lenses, frame_camera, is_fisheye, number
+from data.colmap import find_model, image_folder, read_model, transforms_from_model
 from data.errors import SceneError
 from data.images import image_size, load_composited, write_png
 from data.orientation import Similarity, orientation
@@ -75,6 +76,7 @@ class Capture:
     fisheye: bool = False
     transform: Similarity = Similarity.identity()  # file's world -> ours (data.orient), applied to frames' c2w
     ngp_box: np.ndarray | None = None  # (2, 3) instant-ngp's box in the file's world, or None
+    points: np.ndarray | None = None  # (N, 3) sparse points as read (a COLMAP model's), in place of ``ply``
 
 
 def transforms_file(root: str | os.PathLike) -> Path:
@@ -167,20 +169,8 @@ def _ngp_box(path: Path, meta: dict) -> np.ndarray | None:
 def read_capture(root: str | os.PathLike, eval_interval: int = 8, orient: str = "up") -> Capture:
     """Parse and check a nerfstudio transforms file (every problem: :class:`SceneError` naming file and key), its
     poses oriented by ``orient`` (data/orientation.py)."""
-    if isinstance(eval_interval, bool) or not isinstance(eval_interval, int) or eval_interval < 2:
-        raise ValueError(f"read_capture: eval_interval must be an int >= 2, got {eval_interval!r}")
     path = transforms_file(root)
     meta = _read_json(path)
-    frames = meta.get("frames")
-    if not isinstance(frames, list) or not frames:
-        raise SceneError(f"{path}: 'frames' must be a non-empty list")
-    fisheye = is_fisheye(path, meta, frames)
-    parsed = [_frame(path.parent, path, meta, i, frame) for i, frame in enumerate(frames)]
-    check_lenses(path, parsed, fisheye)
-    order = sorted(range(len(parsed)), key=lambda i: parsed[i].name)  # nerfstudio sorts frames by file name
-    parsed = [parsed[i] for i in order]
-    splits, eval_split = _splits(path, meta, parsed, eval_interval)
-    applied, applied_scale = _applied(path, meta)
     ply = None
     if "ply_file_path" in meta:
         if not isinstance(meta["ply_file_path"], str) or not (path.parent / meta["ply_file_path"]).is_file():
@@ -188,6 +178,32 @@ def read_capture(root: str | os.PathLike, eval_interval: int = 8, orient: str = 
         ply = path.parent / meta["ply_file_path"]
     elif (path.parent / "sparse_pc.ply").is_file():
         ply = path.parent / "sparse_pc.ply"
+    return parse_capture(path, path.parent, meta, eval_interval, orient, ply=ply)
+
+
+def parse_capture(
+    path: Path,
+    base: Path,
+    meta: dict,
+    eval_interval: int = 8,
+    orient: str = "up",
+    ply: Path | None = None,
+    points: np.ndarray | None = None,
+) -> Capture:
+    """A :class:`Capture` of a transforms dict ``meta`` (read from ``path``, named in errors; file paths relative
+    to ``base``), its sparse points in ``ply`` or ``points`` (N, 3) (in the world ``applied_transform`` maps)."""
+    if isinstance(eval_interval, bool) or not isinstance(eval_interval, int) or eval_interval < 2:
+        raise ValueError(f"read_capture: eval_interval must be an int >= 2, got {eval_interval!r}")
+    frames = meta.get("frames")
+    if not isinstance(frames, list) or not frames:
+        raise SceneError(f"{path}: 'frames' must be a non-empty list")
+    fisheye = is_fisheye(path, meta, frames)
+    parsed = [_frame(base, path, meta, i, frame) for i, frame in enumerate(frames)]
+    check_lenses(path, parsed, fisheye)
+    order = sorted(range(len(parsed)), key=lambda i: parsed[i].name)  # nerfstudio sorts frames by file name
+    parsed = [parsed[i] for i in order]
+    splits, eval_split = _splits(path, meta, parsed, eval_interval)
+    applied, applied_scale = _applied(path, meta)
     try:
         transform = orientation(np.stack([frame.c2w for frame in parsed]), orient)
     except ValueError as error:
@@ -195,27 +211,33 @@ def read_capture(root: str | os.PathLike, eval_interval: int = 8, orient: str = 
     for frame in parsed:
         frame.c2w = transform.poses(frame.c2w[None])[0]
     return Capture(
-        path, parsed, splits, eval_split, applied, applied_scale, ply, fisheye, transform, _ngp_box(path, meta)
+        path, parsed, splits, eval_split, applied, applied_scale, ply, fisheye, transform, _ngp_box(path, meta), points
     )
 
 
 def read_points(capture: Capture) -> np.ndarray | None:
-    """(N, 3) sparse points in the (oriented) poses' world, or None (no point file, or plyfile not installed)."""
-    if capture.ply is None:
+    """(N, 3) sparse points in the (oriented) poses' world, or None (no points, or plyfile not installed)."""
+    points = capture.points if capture.points is not None else _ply_points(capture.ply)
+    if points is None or not len(points):
+        return None
+    points = points[np.isfinite(points).all(-1)]
+    in_poses_world = capture.applied_scale * (points @ capture.applied[:3, :3].T + capture.applied[:3, 3])
+    return capture.transform.points(in_poses_world)
+
+
+def _ply_points(ply: Path | None) -> np.ndarray | None:
+    if ply is None:
         return None
     try:
         from plyfile import PlyData
     except ImportError:
-        print(f"note: {capture.ply} ignored (pip install plyfile to use it); the scene box comes from the cameras")
+        print(f"note: {ply} ignored (pip install plyfile to use it); the scene box comes from the cameras")
         return None
     try:
-        vertex = PlyData.read(str(capture.ply))["vertex"]
-        points = np.stack([np.asarray(vertex[axis], np.float64) for axis in "xyz"], -1)
+        vertex = PlyData.read(str(ply))["vertex"]
+        return np.stack([np.asarray(vertex[axis], np.float64) for axis in "xyz"], -1)
     except Exception as error:  # plyfile raises several types for a broken file
-        raise SceneError(f"{capture.ply}: cannot read the sparse points ({type(error).__name__}: {error})") from None
-    points = points[np.isfinite(points).all(-1)]
-    in_poses_world = capture.applied_scale * (points @ capture.applied[:3, :3].T + capture.applied[:3, 3])
-    return capture.transform.points(in_poses_world)
+        raise SceneError(f"{ply}: cannot read the sparse points ({type(error).__name__}: {error})") from None
 
 
 def nerfstudio_bounds(
@@ -238,8 +260,8 @@ def nerfstudio_bounds(
     return bounds
 
 
-def _check_sizes(capture: Capture, indices: list[int], split: str, num_workers: int) -> tuple[int, int]:
-    frames = [capture.frames[i] for i in indices]
+def _frame_sizes(capture: Capture, frames: list[Frame], num_workers: int) -> list[tuple[int, int]]:
+    """Each frame's (h, w) from its image file's header, checked against the size the transforms give."""
     with ThreadPoolExecutor(num_workers) as pool:
         actual = list(pool.map(lambda frame: image_size(frame.image), frames))
     for frame, size in zip(frames, actual):
@@ -248,14 +270,15 @@ def _check_sizes(capture: Capture, indices: list[int], split: str, num_workers: 
                 f"{capture.path}: frame {frame.name!r}: image {frame.image} is {size[1]}x{size[0]} (w x h) but "
                 f"the transforms give w={frame.size[1]}, h={frame.size[0]}"
             )
-    if len(set(actual)) > 1:
-        groups = {size: [f.name for f, s in zip(frames, actual) if s == size] for size in dict.fromkeys(actual)}
-        listing = "; ".join(f"{w}x{h}: {', '.join(names[:3])}" for (h, w), names in groups.items())
-        raise SceneError(
-            f"{capture.path}: the {split} frames have mixed image sizes (w x h) ({listing}); all frames of a split "
-            "must share one size (resize or split the capture)"
-        )
-    return actual[0]
+    return actual
+
+
+def _padded(arrays: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+    """(V, H, W, ...) of arrays (h, w, ...) each at the top left of zeros (the padding is never read)."""
+    stacked = np.zeros((len(arrays), *shape, *arrays[0].shape[2:]), arrays[0].dtype)
+    for out, array in zip(stacked, arrays):
+        out[: array.shape[0], : array.shape[1]] = array
+    return stacked
 
 
 def load_nerfstudio_split(
@@ -268,9 +291,10 @@ def load_nerfstudio_split(
     multiple: int = 1,
 ) -> Scene:
     """Split ``"train"`` or ``capture.eval_split`` as a :class:`Scene` with per-view intrinsics (scaled by
-    1/downscale: pixel positions scale, so fx, fy, cx, cy all divide), composited on ``background``. The
-    reduced size is rounded down to a multiple of ``multiple`` (e.g. the model's upsample factor) and of 1 /
-    ``downscale`` of the original: the last rows and columns are dropped, as ns-process-data's reduced copies do."""
+    1/downscale: pixel positions scale, so fx, fy, cx, cy all divide), composited on ``background``. Each reduced
+    size is rounded down to a multiple of ``multiple`` (e.g. the model's upsample factor) and of 1 / ``downscale``
+    of the original: the last rows and columns are dropped, as ns-process-data's reduced copies do. Frames of
+    different sizes (portrait and landscape, two cameras) keep their own (``Scene.sizes``)."""
     if isinstance(downscale, bool) or not isinstance(downscale, int) or downscale < 1:
         raise ValueError(f"load_nerfstudio_split: downscale must be a positive int, got {downscale!r}")
     background = tuple(float(c) for c in ((background,) * 3 if isinstance(background, (int, float)) else background))
@@ -278,34 +302,43 @@ def load_nerfstudio_split(
         raise ValueError(f"load_nerfstudio_split: background must be 3 values in [0, 1], got {background!r}")
     if split not in capture.splits:
         raise SceneError(f"{capture.path}: no split {split!r} (splits: {', '.join(capture.splits)})")
-    indices = capture.splits[split]
-    workers = _worker_count(num_workers, len(indices))
-    height, width = _check_sizes(capture, indices, split, workers)
+    frames = [capture.frames[i] for i in capture.splits[split]]
+    workers = _worker_count(num_workers, len(frames))
+    sizes = _frame_sizes(capture, frames, workers)
     block = downscale * multiple
-    if height < block or width < block:
-        raise SceneError(f"{capture.path}: image size {width}x{height} is smaller than {block} (downscale x multiple)")
-    kept = (height - height % block, width - width % block)
-    if kept != (height, width):
+    small = [(frame, size) for frame, size in zip(frames, sizes) if min(size) < block]
+    if small:
+        (height, width) = small[0][1]
+        raise SceneError(
+            f"{capture.path}: frame {small[0][0].name!r}: image size {width}x{height} is smaller than {block} "
+            "(downscale x multiple)"
+        )
+    kept = [(height - height % block, width - width % block) for height, width in sizes]
+    cropped = [(size, crop) for size, crop in zip(sizes, kept) if crop != size]
+    if cropped:
+        (height, width), (kept_h, kept_w) = cropped[0]
         print(
-            f"note: {width}x{height} images lose their last {width - kept[1]} column(s) and {height - kept[0]} "
+            f"note: {width}x{height} images lose their last {width - kept_w} column(s) and {height - kept_h} "
             f"row(s) to downscale={downscale} x {multiple}"
         )
-    frames = [capture.frames[i] for i in indices]
     with ThreadPoolExecutor(workers) as pool:
-        decoded = list(pool.map(lambda frame: load_composited(frame.image, background, downscale, kept), frames))
-    height, width = kept
-    alpha, opaque = None, np.full((height // downscale, width // downscale), 255, np.uint8)
+        jobs = [(frame.image, background, downscale, crop) for frame, crop in zip(frames, kept)]
+        decoded = list(pool.map(lambda job: load_composited(*job), jobs))
+    reduced = [(height // downscale, width // downscale) for height, width in kept]
+    shape = (max(h for h, _ in reduced), max(w for _, w in reduced))
+    alpha = None
     if any(a is not None for _, a in decoded):  # images without alpha are opaque
-        alpha = torch.from_numpy(np.stack([opaque if a is None else a for _, a in decoded]))
+        opaque = [np.full(size, 255, np.uint8) if a is None else a for (_, a), size in zip(decoded, reduced)]
+        alpha = torch.from_numpy(_padded(opaque, shape))
     intrinsics = torch.tensor([frame.intrinsics for frame in frames], dtype=torch.float64) / downscale
     distortion = torch.tensor([frame.distortion for frame in frames], dtype=torch.float64)
     # no lens for undistorted pinhole cameras: their rays take the pinhole path, bit for bit the blender scenes'
     lens = Lens(distortion, capture.fisheye) if capture.fisheye or bool(distortion.any()) else None
     return Scene(
-        images=torch.from_numpy(np.stack([rgb for rgb, _ in decoded])),
+        images=torch.from_numpy(_padded([rgb for rgb, _ in decoded], shape)),
         c2w=torch.from_numpy(np.stack([frame.c2w for frame in frames]).astype(np.float32)),
-        height=height // downscale,
-        width=width // downscale,
+        height=shape[0],
+        width=shape[1],
         focal=float(intrinsics[0, 0]),
         near=bounds.near,
         far=bounds.far,
@@ -316,6 +349,7 @@ def load_nerfstudio_split(
         alpha=alpha,
         intrinsics=intrinsics,
         lens=lens,
+        sizes=torch.tensor(reduced) if len(set(reduced)) > 1 else None,
     )
 
 
@@ -331,16 +365,29 @@ def load_nerfstudio(
     orient: str = "up",
     multiple: int = 1,
     foreground: bool = False,
+    colmap: bool = False,
 ) -> tuple[Scene, Scene, Bounds]:
-    """(train, eval, bounds) of a nerfstudio scene; ``near``, ``far``, ``scene_box`` None: derived (data.bounds;
+    """(train, eval, bounds) of a nerfstudio scene (``colmap``: of a COLMAP folder, :func:`read_colmap_capture`);
+    ``near``, ``far``, ``scene_box`` None: derived (data.bounds;
     ``foreground``: the box of a contracted scene's full-resolution middle), all in the frame ``orient`` gives
     (data/orientation.py)."""
-    capture = read_capture(root, eval_interval, orient)
+    capture = (read_colmap_capture if colmap else read_capture)(root, eval_interval, orient)
     bounds = nerfstudio_bounds(capture, scene_box, near, far, foreground)
     options = dict(bounds=bounds, downscale=downscale, background=background, num_workers=num_workers)
     options["multiple"] = multiple
     train = load_nerfstudio_split(capture, "train", **options)
     return train, load_nerfstudio_split(capture, capture.eval_split, **options), bounds
+
+
+def read_colmap_capture(root: str | os.PathLike, eval_interval: int = 8, orient: str = "up") -> Capture:
+    """A COLMAP folder (``images/`` and ``sparse/0``, data/colmap.py) as the :class:`Capture` of the transforms.json
+    that nerfstudio's ``colmap_to_json`` (and ``training.process``) would write of it."""
+    root = Path(root).expanduser()
+    folder = find_model(root)
+    model = read_model(folder)
+    images = image_folder(root, folder)
+    meta = transforms_from_model(model, images.relative_to(root).as_posix())
+    return parse_capture(folder, root, meta, eval_interval, orient, points=model.points)
 
 
 def write_nerfstudio(

@@ -91,6 +91,34 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+class _Cells:
+    """Every view's (rows, columns) of cells (pixels, or patch corners), numbered view by view: ``locate`` maps a
+    flat number in [0, total) to its (view, row, column), so one uniform draw picks a uniform cell of all views.
+    One shape for every view is plain arithmetic; views of their own sizes find theirs by a sorted search."""
+
+    def __init__(self, rows, cols, views: int, device: torch.device):
+        if isinstance(rows, int):
+            self.rows, self.cols, self.offsets = rows, cols, None
+            self.total = views * rows * cols
+            return
+        counts = (rows * cols).to(device)
+        self.rows, self.cols = rows.to(device), cols.to(device)
+        self.offsets = torch.cumsum(counts, 0) - counts  # (V,) each view's first cell
+        self.total = int(counts.sum())
+
+    def locate(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.offsets is None:
+            views = torch.div(flat, self.rows * self.cols, rounding_mode="floor")
+            within = flat - views * (self.rows * self.cols)
+            cols = self.cols
+        else:
+            views = torch.searchsorted(self.offsets, flat, right=True) - 1
+            within = flat - self.offsets[views]
+            cols = self.cols[views]
+        rows = torch.div(within, cols, rounding_mode="floor")
+        return views, rows, within - rows * cols
+
+
 def _check_generator(scene: Scene, generator: torch.Generator | None) -> None:
     if generator is not None and torch.device(generator.device).type != scene.images.device.type:
         raise ValueError(
@@ -153,6 +181,9 @@ class RaySampler(_SceneSampler):
             raise ValueError(f"RaySampler pixel_jitter must be a bool, got {pixel_jitter!r}")
         self.pixel_jitter = pixel_jitter
         self.table = None if scene.lens is None or pixel_jitter else _direction_table(scene, self.device)
+        sizes = scene.sizes
+        shape = (scene.height, scene.width) if sizes is None else (sizes[:, 0], sizes[:, 1])
+        self.cells = _Cells(*shape, scene.num_views, self.device)
 
     def sample(self) -> RayBatch:
         return self.build(*self.draw())
@@ -160,8 +191,7 @@ class RaySampler(_SceneSampler):
     def draw(self) -> tuple[torch.Tensor, ...]:
         """The batch's random numbers: (B,) flat pixel indices, (B,) sample offsets and, with ``pixel_jitter``, (2, B)
         positions within the pixels (:meth:`build` makes the batch of them, with no randomness of its own)."""
-        height, width = self.scene.height, self.scene.width
-        flat = self._randint(self.scene.num_views * height * width, self.batch_size)  # one draw: view, row, column
+        flat = self._randint(self.cells.total, self.batch_size)  # one draw: view, row, column
         jitter = torch.rand(self.batch_size, device=self.device, generator=self.generator)
         if not self.pixel_jitter:
             return flat, jitter
@@ -170,11 +200,7 @@ class RaySampler(_SceneSampler):
 
     def build(self, flat: torch.Tensor, jitter: torch.Tensor, within_pixel: torch.Tensor | None = None) -> RayBatch:
         """The batch of :meth:`draw`'s numbers."""
-        height, width = self.scene.height, self.scene.width
-        views = torch.div(flat, height * width, rounding_mode="floor")
-        within = flat - views * (height * width)
-        rows = torch.div(within, width, rounding_mode="floor")
-        cols = within - rows * width
+        views, rows, cols = self.cells.locate(flat)
         if self.table is not None:
             origins, directions = _table_rays(self._cameras(views)[0], self.table, views, rows, cols)
         else:
@@ -214,9 +240,16 @@ class PatchSampler(_SceneSampler):
         self.scale = _positive_int("PatchSampler scale", scale)
         self.patches_per_batch = _positive_int("PatchSampler patches_per_batch", patches_per_batch)
         side = patch_size * scale
-        if side > scene.height or side > scene.width:
-            raise ValueError(f"PatchSampler: patch_size*scale = {side} exceeds the {scene.height}x{scene.width} images")
-        self.corner_range = (scene.height - side + 1, scene.width - side + 1)
+        sizes = torch.tensor([[scene.height, scene.width]]) if scene.sizes is None else scene.sizes
+        smallest = sizes.min(0).values.tolist()
+        if side > min(smallest):
+            raise ValueError(
+                f"PatchSampler: patch_size*scale = {side} exceeds the {smallest[0]}x{smallest[1]} (smallest) images"
+            )
+        if scene.sizes is None:
+            self.cells = _Cells(scene.height - side + 1, scene.width - side + 1, scene.num_views, self.device)
+        else:
+            self.cells = _Cells(sizes[:, 0] - side + 1, sizes[:, 1] - side + 1, scene.num_views, self.device)
         self.lr_offsets = block_centres(patch_size, scale, device=self.device)  # (P,)
         self.hr_offsets = torch.arange(side, device=self.device)  # (sP,)
 
@@ -225,18 +258,13 @@ class PatchSampler(_SceneSampler):
 
     def draw(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's random numbers: (n,) flat patch corners and (n, P, P) sample offsets (see RaySampler.draw)."""
-        n_rows, n_cols = self.corner_range
-        flat = self._randint(self.scene.num_views * n_rows * n_cols, self.patches_per_batch)
+        flat = self._randint(self.cells.total, self.patches_per_batch)
         shape = (self.patches_per_batch, self.patch_size, self.patch_size)
         return flat, torch.rand(shape, device=self.device, generator=self.generator)
 
     def build(self, flat: torch.Tensor, jitter: torch.Tensor) -> PatchBatch:
         """The batch of :meth:`draw`'s numbers."""
-        n_rows, n_cols = self.corner_range
-        views = torch.div(flat, n_rows * n_cols, rounding_mode="floor")
-        within = flat - views * (n_rows * n_cols)
-        y0 = torch.div(within, n_cols, rounding_mode="floor")
-        x0 = within - y0 * n_cols
+        views, y0, x0 = self.cells.locate(flat)
 
         c2w, k = (camera[:, None, None] for camera in self._cameras(views))  # (n, 1, 1, 3, 4), (n, 1, 1, 4)
         y0f, x0f = y0.float()[:, None, None], x0.float()[:, None, None]

@@ -30,6 +30,10 @@ class Scene:
                 float64 so that intrinsics derived from them (scaled renders) match those from ``focal``.
     lens:       None (pinhole cameras) or the views' distortion, a :class:`data.camera_models.Lens` with (V, 6)
                 float64 coefficients; it does not change with ``downscale`` (it acts on normalised coordinates).
+    sizes:      None when every view is ``height`` x ``width``; else (V, 2) int64 each view's own (height, width)
+                (portrait and landscape photos, two cameras): ``height`` and ``width`` are then the largest, and
+                each view's pixels are the top-left (h, w) of its padded image (:meth:`view_size`); the padding
+                is never sampled, scored or shown.
     """
 
     images: torch.Tensor
@@ -46,6 +50,7 @@ class Scene:
     alpha: torch.Tensor | None = None
     intrinsics: torch.Tensor | None = None
     lens: Lens | None = None
+    sizes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         views = self.images.shape[0] if self.images.dim() == 4 else -1
@@ -85,6 +90,20 @@ class Scene:
                 f"finite values and positive fx, fy, got shape {tuple(self.intrinsics.shape)}"
             )
 
+        if self.sizes is not None:
+            self.sizes = torch.as_tensor(self.sizes, dtype=torch.int64).cpu()
+            if (
+                tuple(self.sizes.shape) != (views, 2)
+                or not bool((self.sizes >= 1).all())
+                or int(self.sizes[:, 0].max()) != self.height
+                or int(self.sizes[:, 1].max()) != self.width
+            ):
+                raise ValueError(
+                    f"Scene.sizes must be None or ({views}, 2) positive (height, width) whose largest are "
+                    f"({self.height}, {self.width}), got {self.sizes.tolist()}"
+                )
+            if bool((self.sizes == self.sizes[:1]).all()):
+                self.sizes = None  # one size after all: the plain layout
         if self.lens is not None:
             self.lens = self.lens.to(self.intrinsics.device, torch.float64)
             if tuple(self.lens.coefficients.shape) != (views, 6):
@@ -95,6 +114,25 @@ class Scene:
     @property
     def num_views(self) -> int:
         return self.images.shape[0]
+
+    def view_size(self, view: int) -> tuple[int, int]:
+        """(height, width) of view ``view``'s own pixels."""
+        if self.sizes is None:
+            return self.height, self.width
+        height, width = self.sizes[view].tolist()
+        return height, width
+
+    def view_image(self, view: int) -> torch.Tensor:
+        """(h, w, 3) uint8 view ``view``'s own pixels (without padding)."""
+        height, width = self.view_size(view)
+        return self.images[view, :height, :width]
+
+    def describe_sizes(self) -> str:
+        """``WxH``, or each size with its count for views of several sizes (``1080x1920 (x31), 1920x1080 (x28)``)."""
+        if self.sizes is None:
+            return f"{self.width}x{self.height}"
+        sizes, counts = torch.unique(self.sizes, dim=0, return_counts=True)
+        return ", ".join(f"{w}x{h} (x{n})" for (h, w), n in zip(sizes.tolist(), counts.tolist()))
 
     @property
     def device(self) -> torch.device:

@@ -85,7 +85,7 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
         raise ConfigError(f"data: {error}") from None
     data_seconds = time.perf_counter() - data_start
     print(
-        f"data: {cfg.data.name} {train_scene.width}x{train_scene.height}, {train_scene.num_views} train / "
+        f"data: {cfg.data.name} {train_scene.describe_sizes()}, {train_scene.num_views} train / "
         f"{eval_scene.num_views} {eval_scene.split} views ({data_seconds:.1f} s); device {describe_device(device)}; "
         f"ops {ops.backends}"
     )

@@ -46,9 +46,9 @@ class DataConfig:
     root: Optional[str] = None
     downscale: int = 1
     background: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
-    near: Optional[float] = 2.0  # null only for nerfstudio (derived there)
+    near: Optional[float] = 2.0  # null only for nerfstudio and colmap (derived there)
     far: Optional[float] = 6.0
-    scene_box: Any = 1.5  # a half size; nerfstudio also takes null or 6 numbers (checked in _check_data)
+    scene_box: Any = 1.5  # a half size; nerfstudio and colmap also take null or 6 numbers (checked in _check_data)
     tight_box: bool = False
 
 
@@ -67,6 +67,13 @@ class NerfstudioDataConfig(DataConfig):
     scene_box: Any = None  # null | half size s ([-s, s]^3) | [min x, y, z, max x, y, z]
     eval_interval: int = 8
     orient: str = "up"  # up | none (data/orientation.py)
+
+
+@dataclass
+class ColmapDataConfig(NerfstudioDataConfig):
+    """A COLMAP folder (images/ + sparse/0, data/colmap.py), read as the transforms.json nerfstudio makes of it."""
+
+    name: str = "colmap"
 
 
 @dataclass
@@ -147,7 +154,12 @@ class Config:
     render_only: bool = False
 
 
-DATA_SCHEMAS = {"synthetic": SyntheticDataConfig, "blender": BlenderDataConfig, "nerfstudio": NerfstudioDataConfig}
+DATA_SCHEMAS = {
+    "synthetic": SyntheticDataConfig,
+    "blender": BlenderDataConfig,
+    "nerfstudio": NerfstudioDataConfig,
+    "colmap": ColmapDataConfig,
+}
 
 
 def register_configs() -> None:

@@ -15,6 +15,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.colmap import find_model
+from data.errors import SceneError
 from data.orientation import ORIENT_METHODS
 from models.config import parse_model_config
 from models.ops import EARLIER_KEYS, OP_NAMES
@@ -23,7 +25,7 @@ from training.metrics import SSIM_WINDOW
 
 DEVICES = ("auto", "cpu", "cuda")
 OP_BACKENDS = ("custom", "torch")
-DATASETS = ("synthetic", "blender", "nerfstudio")
+DATASETS = ("synthetic", "blender", "nerfstudio", "colmap")
 
 
 _ABSENT = object()
@@ -121,8 +123,8 @@ def _check_data(cfg: DictConfig) -> None:
     for key in ("data.resolution", "data.n_train", "data.n_val"):  # the synthetic scene's size
         _check_int(cfg, key, minimum=1, rule="> 0")
     _check_int(cfg, "data.n_test", minimum=0)
-    if name == "nerfstudio":
-        return _check_nerfstudio(cfg)
+    if name in ("nerfstudio", "colmap"):
+        return _check_nerfstudio(cfg, name)
     for key in ("data.near", "data.far", "data.scene_box"):  # null or a list only make sense for nerfstudio
         if _get(cfg, key) is None or OmegaConf.is_list(_get(cfg, key)):
             raise ConfigError(f"{key}: must be a number for data.name={name} (got {_get(cfg, key)!r})")
@@ -150,14 +152,22 @@ def _existing_root(cfg: DictConfig, name: str, holding: str) -> tuple[Any, Path]
     return root, path
 
 
-def _check_nerfstudio(cfg: DictConfig) -> None:
-    """data.root: a folder with transforms.json (or the JSON file); scene_box, near, far: null or usable."""
+def _check_nerfstudio(cfg: DictConfig, name: str) -> None:
+    """data.root: a folder with transforms.json (or the JSON file), or for colmap a COLMAP folder; scene_box, near,
+    far: null or usable."""
     _check_int(cfg, "data.eval_interval", minimum=2)
     if _get(cfg, "data.orient") not in (*ORIENT_METHODS, _ABSENT):
         raise ConfigError(f"data.orient: must be one of {', '.join(ORIENT_METHODS)}, got {_get(cfg, 'data.orient')!r}")
-    root, path = _existing_root(cfg, "nerfstudio", "the folder holding transforms.json")
-    if not (path.is_file() or (path / "transforms.json").is_file()):
-        raise ConfigError(f"data.root: {root} contains no transforms.json (not a nerfstudio-format scene)")
+    if name == "colmap":
+        root, path = _existing_root(cfg, name, "the folder holding images/ and sparse/0")
+        try:
+            find_model(path)
+        except SceneError as error:
+            raise ConfigError(f"data.root: {error}") from None
+    else:
+        root, path = _existing_root(cfg, name, "the folder holding transforms.json")
+        if not (path.is_file() or (path / "transforms.json").is_file()):
+            raise ConfigError(f"data.root: {root} contains no transforms.json (not a nerfstudio-format scene)")
     bounds = {key: _get(cfg, f"data.{key}") for key in ("near", "far")}
     for key, value in bounds.items():
         if value not in (None, _ABSENT):

@@ -57,7 +57,8 @@ def render(trainer: Trainer, view: int) -> dict[str, torch.Tensor]:
     scene = trainer.eval_scene
     c2w, intrinsics = scene.c2w[view], scene.intrinsics[view]
     lens = None if scene.lens is None else scene.lens.take(torch.tensor(view))  # as captured: distorted like the image
-    return render_view(trainer.model, c2w, scene.height, scene.width, intrinsics, trainer.train_cfg.render_chunk, lens)
+    height, width = scene.view_size(view)  # its own size (a scene may mix portrait and landscape frames)
+    return render_view(trainer.model, c2w, height, width, intrinsics, trainer.train_cfg.render_chunk, lens)
 
 
 class RenderWriteError(OSError):
@@ -102,13 +103,13 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
     start = time.perf_counter()
     for view in views:
         out = render(trainer, view)
-        target = scene.images[view].float() / 255.0
+        target = scene.view_image(view).float() / 255.0
         scores.append(torch.stack([psnr_tensor(out["rgb"], target), ssim_tensor(out["rgb"], target)]))
         if first_rgb is None:
             first_rgb = out["rgb"].cpu().numpy()
         if pipeline is not None:
             stem = trainer.paths.renders / f"{view:03d}"
-            maps = {"rgb": out["rgb"], "gt": scene.images[view], "depth": expected_depth(out)}
+            maps = {"rgb": out["rgb"], "gt": scene.view_image(view), "depth": expected_depth(out)}
             maps["opacity"] = out["opacity"]
             future = pipeline.submit(maps, partial(_write_view, stem, scene.near, scene.far))
             trainer.pending_writes.append((f"{stem}_pred.png", future))
@@ -122,7 +123,7 @@ def evaluate(trainer: Trainer, views: list[int], write_images: bool, writer: Thr
         **summarize(per_view),
         "per_view": per_view,
         "seconds": time.perf_counter() - start,
-        "rays": len(views) * scene.height * scene.width,
+        "rays": sum(math.prod(scene.view_size(view)) for view in views),
         "first_rgb": first_rgb,
     }
 
@@ -264,13 +265,14 @@ def render_turntable(trainer: Trainer) -> Path | None:
         return None
     trainer.model.eval()
     scene, scale = trainer.eval_scene, trainer.model.upsample
+    first = scene.view_size(0)
     # at most turntable_max_side pixels a side (same field of view), a multiple of the upsample factor
-    shrink = max(1, math.ceil(max(scene.height, scene.width) / trainer.train_cfg.turntable_max_side))
-    height, width = (max(scale, side // shrink // scale * scale) for side in (scene.height, scene.width))
+    shrink = max(1, math.ceil(max(first) / trainer.train_cfg.turntable_max_side))
+    height, width = (max(scale, side // shrink // scale * scale) for side in first)
     # the first view's intrinsics, scaled to the turntable's size (principal point kept where it was); a virtual
     # camera, so pinhole even for a distorted capture
     fx, fy, cx, cy = scene.intrinsics[0].tolist()
-    sx, sy = (width, scene.width), (height, scene.height)
+    sx, sy = (width, first[1]), (height, first[0])
     scaled = [fx * sx[0] / sx[1], fy * sy[0] / sy[1], cx * sx[0] / sx[1], cy * sy[0] / sy[1]]
     intrinsics = torch.tensor(scaled, dtype=torch.float64)
     cameras = orbit_cameras(scene.c2w, count)

@@ -88,7 +88,7 @@ def load_scenes(
     lists, else every data.eval_interval-th frame; box and near/far derived unless set, and printed, the box as a
     contracted scene's foreground with ``foreground``; images cropped to a multiple of ``multiple`` pixels, the
     model's upsample factor)."""
-    if data_cfg.name == "nerfstudio":
+    if data_cfg.name in ("nerfstudio", "colmap"):
         box = data_cfg.scene_box
         box = OmegaConf.to_container(box) if OmegaConf.is_list(box) else box
         train, evaluation, bounds = load_nerfstudio(
@@ -102,8 +102,9 @@ def load_scenes(
             orient=data_cfg.get("orient", "up"),
             multiple=multiple,
             foreground=foreground,
+            colmap=data_cfg.name == "colmap",
         )
-        print(f"nerfstudio {bounds.describe()}; override with data.scene_box, data.near, data.far")
+        print(f"{data_cfg.name} {bounds.describe()}; override with data.scene_box, data.near, data.far")
         return train.to(device), evaluation.to(device)
     root = scene_root(data_cfg)
     options = dict(

@@ -127,11 +127,12 @@ class Trainer:
     def _check_image_sizes(self) -> None:
         scale = self.model.upsample
         for scene in (self.train_scene, self.eval_scene):
-            if scene.height % scale or scene.width % scale:
-                raise ConfigError(
-                    f"model.upsample: the {scene.split} images ({scene.height}x{scene.width}) are not divisible by "
-                    f"{scale} (change model.upsample or data.downscale)"
-                )
+            for height, width in {scene.view_size(view) for view in range(scene.num_views)}:
+                if height % scale or width % scale:
+                    raise ConfigError(
+                        f"model.upsample: the {scene.split} images ({height}x{width}) are not divisible by "
+                        f"{scale} (change model.upsample or data.downscale)"
+                    )
 
     def _build_sampler(self) -> RaySampler | PatchSampler:
         # patches for the image-space decoder (upsample > 1) or for D-SSIM, whose window needs neighbouring pixels
