@@ -234,6 +234,7 @@ setup(
             "plyfile",
             "viser>=1.0",
             "hydra-submitit-launcher>=1.2",
+            "pycolmap>=4.0",
         ],
         "lint": ["ruff==0.17.5", "clang-format==23.1.3"],
         "tensorboard": ["tensorboard"],
@@ -241,5 +242,7 @@ setup(
         "mesh": ["pymcubes", "plyfile"],
         "viewer": ["viser>=1.0"],
         "cluster": ["hydra-submitit-launcher>=1.2"],
+        # training.process: COLMAP's structure from motion (CPU wheels) and a video reader (ships its own ffmpeg)
+        "process": ["pycolmap>=4.0", "imageio-ffmpeg"],
     },
 )
