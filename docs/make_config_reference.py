@@ -23,7 +23,6 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 OUTPUT = REPO / "docs" / "config.md"
 PRESETS = ("blender", "capture")
-SCENE_SOURCES = ("blender", "nerfstudio")  # data=<name>: the scene sources besides the default one
 SCHEMA_FILES = (REPO / "training" / "config.py", REPO / "models" / "config.py")
 SHORT_MEANING = 30  # a comment shorter than this is read under its section's heading comment, when it has one
 MAX_MEANING = 240  # characters of a meaning before it is cut at a clause boundary
@@ -32,16 +31,12 @@ MAX_MEANING = 240  # characters of a meaning before it is cut at a clause bounda
 EXTRA_MEANINGS = {
     "far": "far end of the rays' distance range (scene units)",
     "data.far": "far end of the rays' distance range (scene units)",
-    "data.name": "the scene source: synthetic | blender | nerfstudio (the data=<name> group)",
+    "data.name": "the scene source: the data=<name> group, configs/data/<name>.yaml",
 }
 
-# The schema's dataclasses and the key prefix their fields live under.
+# The schema's dataclasses and the key prefix their fields live under (every *DataConfig: data.).
 SCHEMA_PREFIXES = {
     "OpsConfig": "ops.",
-    "DataConfig": "data.",
-    "BlenderDataConfig": "data.",
-    "NerfstudioDataConfig": "data.",
-    "SyntheticDataConfig": "data.",
     "TrainConfig": "train.",
     "Config": "",
     "ModelConfig": "model.",
@@ -114,13 +109,16 @@ def schema_comments() -> dict[str, str]:
         source = path.read_text()
         lines = source.splitlines()
         for node in ast.walk(ast.parse(source)):
-            if not isinstance(node, ast.ClassDef) or node.name not in SCHEMA_PREFIXES:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            prefix = "data." if node.name.endswith("DataConfig") else SCHEMA_PREFIXES.get(node.name)
+            if prefix is None:
                 continue
             for item in node.body:
                 if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
                     found = _trailing_comment(lines[item.end_lineno - 1])
                     if found:
-                        comments.setdefault(SCHEMA_PREFIXES[node.name] + item.target.id, found[0])
+                        comments.setdefault(prefix + item.target.id, found[0])
     return comments
 
 
@@ -130,6 +128,11 @@ def default_groups() -> dict[str, str]:
 
     entries = yaml.safe_load((CONFIGS / "config.yaml").read_text())["defaults"]
     return {k: v for entry in entries if isinstance(entry, dict) for k, v in entry.items() if "/" not in k}
+
+
+def scene_sources(default: str) -> list[str]:
+    """The ``data=<name>`` options besides the default one (configs/data/*.yaml)."""
+    return sorted(path.stem for path in (CONFIGS / "data").glob("*.yaml") if path.stem != default)
 
 
 def meanings(data_name: str) -> dict[str, str]:
@@ -222,7 +225,7 @@ def render() -> str:
         *key_table(default, table),
         "",
     ]
-    for name in SCENE_SOURCES:
+    for name in scene_sources(str(default["data.name"])):
         source = flatten(compose([f"data={name}"]))
         source_table = meanings(name)
         changed = {k: v for k, v in source.items() if k.startswith("data.") and default.get(k, object()) != v}
