@@ -186,15 +186,8 @@ def test_bad_input_names_the_file_and_key(tmp_path, change, message):
     assert str(tmp_path) in str(error.value)
 
 
-def test_mixed_image_sizes_name_the_frames(tmp_path):
-    write_capture(tmp_path, count=5)
-    small = write_capture(tmp_path / "other", count=2, size=(10, 16))
-    (tmp_path / "images" / "frame_00003.png").write_bytes((tmp_path / "other/images/frame_00001.png").read_bytes())
-    edit(tmp_path, lambda m: m["frames"][3].update(h=10, fl_x=small[1, 0]))
-    with pytest.raises(
-        SceneError, match=r"mixed image sizes .*16x12: images/frame_00001.png.*16x10: images/frame_00003"
-    ):
-        load_nerfstudio(tmp_path)
+def test_a_missing_or_malformed_transforms_file_is_named(tmp_path):
+    write_capture(tmp_path, count=3)
     with pytest.raises(SceneError, match="transforms.json not found"):
         load_nerfstudio(tmp_path / "images")
     (tmp_path / "transforms.json").write_text("{")
