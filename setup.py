@@ -222,6 +222,17 @@ setup(
     ),
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtensionWithConfig},
+    entry_points={  # one command per job (training/cli.py); each is also `python -m <module>`
+        "console_scripts": [
+            "voxel-field = training.cli:main",
+            "voxel-field-train = training.cli:train",
+            "voxel-field-process = training.process:main",
+            "voxel-field-view = training.view:main",
+            "voxel-field-render = training.render_path:main",
+            "voxel-field-export = training.export:main",
+            "voxel-field-eval = training.eval:main",
+        ]
+    },
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy", "hydra-core>=1.3", "tqdm", "imageio>=2.9", "pillow"],
     extras_require={

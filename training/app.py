@@ -138,6 +138,12 @@ def _main(cfg: DictConfig, paths: RunPaths, group: Group) -> int:
         f"{metrics['iters']} steps in {metrics['train_seconds']:.1f} s of training; "
         f"wrote {paths.metrics}"
     )
+    run = paths.root
+    print(  # what to do next (console scripts: voxel-field-view, voxel-field-render, voxel-field-export)
+        f"next: view it:   python3 -m training.view {run}\n"
+        f"      render it: python3 -m training.render_path {run} --path interpolate\n"
+        f"      export it: python3 -m training.export pointcloud {run}"
+    )
     return EXIT_OK
 
 

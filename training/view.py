@@ -64,8 +64,8 @@ def open_run(run_dir: str, device: torch.device, with_cameras: bool = True) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.view", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", help="a run folder (its checkpoints/last.pt)")
+    parser = argparse.ArgumentParser(prog="voxel-field-view", description="Open a finished run in the browser.")
+    parser.add_argument("run_dir", help="the run folder (holds model.pt)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     parser.add_argument("--resolution", type=int, default=512, help="starting longer side of a frame in pixels")
