@@ -136,3 +136,18 @@ def test_mixed_sizes_train_evaluate_and_render(tmp_path):
     print(f"held-out PSNR landscape {landscape:.2f} dB, portrait {portrait:.2f} dB")
     assert min(landscape, portrait) > 15.0
     assert abs(landscape - portrait) < 2.0
+
+
+@pytest.mark.requires_cuda
+def test_mixed_size_batches_replay_from_a_cuda_graph():
+    """train.batch_graph: the views' sorted search is captured like the plain arithmetic, so a graph's batches are
+    the eager sampler's, bit for bit."""
+    from data.batch_graph import GraphedSampler
+
+    scene = mixed_scene([(6, 10), (10, 6), (4, 5)]).to("cuda")
+    eager = RaySampler(scene, 4096, torch.Generator("cuda").manual_seed(3))
+    graphed = GraphedSampler(RaySampler(scene, 4096, torch.Generator("cuda").manual_seed(3)))
+    for _ in range(3):
+        expected, got = eager.sample(), graphed.sample()
+        assert torch.equal(expected.pixels, got.pixels) and torch.equal(expected.views, got.views)
+        torch.testing.assert_close(expected.directions, got.directions, rtol=0, atol=0)
