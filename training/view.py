@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             resolution=args.resolution,
             training=False,
             port_key="--port",
+            path_dir=Path(args.run_dir) / "camera_paths",
         )
     except (ExportError, ViewerError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)

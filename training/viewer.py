@@ -3,7 +3,11 @@ training, ``python -m training.view RUN_DIR`` for a finished run (training/view.
 
 The page shows the model rendered from the browser's own camera (as the viewport's background image), in RGB,
 depth, opacity or, with deferred shading, the composited diffuse colour; the training cameras as frusta; the
-grids' box; the step, the last batch PSNR and rays/s; a resolution slider; and a pause / resume button.
+grids' box; the step, the last batch PSNR and rays/s; a resolution slider; a pause / resume button; and a
+"Camera path" panel that records one: "Add keyframe" takes the browser's current view, "Save camera path" writes
+nerfstudio's camera-path JSON (the keyframes joined smoothly as ``render_path --path interpolate`` joins the training
+cameras, "Frames" in all, at the Resolution slider's size and the first keyframe's aspect) into the run's
+``camera_paths/`` folder; ``python -m training.render_path RUN_DIR --path camera_paths/NAME.json`` renders it.
 
 Threads. viser runs its callbacks (camera moves, GUI changes, connects) on its own threads; they only record
 state under a lock. Every render runs on the thread that owns the model, the training loop, inside
@@ -24,12 +28,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import logging
+import math
+import os
+import re
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -55,6 +64,8 @@ PROGRESS_SECONDS = 0.5  # the GUI's step / PSNR / rays/s texts are updated this 
 IDLE_SLEEP = 0.02  # seconds between looks for work while paused or serving a finished run
 RESOLUTION_SLIDER = (32, 1024, 16)  # min, max, step of the longer side in pixels
 FRUSTUM_COLOR = (255, 140, 0)
+KEYFRAME_COLOR = (40, 200, 80)
+PATH_FRAMES = 120  # the record panel's starting frame count
 BOX_COLOR = (60, 60, 200)
 
 
@@ -109,6 +120,7 @@ def start_viewer(train_cfg, trainer, group) -> Viewer:
         resolution=int(train_cfg.viewer_resolution),
         chunk=int(train_cfg.render_chunk),
         pausable=not group.active,
+        path_dir=trainer.paths.root / "camera_paths",
     )
     print(f"viewer: open {viewer.url} in a browser (renders take <= {viewer.budget:.0%} of the time while one is open)")
     return viewer
@@ -153,6 +165,7 @@ class Viewer:
         chunk: rays per render chunk (training.inference raises it to its launch size on CUDA).
         training: False for a finished run (no pause button, no periodic redraw).
         pausable: show the pause button (not under torchrun: the other ranks would time out waiting).
+        path_dir: where "Save camera path" writes (None: the current folder's camera_paths/).
     """
 
     def __init__(
@@ -169,6 +182,7 @@ class Viewer:
         training: bool = True,
         pausable: bool = True,
         port_key: str = "train.viewer_port",
+        path_dir: str | os.PathLike | None = None,
     ):
         viser = import_viser("train.viewer" if training else "training.view")
         if not 0 < budget <= 1:
@@ -191,6 +205,9 @@ class Viewer:
         self._next_render_at = self._next_progress_at = 0.0
         self._progress_time, self._progress_rays, self._paused_since_progress = time.perf_counter(), 0, 0.0
         self.frames_sent, self.render_seconds, self.last_frame, self.last_frame_full = 0, 0.0, None, False
+        self.path_dir = Path(path_dir) if path_dir is not None else Path("camera_paths")
+        self.keyframes: list[tuple[np.ndarray, float, float]] = []  # (c2w, vertical fov in radians, aspect)
+        self._keyframe_handles: list = []
         self._build_scene(cameras)
         self._build_gui(resolution, training and pausable)
         self.server.on_client_connect(self._on_connect)
@@ -238,6 +255,112 @@ class Viewer:
         if pausable:
             self._pause_button = gui.add_button("Pause training")
             self._pause_button.on_click(lambda _: self.set_paused(not self._paused))
+        with gui.add_folder("Camera path"):
+            self._path_status = gui.add_text("Keyframes", initial_value="0", disabled=True)
+            add = gui.add_button("Add keyframe")
+            clear = gui.add_button("Clear keyframes")
+            self._path_frames = gui.add_number("Frames", initial_value=PATH_FRAMES, min=1, max=100000, step=1)
+            self._path_loop = gui.add_checkbox("Loop", initial_value=False)
+            self._path_name = gui.add_text("File name", initial_value="camera_path")
+            save = gui.add_button("Save camera path")
+        add.on_click(lambda event: self._record(event.client))
+        clear.on_click(lambda _: self.clear_keyframes())
+        save.on_click(lambda _: self._save_clicked())
+
+    # ------------------------------------------------------------------ the record panel
+    def _record(self, client) -> None:
+        if client is None:
+            return
+        camera = client.camera
+        self.add_keyframe(viser_to_c2w(camera.wxyz, camera.position), float(camera.fov), float(camera.aspect))
+
+    def add_keyframe(self, c2w: np.ndarray, fov: float, aspect: float) -> int:
+        """Append a keyframe (OpenGL c2w, vertical fov in radians, width / height), drawn as a frustum; returns
+        the count."""
+        with self._lock:
+            self.keyframes.append((np.array(c2w, dtype=np.float64), float(fov), float(aspect)))
+            count = len(self.keyframes)
+        bbox = self.model.bbox.detach().cpu().numpy()
+        size = float(np.linalg.norm(bbox[1] - bbox[0]))
+        wxyz, position = c2w_to_viser(np.asarray(c2w, dtype=np.float64))
+        handle = self.server.scene.add_camera_frustum(
+            f"/camera_path/{count - 1:03d}",
+            fov=float(fov),
+            aspect=float(aspect),
+            scale=0.05 * size,
+            color=KEYFRAME_COLOR,
+            wxyz=wxyz,
+            position=position,
+        )
+        self._keyframe_handles.append(handle)
+        self._path_status.value = str(count)
+        return count
+
+    def clear_keyframes(self) -> None:
+        with self._lock:
+            self.keyframes = []
+        handles, self._keyframe_handles = self._keyframe_handles, []
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                handle.remove()
+        self._path_status.value = "0"
+
+    def _save_clicked(self) -> None:
+        try:
+            frames, loop = int(self._path_frames.value), bool(self._path_loop.value)
+            path = self.save_camera_path(str(self._path_name.value), frames, loop)
+            self._path_status.value = f"{len(self.keyframes)} (saved {path.name})"
+            print(f"viewer: wrote {path} (render it: python -m training.render_path RUN_DIR --path {path})")
+        except (ValueError, OSError) as error:
+            self._path_status.value = f"{len(self.keyframes)} (not saved: {error})"
+            print(f"viewer: camera path not saved ({error})", file=sys.stderr)
+
+    def camera_path(self, frames: int = PATH_FRAMES, loop: bool = False) -> dict:
+        """nerfstudio's camera-path dict of the keyframes (module doc); ValueError without keyframes."""
+        from training.render_path import interpolate_path  # render_path imports this module
+
+        with self._lock:
+            keys = list(self.keyframes)
+        if not keys:
+            raise ValueError("no keyframes: press Add keyframe first")
+        if frames < 1:
+            raise ValueError(f"Frames must be >= 1, got {frames}")
+        height, width = frame_size(self._side, keys[0][2], self.model.upsample)
+        c2w = np.stack([key[0] for key in keys])
+        focal = np.array([focal_from_fov(key[1], height) for key in keys])
+        intrinsics = np.stack([focal, focal, np.full_like(focal, width / 2), np.full_like(focal, height / 2)], -1)
+        if len(keys) == 1:
+            path, path_k = np.repeat(c2w, frames, 0), np.repeat(intrinsics, frames, 0)
+        else:
+            path, path_k = interpolate_path(c2w, intrinsics, frames, loop)
+        return {
+            "render_height": height,
+            "render_width": width,
+            "seconds": frames / 30.0,
+            "frame": "model",  # the run's frame (render_path reads it)
+            "camera_path": [
+                {"camera_to_world": c.reshape(-1).tolist(), "fov": math.degrees(fov_from_focal(k[1], height))}
+                for c, k in zip(path, path_k)
+            ],
+            "keyframes": [
+                {"matrix": key[0].reshape(-1).tolist(), "fov": math.degrees(key[1]), "aspect": key[2]} for key in keys
+            ],
+            "loop": bool(loop),
+        }
+
+    def save_camera_path(self, name: str = "camera_path", frames: int = PATH_FRAMES, loop: bool = False) -> Path:
+        """Write :meth:`camera_path` to ``path_dir/<name>.json`` (atomically); returns the file."""
+        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(name).stem).strip("._") or "camera_path"
+        content = self.camera_path(frames, loop)
+        self.path_dir.mkdir(parents=True, exist_ok=True)
+        path = self.path_dir / f"{stem}.json"
+        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            temp.write_text(json.dumps(content, indent=1))
+            os.replace(temp, path)
+        finally:
+            temp.unlink(missing_ok=True)
+        return path
 
     # ------------------------------------------------------------------ viser's threads: record only
     def _on_connect(self, client) -> None:
