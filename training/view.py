@@ -15,13 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-from data import SceneError, load_blender
+from data import SceneError
 from models.model import VoxelNeRF
 from models.ops import OP_NAMES, build_ops
 from training.export import ExportError, load_run, reference_ops
-from training.scenes import resolve_device, scene_root
+from training.scenes import resolve_device
 from training.viewer import TrainCameras, Viewer, ViewerError, import_viser
 
 EXIT_OK = 0
@@ -41,17 +40,10 @@ def fast_ops():
 def training_cameras(data_cfg: dict) -> TrainCameras | None:
     """The run's training views (None, with a note, when the scene cannot be read)."""
     try:
-        cfg = OmegaConf.create(data_cfg)
-        scene = load_blender(
-            scene_root(cfg),
-            "train",
-            downscale=cfg.downscale,
-            background=tuple(cfg.background),
-            near=cfg.near,
-            far=cfg.far,
-            scene_box=cfg.scene_box,
-        )
-    except (SceneError, ValueError, OSError, KeyError) as error:
+        from training.eval import load_split  # a blender, generated or nerfstudio scene, in the run's frame
+
+        scene = load_split(dict(data_cfg), "train")
+    except (SceneError, ExportError, ValueError, OSError, KeyError) as error:
         print(f"note: training cameras not shown ({' '.join(str(error).split())})", file=sys.stderr)
         return None
     return TrainCameras(scene.c2w.numpy().astype(np.float64), scene.height, scene.width, scene.focal)
