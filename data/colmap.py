@@ -8,8 +8,9 @@ documented ones (colmap.github.io/format.html); the reader is checked against py
 
 Poses: COLMAP stores world-to-camera (a unit quaternion qw qx qy qz and a translation) with the camera looking down +z,
 y down. As nerfstudio's ``colmap_to_json`` does, each becomes camera-to-world in the OpenGL convention (y and z
-flipped), and the world is turned by ``APPLIED_TRANSFORM`` (x <-> y, z negated), written to transforms.json as
-``applied_transform`` so the sparse points (left in COLMAP's world) are mapped the same way when read.
+flipped), and the world is turned by ``APPLIED_TRANSFORM`` (rows x, z, -y: COLMAP's -y up becomes +z), written to
+transforms.json as ``applied_transform``; the sparse points are turned the same way (sparse_pc.ply, as ns-process-data
+writes it).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ NERFSTUDIO_KEYS = {
     "OPENCV": ("fl_x", "fl_y", "cx", "cy", "k1", "k2", "p1", "p2"),
     "OPENCV_FISHEYE": ("fl_x", "fl_y", "cx", "cy", "k1", "k2", "k3", "k4"),
 }
-# nerfstudio's world turn for COLMAP poses (its colmap_to_json): rows (y, x, -z) of COLMAP's world
-APPLIED_TRANSFORM = np.array([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0]])
+# nerfstudio's world turn for COLMAP poses and points (its colmap_to_json): rows (x, z, -y) of COLMAP's world
+APPLIED_TRANSFORM = np.array([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, -1.0, 0.0, 0.0]])
 MODEL_FOLDERS = ("sparse/0", "sparse", "colmap/sparse/0")
 
 
@@ -305,6 +306,24 @@ def transforms_from_model(model: SparseModel, image_folder: str = "images") -> d
     meta["frames"] = frames
     meta["applied_transform"] = APPLIED_TRANSFORM.tolist()
     return meta
+
+
+def write_points_ply(path: Path, points: np.ndarray, colors: np.ndarray) -> None:
+    """A binary little-endian PLY of (N, 3) points (float32 x y z) and (N, 3) uint8 colours (red green blue)."""
+    vertex = np.empty(len(points), [("x", "<f4"), ("y", "<f4"), ("z", "<f4"), ("r", "u1"), ("g", "u1"), ("b", "u1")])
+    for index, name in enumerate("xyz"):
+        vertex[name] = points[:, index]
+    for index, name in enumerate("rgb"):
+        vertex[name] = colors[:, index]
+    header = (
+        f"ply\nformat binary_little_endian 1.0\nelement vertex {len(points)}\n"
+        + "".join(f"property float {axis}\n" for axis in "xyz")
+        + "".join(f"property uchar {channel}\n" for channel in ("red", "green", "blue"))
+        + "end_header\n"
+    )
+    with open(path, "wb") as file:
+        file.write(header.encode("ascii"))
+        file.write(vertex.tobytes())
 
 
 def image_folder(root: Path, model_folder: Path) -> Path:

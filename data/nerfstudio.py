@@ -9,8 +9,8 @@ frame; as in nerfstudio, a top-level key wins over a frame's own) or in each fra
 
 What we do with the rest:
 - nerfstudio's ``applied_transform`` (3x4 or 4x4) is the transform ns-process-data already applied to the poses
-  from COLMAP's world, so it is not applied to them again. It (and ``applied_scale``) maps the sparse points of
-  ``ply_file_path`` (or ``sparse_pc.ply``), which are in COLMAP's world, into the poses' world, as nerfstudio does.
+  from COLMAP's world, and to the sparse points it wrote to ``ply_file_path`` (``sparse_pc.ply``): both are in the
+  file's world, so it is applied to neither (kept, checked, on the Capture: it leads back to COLMAP's world).
 - ``orient`` (data.orient, data/orientation.py): ``up`` rotates the poses' world so the cameras' mean up is +z,
   centres it on their focus point and scales the cameras into [-1, 1]^3 (points and boxes follow); ``none`` keeps
   the poses as given.
@@ -76,7 +76,7 @@ class Capture:
     fisheye: bool = False
     transform: Similarity = Similarity.identity()  # file's world -> ours (data.orient), applied to frames' c2w
     ngp_box: np.ndarray | None = None  # (2, 3) instant-ngp's box in the file's world, or None
-    points: np.ndarray | None = None  # (N, 3) sparse points as read (a COLMAP model's), in place of ``ply``
+    points: np.ndarray | None = None  # (N, 3) sparse points in the file's world (a COLMAP model's), in place of ``ply``
 
 
 def transforms_file(root: str | os.PathLike) -> Path:
@@ -191,7 +191,7 @@ def parse_capture(
     points: np.ndarray | None = None,
 ) -> Capture:
     """A :class:`Capture` of a transforms dict ``meta`` (read from ``path``, named in errors; file paths relative
-    to ``base``), its sparse points in ``ply`` or ``points`` (N, 3) (in the world ``applied_transform`` maps)."""
+    to ``base``), its sparse points in ``ply`` or ``points`` (N, 3), in the poses' world."""
     if isinstance(eval_interval, bool) or not isinstance(eval_interval, int) or eval_interval < 2:
         raise ValueError(f"read_capture: eval_interval must be an int >= 2, got {eval_interval!r}")
     frames = meta.get("frames")
@@ -220,9 +220,7 @@ def read_points(capture: Capture) -> np.ndarray | None:
     points = capture.points if capture.points is not None else _ply_points(capture.ply)
     if points is None or not len(points):
         return None
-    points = points[np.isfinite(points).all(-1)]
-    in_poses_world = capture.applied_scale * (points @ capture.applied[:3, :3].T + capture.applied[:3, 3])
-    return capture.transform.points(in_poses_world)
+    return capture.transform.points(points[np.isfinite(points).all(-1)])
 
 
 def _ply_points(ply: Path | None) -> np.ndarray | None:
@@ -387,7 +385,10 @@ def read_colmap_capture(root: str | os.PathLike, eval_interval: int = 8, orient:
     model = read_model(folder)
     images = image_folder(root, folder)
     meta = transforms_from_model(model, images.relative_to(root).as_posix())
-    return parse_capture(folder, root, meta, eval_interval, orient, points=model.points)
+    applied = np.asarray(meta["applied_transform"])  # COLMAP's world -> the poses', as for sparse_pc.ply
+    return parse_capture(
+        folder, root, meta, eval_interval, orient, points=model.points @ applied[:, :3].T + applied[:, 3]
+    )
 
 
 def write_nerfstudio(

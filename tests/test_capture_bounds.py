@@ -20,15 +20,16 @@ def capture(tmp_path_factory):
     return root, write_capture(root)
 
 
-def test_applied_transform_maps_the_sparse_points_not_the_poses(tmp_path):
+def test_applied_transform_moves_neither_the_sparse_points_nor_the_poses(tmp_path):
+    """ns-process-data writes sparse_pc.ply in the poses' world (its create_ply_from_colmap applies the same
+    applied_transform to the points), so the transform is already in both and applied to neither."""
     pytest.importorskip("plyfile")
     from plyfile import PlyData, PlyElement
 
     write_capture(tmp_path, count=4)
     points = np.random.default_rng(0).uniform(-0.5, 0.5, (200, 3))
-    applied = np.array([[0.0, 1.0, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1.0, 0.0]])  # ns-process-data's
-    colmap = (points - applied[:, 3]) @ applied[:, :3]  # the points as COLMAP had them (applied[:, :3] orthogonal)
-    vertices = np.array([tuple(p) for p in colmap], dtype=[("x", "f8"), ("y", "f8"), ("z", "f8")])
+    applied = np.array([[1.0, 0.0, 0.0, 0.5], [0.0, 0.0, 1.0, 0.0], [0.0, -1.0, 0.0, 0.0]])  # ns-process-data's
+    vertices = np.array([tuple(p) for p in points], dtype=[("x", "f8"), ("y", "f8"), ("z", "f8")])
     PlyData([PlyElement.describe(vertices, "vertex")]).write(str(tmp_path / "sparse_pc.ply"))
     before = read_capture(tmp_path).frames[0].c2w
     edit(tmp_path, lambda m: m.update(applied_transform=applied.tolist()))

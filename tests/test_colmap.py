@@ -20,6 +20,7 @@ from data.colmap import (
     read_model,
     rotation_matrix,
     transforms_from_model,
+    write_points_ply,
 )
 from data.errors import SceneError
 from data.images import write_png
@@ -198,16 +199,14 @@ def test_colmap_folder_loads_as_its_transforms(tmp_path):
     """data=colmap on a folder of per-image PINHOLE cameras of mixed orientation gives the same scenes as
     data=nerfstudio on the transforms.json (with the points as sparse_pc.ply) made of it."""
     pytest.importorskip("plyfile")
-    from plyfile import PlyData, PlyElement
-
     model = _colmap_folder(tmp_path, [(64, 48), (48, 64)], ["PINHOLE", "PINHOLE"])
     train, evaluation, bounds = load_nerfstudio(tmp_path, colmap=True, eval_interval=3)
     meta = transforms_from_model(read_model(tmp_path / "sparse" / "0"))
-    vertex = np.array([tuple(p) for p in model["points"]], dtype=[("x", "f8"), ("y", "f8"), ("z", "f8")])
-    PlyData([PlyElement.describe(vertex, "vertex")]).write(str(tmp_path / "sparse_pc.ply"))
+    applied = np.array(meta["applied_transform"])  # sparse_pc.ply holds the points in the poses' world
+    write_points_ply(tmp_path / "sparse_pc.ply", model["points"] @ applied[:, :3].T + applied[:, 3], model["colors"])
     (tmp_path / "transforms.json").write_text(json.dumps(meta))
     train2, evaluation2, bounds2 = load_nerfstudio(tmp_path, eval_interval=3)
-    np.testing.assert_allclose(bounds.box, bounds2.box, rtol=1e-12)
+    np.testing.assert_allclose(bounds.box, bounds2.box, rtol=1e-6)  # the PLY holds float32
     for a, b in ((train, train2), (evaluation, evaluation2)):
         assert a.names == b.names
         torch.testing.assert_close(a.c2w, b.c2w)
@@ -216,7 +215,16 @@ def test_colmap_folder_loads_as_its_transforms(tmp_path):
         assert a.sizes is not None and a.sizes.tolist() == b.sizes.tolist()
     assert sorted(map(tuple, train.sizes.tolist())) == [(48, 64)] * 2 + [(64, 48)] * 2  # portrait and landscape
     assert read_colmap_capture(tmp_path).points.shape == (25, 3)
-    assert read_capture(tmp_path).ply is not None
+    assert read_capture(tmp_path).ply is not None and "25 sparse points" in bounds.source
+
+
+def test_points_ply_reads_back(tmp_path):
+    plyfile = pytest.importorskip("plyfile")
+    points, colors = RNG.normal(size=(40, 3)), RNG.integers(0, 256, (40, 3)).astype(np.uint8)
+    write_points_ply(tmp_path / "p.ply", points, colors)
+    vertex = plyfile.PlyData.read(str(tmp_path / "p.ply"))["vertex"]
+    np.testing.assert_allclose(np.stack([vertex[a] for a in "xyz"], -1), points, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.stack([vertex[c] for c in ("red", "green", "blue")], -1), colors)
 
 
 def test_colmap_camera_models_make_rays(tmp_path):

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from data.colmap import read_model, transforms_from_model
+from data.colmap import read_model, transforms_from_model, write_points_ply
 
 INSTALL = 'python3 -m pip install --no-build-isolation -e ".[process]"'
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png"}
@@ -255,8 +255,10 @@ def write_capture(root: Path, reconstruction) -> dict:
     sparse = root / "colmap" / "sparse" / "0"
     sparse.mkdir(parents=True)
     reconstruction.write(sparse)
-    reconstruction.export_PLY(root / "sparse_pc.ply")
-    meta = transforms_from_model(read_model(sparse), "images")
+    model = read_model(sparse)
+    meta = transforms_from_model(model, "images")
+    applied = np.asarray(meta["applied_transform"])  # the points in the poses' world, as ns-process-data writes them
+    write_points_ply(root / "sparse_pc.ply", model.points @ applied[:, :3].T + applied[:, 3], model.colors)
     meta["ply_file_path"] = "sparse_pc.ply"
     (root / "transforms.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta
