@@ -246,11 +246,12 @@ setup(
             "viser>=1.0",
             "hydra-submitit-launcher>=1.2",
             "pycolmap>=4.0",
+            "trimesh",
         ],
         "lint": ["ruff==0.17.5", "clang-format==23.1.3"],
         "tensorboard": ["tensorboard"],
         "video": ["imageio-ffmpeg"],
-        "mesh": ["pymcubes", "plyfile"],
+        "mesh": ["pymcubes", "plyfile", "trimesh"],  # trimesh: GLB / OBJ
         "viewer": ["viser>=1.0"],
         "cluster": ["hydra-submitit-launcher>=1.2"],
         # training.process: COLMAP's structure from motion (CPU wheels) and a video reader (ships its own ffmpeg)
