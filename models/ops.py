@@ -2,7 +2,7 @@
 
 The model never imports :mod:`cuda_ext` itself: it receives an :class:`OpSet`, so ``ops=torch`` swaps every op
 (and ``ops.grid_interpolate=torch`` etc. swap one) without touching model code. Each config key is the op's
-name in :mod:`cuda_ext`; ``trilinear`` and ``upsample``, the keys' earlier names, are still accepted.
+name in :mod:`cuda_ext`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ OP_NAMES = (
     "brick_grid_interpolate",
     "sampled_tv",
 )  # the config keys: functions of cuda_ext
-EARLIER_KEYS = {"trilinear": "grid_interpolate", "upsample": "upsample_bilinear2d"}  # still accepted (null: unset)
 FAMILIES = {  # swapped by the family's key
     "gelu": ("gelu_rows",),
     "sparse_adam_step": ("adam_replay_rows", "masked_adam_step"),
@@ -81,20 +80,16 @@ class OpSet:
 
 
 def build_ops(ops_cfg: Mapping[str, str | None]) -> OpSet:
-    """OpSet from ``{"grid_interpolate": b, "upsample_bilinear2d": b, "gelu": b}``, each b "custom" or "torch";
-    an earlier key (``trilinear``, ``upsample``) set to a backend overrides the op it names.
+    """OpSet from ``{"grid_interpolate": b, "upsample_bilinear2d": b, "gelu": b}``, each b "custom" or "torch".
 
     Raises ValueError naming the key for a missing key, an unknown key or an unknown backend.
     """
     if not isinstance(ops_cfg, Mapping):
         raise ValueError(f"ops: expected a mapping with keys {', '.join(OP_NAMES)}, got {type(ops_cfg).__name__}")
-    unknown = sorted(set(ops_cfg) - set(OP_NAMES) - set(EARLIER_KEYS))
+    unknown = sorted(set(ops_cfg) - set(OP_NAMES))
     if unknown:
         raise ValueError(f"ops.{unknown[0]}: unknown op (expected one of {', '.join(OP_NAMES)})")
     wanted = {name: ops_cfg.get(name) for name in OP_NAMES}
-    for earlier, name in EARLIER_KEYS.items():
-        if ops_cfg.get(earlier) is not None:
-            wanted[name] = ops_cfg[earlier]
     import cuda_ext  # deferred: the compiled extension loads only when a custom op is called
 
     chosen: dict[str, Callable] = {}

@@ -89,15 +89,6 @@ def test_capped_samples_refuse_the_adams_that_mark_the_rows_read(sparse):
             ["ops=torch", "ops.gelu=custom"],
             backends("torch", gelu="custom"),
         ),
-        # the keys' earlier names still work
-        (
-            ["ops.trilinear=torch"],
-            backends("custom", grid_interpolate="torch"),
-        ),
-        (
-            ["ops=torch", "ops.upsample=custom"],
-            backends("torch", upsample_bilinear2d="custom"),
-        ),
     ],
 )
 def test_op_overrides_choose_each_backend(overrides, expected):

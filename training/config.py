@@ -34,8 +34,6 @@ class OpsConfig:
     march_rays: str = "custom"  # packed samples along the rays, empty space skipped
     sparse_adam_step: str = "custom"  # train.sparse_adam's update of the touched voxels
     sampled_tv: str = "custom"  # the grids' total variation on sampled cells, its gradient added after the backward
-    trilinear: Optional[str] = None  # earlier name of grid_interpolate (set: overrides it)
-    upsample: Optional[str] = None  # earlier name of upsample_bilinear2d (set: overrides it)
 
 
 @dataclass

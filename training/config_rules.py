@@ -19,7 +19,7 @@ from data.colmap import find_model
 from data.errors import SceneError
 from data.orientation import ORIENT_METHODS
 from models.config import parse_model_config
-from models.ops import EARLIER_KEYS, OP_NAMES
+from models.ops import OP_NAMES
 from training.losses import PHOTOMETRIC_LOSSES
 from training.metrics import SSIM_WINDOW
 
@@ -111,7 +111,7 @@ def _check_device(cfg: DictConfig) -> None:
 
 
 def _check_ops(cfg: DictConfig) -> None:
-    for name in (*OP_NAMES, *EARLIER_KEYS):
+    for name in OP_NAMES:
         if _get(cfg, f"ops.{name}") is not None:
             _check_choice(cfg, f"ops.{name}", OP_BACKENDS, "backend")
 
