@@ -151,3 +151,11 @@ def test_mixed_size_batches_replay_from_a_cuda_graph():
         expected, got = eager.sample(), graphed.sample()
         assert torch.equal(expected.pixels, got.pixels) and torch.equal(expected.views, got.views)
         torch.testing.assert_close(expected.directions, got.directions, rtol=0, atol=0)
+
+
+def test_viewer_frusta_keep_each_views_shape():
+    from training.viewer import TrainCameras
+
+    cameras = TrainCameras.of_scene(mixed_scene([(6, 10), (10, 6)]))
+    np.testing.assert_allclose(cameras.aspect, [10 / 6, 6 / 10])
+    np.testing.assert_allclose(cameras.fov, [2 * np.arctan(3 / 20), 2 * np.arctan(5 / 20)])

@@ -13,7 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from data import SceneError
@@ -46,7 +45,7 @@ def training_cameras(data_cfg: dict) -> TrainCameras | None:
     except (SceneError, ExportError, ValueError, OSError, KeyError) as error:
         print(f"note: training cameras not shown ({' '.join(str(error).split())})", file=sys.stderr)
         return None
-    return TrainCameras(scene.c2w.numpy().astype(np.float64), scene.height, scene.width, scene.focal)
+    return TrainCameras.of_scene(scene)
 
 
 def open_run(run_dir: str, device: torch.device, with_cameras: bool = True) -> tuple[VoxelNeRF, dict, TrainCameras]:

@@ -108,7 +108,7 @@ def check_viewer(train_cfg) -> None:
 def start_viewer(train_cfg, trainer, group) -> Viewer:
     """The viewer of a training run (rank 0), showing ``trainer.model`` and its training cameras."""
     scene = trainer.train_scene
-    cameras = TrainCameras(scene.c2w.cpu().numpy().astype(np.float64), scene.height, scene.width, scene.focal)
+    cameras = TrainCameras.of_scene(scene)
     viewer = Viewer(
         trainer.model,
         cameras,
@@ -128,12 +128,20 @@ def start_viewer(train_cfg, trainer, group) -> Viewer:
 
 @dataclass
 class TrainCameras:
-    """The training views, drawn as frusta: (V, 4, 4) OpenGL c2w and the intrinsics they share."""
+    """The training views, drawn as frusta: (V, 4, 4) OpenGL c2w, each view's vertical field of view (V,) in
+    radians and aspect (V,) width / height (a capture may mix portrait and landscape frames)."""
 
     c2w: np.ndarray
-    height: int
-    width: int
-    focal: float
+    fov: np.ndarray
+    aspect: np.ndarray
+
+    @classmethod
+    def of_scene(cls, scene) -> TrainCameras:
+        """The views of a :class:`data.Scene`, each with its own size and focal length."""
+        sizes = np.array([scene.view_size(view) for view in range(scene.num_views)], np.float64)
+        fy = scene.intrinsics[:, 1].cpu().numpy()
+        fov = np.array([fov_from_focal(f, h) for f, h in zip(fy, sizes[:, 0])])
+        return cls(scene.c2w.cpu().numpy().astype(np.float64), fov, sizes[:, 1] / sizes[:, 0])
 
 
 @dataclass
@@ -222,13 +230,12 @@ class Viewer:
         scene.add_line_segments("/scene_box", box_edges(bbox), BOX_COLOR, thickness=0.004 * size)
         if cameras is None or len(cameras.c2w) == 0:
             return
-        fov = fov_from_focal(cameras.focal, cameras.height)
         for index, c2w in enumerate(np.asarray(cameras.c2w, dtype=np.float64)):
             wxyz, position = c2w_to_viser(c2w)
             scene.add_camera_frustum(
                 f"/train_cameras/{index:03d}",
-                fov=fov,
-                aspect=cameras.width / cameras.height,
+                fov=float(cameras.fov[index]),
+                aspect=float(cameras.aspect[index]),
                 scale=0.04 * size,
                 thickness=0.002 * size,
                 color=FRUSTUM_COLOR,
@@ -238,7 +245,7 @@ class Viewer:
         first = cameras.c2w[0]  # new browsers start at the first training view, looking at the box's centre
         self.server.initial_camera.position = tuple(float(v) for v in first[:3, 3])
         self.server.initial_camera.look_at = tuple(float(v) for v in (bbox[0] + bbox[1]) / 2)
-        self.server.initial_camera.fov = fov
+        self.server.initial_camera.fov = float(cameras.fov[0])
 
     def _build_gui(self, resolution: int, pausable: bool) -> None:
         gui = self.server.gui
