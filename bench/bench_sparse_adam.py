@@ -8,9 +8,8 @@ A (size^3, C) float32 grid (default 256^3 x 13 on CUDA, 32^3 x 13 on the CPU), K
 rows, sorted (as SparseGridAdam's nonzero() hands them over). Reported per variant: median ms, GB/s on the bytes
 it must move, % of the device's copy bandwidth (a large tensor copy, bench_timing.measure_copy), and the speed-up
 over dense Adam (fused=True on CUDA, foreach=True on the CPU). Bytes: sparse K*C*4 * 7 (read param, grad, m, v;
-write param, m, v) + 8*K (rows); dense M*C*4 * 7; exact (train.sparse_adam=exact: the replay of the rows' skipped
-steps, then the step) K*C*4 * 13 + 32*K; masked (train.sparse_adam=nonzero: the gradient zero outside the K rows,
-no list) M*C*4 + K*C*4 * 6 (the whole gradient read; param, m, v read and written on the K rows). Two sparse
+write param, m, v) + 8*K (rows); dense M*C*4 * 7; masked (train.sparse_adam=nonzero: the gradient zero outside
+the K rows, no list) M*C*4 + K*C*4 * 6 (the whole gradient read; param, m, v read and written on the K rows). Two sparse
 timings: the raw op (the kernel and its launch) and the wrapper, which also checks rows' range (one reduction and
 one host sync per call); a third, the op with ``clear_grad`` (+ K*C*4: the rows' gradient left zero, as
 ``train.sparse_adam=occupied`` keeps it). Two more masked timings leave the gradient zero for the next step, as
@@ -137,10 +136,6 @@ def bench(device: torch.device, side: int, channels: int, fractions: Sequence[fl
             row = _row(variant, fraction, k, masked_bytes(m, k, channels, clear=clear), timing, copy["GBps"])
             row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
             rows.append(row)
-        timing = time_exact(param, grad, picks, timer)
-        row = _row("exact (replay + step)", fraction, k, exact_bytes(k, channels), timing, copy["GBps"])
-        row["speedup_vs_dense"] = dense_timing["ms"] / timing["ms"]
-        rows.append(row)
     return {"copy": copy, "results": rows}
 
 
@@ -180,40 +175,6 @@ def time_masked(
             grads[i % len(grads)][rows] = grad[rows]
 
     return timer(run, reset, len(picks))
-
-
-def exact_bytes(k: int, channels: int, itemsize: int = 4) -> int:
-    """The replay (read param, m, v; write them: 6 K C) and the step (7 K C), plus rows, last steps, replay sums
-    (the M-byte mask pass is left out: it is a few percent at K = M / 10)."""
-    return 13 * k * channels * itemsize + 8 * k * 4
-
-
-def time_exact(param: torch.Tensor, grad: torch.Tensor, picks: list, timer: Timer) -> dict:
-    """train.sparse_adam=exact's optimiser work a step: mark the K rows a step reads in a mask, replay them
-    (cuda_ext.adam_replay_rows; left since random earlier steps), then step them (training.lazy_adam.LazyGridAdam;
-    the model's marking of the rows a lookup reads is not included)."""
-    from training.lazy_adam import LazyGridAdam
-
-    grid = torch.nn.Parameter(param.clone())
-    grid.grad = grad.clone()
-    chosen = {}
-    betas = (HYPER["beta1"], HYPER["beta2"])
-    group = [{"params": [grid], "lr": HYPER["lr"], "name": "grids"}]
-    optimizer = LazyGridAdam(
-        group,
-        cuda_ext.sparse_adam_step,
-        cuda_ext.adam_replay_rows,
-        lambda: chosen["rows"],
-        betas=betas,
-        eps=HYPER["eps"],
-    )
-
-    def run(i: int) -> None:
-        chosen["rows"] = picks[i % len(picks)]
-        optimizer.catch_up_rows(chosen["rows"])
-        optimizer.step()
-
-    return timer(run, lambda i: None, len(picks))
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

@@ -8,8 +8,7 @@ Public ops (each differentiable, dispatching on the input's device):
 - :func:`upsample_bilinear2d` (B,C,H,W) -> (B,C,sH,sW).
 - :func:`gelu`, exact or tanh; :func:`gelu_rows`, GELU of x plus a gathered row (the decoder's first layer).
 - :func:`sparse_adam_step` Adam on the listed rows of a (M, C) parameter, in place (masked Adam);
-  :func:`masked_adam_step` the same on the elements whose gradient is non-zero (no list of rows);
-  :func:`adam_replay_rows` dense Adam's zero-gradient steps replayed on the masked rows (the exact lazy Adam).
+  :func:`masked_adam_step` the same on the elements whose gradient is non-zero (no list of rows).
 - :func:`march_rays` (B,3) rays + an occupancy grid -> packed samples (N,) ray, (N,) t, (N,3) points, offsets;
   :func:`march_rays_capped` the same into outputs of a given size, with no device sync (CUDA graphs).
 - :func:`volume_render` packed samples (N,), (N,C) + (B+1,) ray offsets -> (B,C) colour, (B,) opacity, depth.
@@ -42,7 +41,7 @@ except ImportError as _error:  # not built (or built for another torch): the ref
         "`python3 -m pip install --no-build-isolation -e .` (cuda_ext.reference and ops=torch need no build)"
     )
 else:
-    from cuda_ext.adam import adam_replay_rows, masked_adam_step, sparse_adam_step
+    from cuda_ext.adam import masked_adam_step, sparse_adam_step
     from cuda_ext.brick_grid import brick_grid_interpolate
     from cuda_ext.gelu import gelu, gelu_rows
     from cuda_ext.march import march_rays, march_rays_capped
@@ -66,7 +65,6 @@ _CUSTOM_OPS = (
     "march_rays_capped",
     "sparse_adam_step",
     "masked_adam_step",
-    "adam_replay_rows",
     "sampled_tv",
 )
 
@@ -155,7 +153,6 @@ __all__ = [
     "march_rays_capped",
     "sparse_adam_step",
     "masked_adam_step",
-    "adam_replay_rows",
     "sampled_tv",
     "reference",
     "has_extension",

@@ -1,4 +1,4 @@
-"""Argument checks of the optimiser ops (sparse_adam_step, masked_adam_step, adam_replay_rows), shared by their
+"""Argument checks of the optimiser ops (sparse_adam_step, masked_adam_step), shared by their
 wrappers, fake kernels and references; same rules and messages as :mod:`cuda_ext._checks` (metadata only)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cuda_ext._checks import (
 )
 from cuda_ext._step_checks import _check_numbers
 
-__all__ = ["check_adam_inputs", "check_masked_adam_inputs", "check_adam_replay_inputs"]
+__all__ = ["check_adam_inputs", "check_masked_adam_inputs"]
 
 
 def check_adam_inputs(
@@ -79,58 +79,6 @@ def _check_adam_numbers(op: str, step: Any, lr: Any, beta1: Any, beta2: Any, eps
         raise TypeError(f"{op}: eps must be a number > 0, got {eps!r} of type {type(eps).__name__}")
     if not 0 < eps < float("inf"):
         raise ValueError(f"{op}: eps must be a number > 0, got {eps!r}")
-
-
-def check_adam_replay_inputs(
-    param: Any,
-    exp_avg: Any,
-    exp_avg_sq: Any,
-    mask: Any,
-    last: Any,
-    replay: Any,
-    done: Any,
-    beta1: Any,
-    beta2: Any,
-    op: str = "adam_replay_rows",
-) -> int:
-    """param, exp_avg, exp_avg_sq (M, C) as sparse_adam_step's; mask (M,) bool/uint8, last (M,) int64, replay (T,)
-    float64, all contiguous on param's device; done an int in [0, T); beta1 in [0, 1), beta2 in (0, 1). Returns
-    done as an int. (last's values are data: not read here.)"""
-    for name, value in (("mask", mask), ("last", last), ("replay", replay)):
-        check_tensor(op, name, value)
-    _check_row_state(op, param, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    rows = param.shape[0]
-    for name, value, dtypes, words in (
-        ("mask", mask, (torch.bool, torch.uint8), "bool or uint8"),
-        ("last", last, (torch.int64,), "int64"),
-        ("replay", replay, (torch.float64,), "float64"),
-    ):
-        want = "(T,)" if name == "replay" else f"(M,) = ({rows},)"
-        require(
-            value.dim() == 1 and (name == "replay" or value.shape[0] == rows),
-            ValueError,
-            lambda name=name, value=value, want=want: f"{op}: {name} must have shape {want}, got {_shape(value)}",
-        )
-        require(
-            value.dtype in dtypes,
-            TypeError,
-            lambda name=name, value=value, words=words: f"{op}: {name} must be {words}, got {value.dtype}",
-        )
-        require(
-            value.device == param.device,
-            ValueError,
-            lambda name=name, value=value: (
-                f"{op}: {name} and param must be on the same device, got {value.device} and {param.device}"
-            ),
-        )
-        require(value.is_contiguous(), ValueError, lambda name=name: f"{op}: {name} must be contiguous")
-    steps = check_int(op, "done", done)
-    if not 0 <= steps < replay.shape[0]:
-        raise ValueError(f"{op}: done must be in [0, T) = [0, {replay.shape[0]}), got {steps}")
-    _check_numbers(op, (("beta1", beta1, 0.0, 1.0), ("beta2", beta2, 0.0, 1.0)))
-    if beta2 == 0:
-        raise ValueError(f"{op}: beta2 must be in (0, 1), got {beta2}")
-    return steps
 
 
 def _check_row_state(op: str, param: Any, **others: Any) -> None:

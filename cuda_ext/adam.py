@@ -1,11 +1,9 @@
-"""Row-sparse Adam: the typed wrappers of ``torch.ops.cuda_ext.sparse_adam_step``, ``masked_adam_step`` and
-``adam_replay_rows`` and their fake kernels.
+"""Row-sparse Adam: the typed wrappers of ``torch.ops.cuda_ext.sparse_adam_step`` and ``masked_adam_step`` and
+their fake kernels.
 
 The kernels (csrc/cpu/adam.cpp, csrc/cuda/adam.cu) apply torch.optim.Adam's update to the listed rows only
-(rows not listed are neither read nor written: training.optim.SparseGridAdam, the masked Adam), or to the elements
-whose gradient is non-zero (no list: the gradient is the mask), and replay dense Adam's zero-gradient steps on the
-masked rows (training.lazy_adam.LazyGridAdam, which steps the rows a training step reads and replays the others
-when they are next read).
+(rows not listed are neither read nor written: training.optim.SparseGridAdam), or to the elements whose gradient
+is non-zero (no list: the gradient is the mask).
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import torch
 
 from cuda_ext import _adam_checks
 
-__all__ = ["sparse_adam_step", "masked_adam_step", "adam_replay_rows"]
+__all__ = ["sparse_adam_step", "masked_adam_step"]
 
 
 def sparse_adam_step(
@@ -117,49 +115,3 @@ def masked_adam_step(
 @torch.library.register_fake("cuda_ext::masked_adam_step")
 def _masked_adam_step_fake(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad=False) -> None:
     _adam_checks.check_masked_adam_inputs(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, clear_grad)
-
-
-def adam_replay_rows(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    mask: torch.Tensor,
-    last: torch.Tensor,
-    replay: torch.Tensor,
-    done: int,
-    beta1: float,
-    beta2: float,
-) -> None:
-    """Bring the masked rows of ``param`` and its moments to where dense Adam would have left them, in place.
-
-    A row last stepped at step t0 = ``last[r]`` has had zero gradients over the k = ``done`` - t0 steps since, so
-    dense Adam decayed its moments and moved its value by the momentum it carried; for each masked row with
-    t0 < done, elementwise (training.lazy_adam derives it)::
-
-        p = p - replay[t0] * m / sqrt(v)     # only where v > 0 (a row never stepped does not move)
-        m = m * beta1^k;  v = v * beta2^k
-
-    computed in param's dtype. Rows not masked, and masked rows with ``last[r] == done``, are neither read nor
-    written; ``last`` is not updated (the caller stamps the rows). One pass over the mask: no list of rows, no
-    device sync.
-
-    Args:
-        param, exp_avg, exp_avg_sq: (M, C) contiguous, float32 or float64, on one device; updated in place.
-        mask: (M,) bool or uint8 on param's device: the rows to bring up to date (non-zero).
-        last: (M,) int64 on param's device: the step each row is current at; on masked rows in [0, done] (the
-            CPU kernel raises before writing anything; the CUDA kernel writes NaN into a row outside it).
-        replay: (T,) float64 on param's device, T > done: ``replay[t0]`` the value's shift for a row current at t0.
-        done: the optimiser's step count, an int in [0, T); beta1 in [0, 1), beta2 in (0, 1).
-    Raises:
-        TypeError: an argument of the wrong type or dtype.
-        ValueError: a shape, device or contiguity mismatch, a value out of its range.
-    """
-    done = _adam_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)
-    torch.ops.cuda_ext.adam_replay_rows(
-        param, exp_avg, exp_avg_sq, mask, last, replay, done, float(beta1), float(beta2)
-    )
-
-
-@torch.library.register_fake("cuda_ext::adam_replay_rows")
-def _adam_replay_rows_fake(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2) -> None:
-    _adam_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)

@@ -46,7 +46,6 @@ __all__ = [
     "contract_points",
     "sparse_adam_step",
     "masked_adam_step",
-    "adam_replay_rows",
     "sampled_tv",
 ]
 
@@ -246,34 +245,6 @@ def _adam_at(param, grad, exp_avg, exp_avg_sq, where: torch.Tensor, step, lr, be
     denom = (v.sqrt() / bias_correction2**0.5).add_(eps)
     p.addcdiv_(m, denom, value=-(lr / bias_correction1))
     param[where], exp_avg[where], exp_avg_sq[where] = p, m, v
-
-
-def adam_replay_rows(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    mask: torch.Tensor,
-    last: torch.Tensor,
-    replay: torch.Tensor,
-    done: int,
-    beta1: float,
-    beta2: float,
-) -> None:
-    """Dense Adam's zero-gradient steps since ``last`` replayed on the masked rows, in place (cuda_ext.adam's
-    docstring): the rows gathered, updated with tensor ops in param's dtype, and scattered back."""
-    done = _adam_checks.check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2)
-    with torch.no_grad():
-        rows = (mask.bool() & (last != done)).nonzero().squeeze(1)
-        t0 = last[rows]
-        if rows.numel() and not bool(((t0 >= 0) & (t0 <= done)).all()):
-            raise ValueError(f"adam_replay_rows: last must lie in [0, done = {done}] on the masked rows")
-        skipped = (done - t0).to(param.dtype)
-        shift = replay[t0].to(param.dtype)[:, None]
-        decay1 = torch.pow(torch.tensor(beta1, dtype=param.dtype), skipped)[:, None]
-        decay2 = torch.pow(torch.tensor(beta2, dtype=param.dtype), skipped)[:, None]
-        m, v = exp_avg[rows], exp_avg_sq[rows]
-        param[rows] = param[rows] - shift * torch.where(v > 0, m / v.sqrt(), torch.zeros_like(m))
-        exp_avg[rows], exp_avg_sq[rows] = m * decay1, v * decay2
 
 
 def sampled_tv(

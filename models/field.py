@@ -138,7 +138,6 @@ class VoxelGrid(nn.Module):
         touched: torch.Tensor | None = None,
         foreground: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         outside: float = 1.0,
-        reader: Callable[[torch.Tensor], None] | None = None,
         rows: RowGradients | None = None,
         cells: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -146,12 +145,11 @@ class VoxelGrid(nn.Module):
 
         ``num_samples`` > 0 estimates it on that many random voxels (and their +1 neighbours), which keeps the
         cost and the gradient's footprint small on big grids; 0 (or more samples than voxels) uses the whole grid.
-        ``touched``: optional (R0*R1*R2,) bool mask in which the rows the estimate reads are set (sparse Adam).
+        ``touched``: optional (R0*R1*R2,) bool mask in which the rows the estimate reads are set (the touched-rows
+        all-reduce under torchrun).
         ``foreground``: optional (R0,), (R1,), (R2,) bool masks of the vertices inside the foreground box per axis
         (a vertex is inside when all three are set); each squared difference with a vertex outside is multiplied
         by ``outside`` (``model.tv_background``; 1 or no masks: the unweighted sum, the same operations as ever).
-        ``reader``: optional, called with the (K,) rows the estimate reads before it reads them
-        (TouchedRows.before_read_rows with the grid's shape).
         ``rows``: optional, the estimate gathers through it, so its gradient reaches the grid as the rows it read
         when ``rows.scatter()`` runs after the backward (models.sparse_rows; the whole-grid form's is dense).
         ``cells``: optional (num_samples,) int64 cell indices in [0, (R0-1)(R1-1)(R2-1)) to estimate on (the
@@ -163,8 +161,6 @@ class VoxelGrid(nn.Module):
         if num_samples <= 0 or num_samples >= (r0 - 1) * (r1 - 1) * (r2 - 1):
             if touched is not None:
                 touched.fill_(True)
-            if reader is not None:
-                reader(torch.arange(r0 * r1 * r2, device=grid.device))
             if weighted:  # per axis a (R_a - 1 along a) weights of the pairs (v, v + e_a)
                 shapes = [[-1 if b == a else 1 for b in range(3)] for a in range(3)]
                 vertex = [f.reshape(shape) for f, shape in zip(foreground, shapes)]
@@ -179,8 +175,6 @@ class VoxelGrid(nn.Module):
         (i, j, k), index = tv_pair_rows(cells, self.shape)
         if touched is not None:
             touched[index.reshape(-1)] = True
-        if reader is not None:
-            reader(index.reshape(-1))
         values = gather_rows(grid, index.reshape(-1), rows).reshape(4, len(cells), -1)
         if weighted:  # the (3, S) weights of each sampled voxel's three pairs
             vertex = [f[c] for f, c in zip(foreground, (i, j, k))]
@@ -275,39 +269,16 @@ class OccupancyGrid(nn.Module):
 
 class TouchedRows:
     """The rows of the (R0*R1*R2, C) grid views that a training step's lookups and TV estimate read: the only
-    rows whose gradient can be non-zero, so the only ones a sparse Adam step needs. Both grids share one shape,
-    so one (R0*R1*R2,) bool mask serves both. Off (``enabled`` False) unless the optimiser asks for it."""
+    rows whose gradient can be non-zero, so the only ones the touched-rows all-reduce under torchrun moves
+    (training.distributed). Both grids share one shape, so one (R0*R1*R2,) bool mask serves both. Off (``enabled``
+    False) unless the optimiser's setup asks for it (training.optim.new_optimizer)."""
 
     def __init__(self):
         self.enabled = False
         self._mask: torch.Tensor | None = None
-        # set by an optimiser that replays skipped steps (training.lazy_adam): called with the (R,) uint8 mask of
-        # the rows about to be read, and before a whole-grid read
-        self.reader: Callable[[torch.Tensor], None] | None = None
+        # called before a whole-grid read (train.parallel=space: the ranks' slabs exchanged first)
         self.flusher: Callable[[], None] | None = None
         self.density_flusher: Callable[[], None] | None = None  # the same for a read of the density grid alone
-        self.union: Callable[[torch.Tensor], None] | None = None  # under torchrun: OR-reduces a (R,) uint8 mask
-        self._seen: torch.Tensor | None = None  # before_read's scratch mask
-
-    def before_read(self, unit_points: torch.Tensor, shape: tuple[int, int, int]) -> None:
-        """The (N, 3) points' corner rows are about to be read (:meth:`before_read_rows`)."""
-        if self.reader is not None:
-            self.before_read_rows(corner_rows(unit_points, shape), shape)
-
-    def before_read_rows(self, rows: torch.Tensor, shape: tuple[int, int, int]) -> None:
-        """The (K,) rows (repeats allowed) of grids of ``shape`` are about to be read: hand ``reader`` their
-        (R,) uint8 mask (no device sync); under torchrun the union of every rank's, so that the ranks replay
-        alike."""
-        if self.reader is None:
-            return
-        count = shape[0] * shape[1] * shape[2]
-        if self._seen is None or self._seen.numel() != count or self._seen.device != rows.device:
-            self._seen = torch.zeros(count, dtype=torch.uint8, device=rows.device)  # kept: no 33 MB a step
-        self._seen[rows] = 1
-        if self.union is not None:
-            self.union(self._seen)
-        self.reader(self._seen)
-        self._seen.zero_()
 
     def before_whole_read(self, density_only: bool = False) -> None:
         """Every row is about to be read (occupancy refresh, growth, evaluation, a checkpoint); ``density_only``: of

@@ -56,12 +56,9 @@ class DeferredTV:
         if cells is None:
             return None
         touched, shape = model.touched, model.grid_shape
-        if cells[0] is not None and (touched.enabled or touched.reader is not None):
-            # a sparse Adam steps the coarse rows the estimate reads; a replaying one catches them up first
+        if cells[0] is not None and touched.enabled:  # the touched-rows sync moves the coarse rows the estimate reads
             _, rows = tv_pair_rows(cells[0], shape)
-            if touched.enabled:
-                touched.mask(shape, rows.device)[rows] = True
-            touched.before_read_rows(rows, shape)
+            touched.mask(shape, rows.device)[rows] = True
         share = 1.0
         if model.space_split is not None and cells[0] is not None:  # this rank's slab's cells (training.space_parallel)
             cells[0], share = model.space_split.owned_cells(cells[0])

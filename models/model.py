@@ -101,7 +101,7 @@ class VoxelNeRF(nn.Module):
         self.capacities = SampleCapacities() if c.capped_samples else None  # training's march (models/capacities.py)
         self.poses = PoseRefinement(c.pose_refinement)  # per-training-image camera corrections (sized by the trainer)
         self.progress = 0.0  # fraction of training done, from on_step (switches the TV regulariser off)
-        self.touched = TouchedRows()  # the grid rows a step reads, when enabled (sparse Adam)
+        self.touched = TouchedRows()  # the grid rows a step reads, when enabled (the touched-rows sync)
         self.row_grads = RowGradients()  # model.tv_sparse_grad: the TV rows' gradients, added after the backward
         self.deferred_tv = DeferredTV()  # the trainer's TV: cells drawn before the forward, applied after the backward
         self.space_split = None  # train.parallel=space: this rank's slab of the voxels (training.space_parallel)
@@ -309,8 +309,6 @@ class VoxelNeRF(nn.Module):
             return None
         if self.progress <= c.tv_until:
             touched = self.touched.mask(self.grid_shape, self.bbox.device) if self.touched.enabled else None
-            # a replaying Adam catches up the rows the estimate reads
-            reader = partial(self.touched.before_read_rows, shape=self.grid_shape) if self.touched.reader else None
             # model.tv_background: the contracted shell's pairs weigh that much more (None / 1: unweighted)
             weighted = c.tv_background != 1.0
             shell = (self.space.foreground(self.grid_shape, self.bbox.device) if weighted else None, c.tv_background)
@@ -318,7 +316,7 @@ class VoxelNeRF(nn.Module):
             coarse, fine = draw_cells(self)  # the draws the deferred estimate makes
             for weight, grid in ((c.tv_density, self.density), (c.tv_features, self.features)):
                 if weight > 0:
-                    tv = grid.total_variation(c.tv_samples, touched, *shell, reader, rows=rows, cells=coarse)
+                    tv = grid.total_variation(c.tv_samples, touched, *shell, rows=rows, cells=coarse)
                     terms.append(weight * tv)
             if self.fine.active:  # the fine grid's own, at its spacing
                 weights = (c.tv_density * c.fine.tv, c.tv_features * c.fine.tv)

@@ -26,7 +26,7 @@ OP_NAMES = (
 )  # the config keys: functions of cuda_ext
 FAMILIES = {  # swapped by the family's key
     "gelu": ("gelu_rows",),
-    "sparse_adam_step": ("adam_replay_rows", "masked_adam_step"),
+    "sparse_adam_step": ("masked_adam_step",),
     "volume_render": ("distortion_loss", "visible_samples", "visible_samples_capped"),
     "march_rays": ("march_rays_capped",),
 }
@@ -52,9 +52,7 @@ class OpSet:
       shown_capacity)``: the same into outputs of given sizes, the true counts on the device (model.capped_samples)
     - ``sparse_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), rows (K,), step, lr, beta1, beta2, eps)``,
       ``masked_adam_step(param, grad, exp_avg, exp_avg_sq (M,C), step, lr, beta1, beta2, eps)`` (the elements whose
-      gradient is non-zero),
-      ``adam_replay_rows(param, exp_avg, exp_avg_sq (M,C), mask (M,), last (M,), replay (T,), done, beta1, beta2)``
-      (the optimisers', training.optim; the same backend: ``ops.sparse_adam_step``)
+      gradient is non-zero) (the optimisers', training.optim; the same backend: ``ops.sparse_adam_step``)
     - ``sampled_tv(grad (M,C), values (M,C), cells (S,), shape [R0,R1,R2], inside, outside, scale) -> ()``: the TV
       estimate, its gradient added into ``grad`` (the model's TV terms, after the backward)
 
@@ -74,7 +72,6 @@ class OpSet:
     visible_samples_capped: Callable[..., tuple[torch.Tensor, ...]]
     sparse_adam_step: Callable[..., None]
     masked_adam_step: Callable[..., None]
-    adam_replay_rows: Callable[..., None]
     sampled_tv: Callable[..., torch.Tensor]
     backends: dict[str, str] = field(default_factory=dict)
 

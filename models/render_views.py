@@ -126,8 +126,6 @@ def march(
         ray, t, points, offsets, march_total = model.ops.march_rays_capped(*march_args, sizes["march"], t_split, cells)
     samples = PackedSamples(ray, t, points)  # points: grid coordinates (contracted when space.contract)
     counts = [len(samples), len(samples), 0]  # what a measuring march counts: marched, alive, shown
-    if model.touched.enabled and torch.is_grad_enabled():  # an optimiser that replays skipped steps does so now
-        model.touched.before_read(points, model.grid_shape)
     # (N,) world step of each sample over the density unit (a number when bounded); kept with the samples below
     step_scale = space.sample_steps(samples.t, samples.ray, t_split, step / model.base_voxel, model.extent)
     keep = None  # (N,) which samples are shaded (None: all)

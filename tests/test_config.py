@@ -61,15 +61,6 @@ def test_validate_config_names_the_key(override, key):
         validate_config(cfg)
 
 
-@pytest.mark.parametrize("sparse", ["true", "exact"])
-def test_capped_samples_refuse_the_adams_that_mark_the_rows_read(sparse):
-    base = {"device": "cpu", "data": {"name": "synthetic"}, "model": {"capped_samples": True}}
-    cfg = OmegaConf.create({**base, "train": {"iters": 5, "lr": 0.1, "sparse_adam": sparse}})
-    with pytest.raises(ConfigError, match="^model.capped_samples: not with train.sparse_adam"):
-        validate_config(cfg)
-    validate_config(OmegaConf.create({**base, "train": {"iters": 5, "lr": 0.1, "sparse_adam": "occupied"}}))
-
-
 @pytest.mark.parametrize(
     "overrides, expected",
     [

@@ -111,10 +111,10 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
         assert_same_model(one, load_checkpoint(folder / "last.pt", map_location="cpu"))
 
 
-def test_sparse_adam_on_two_gloo_ranks_steps_the_union_one_process_steps(tmp_path):
-    # train.sparse_adam under torchrun: the rows stepped are the union of the ranks' marks, which the touched-rows
-    # sync moved: what one process marks for the whole batch, so the two train the same model
-    cache, sparse = tmp_path / "cache", ["train.sparse_adam=true"]
+def test_touched_rows_sync_on_two_gloo_ranks_trains_what_one_process_trains(tmp_path):
+    # dense Adam under torchrun with the touched-rows sync (shard_optimizer off): the rows averaged are the union of
+    # the ranks' marks, the only rows with a gradient, so the two train the same model
+    cache, sparse = tmp_path / "cache", ["train.shard_optimizer=false"]
     result = single(tiny(cache, tmp_path / "one", 12) + sparse)
     assert result.returncode == 0, result.stderr[-2000:]
     pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + sparse + ["train.profile=true"])  # the same math, timed
@@ -139,20 +139,6 @@ def test_row_sparse_adam_on_two_gloo_ranks_trains_what_one_process_trains(tmp_pa
     result = single(tiny(cache, tmp_path / "one", 12) + occupied)
     assert result.returncode == 0, result.stderr[-2000:]
     pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + occupied)
-    assert pair.returncode == 0, ranks_output(pair)
-    one, two = (
-        load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("one", "two")
-    )
-    assert_same_model(one, two)
-
-
-def test_exact_sparse_adam_on_two_gloo_ranks_trains_what_one_process_trains_with_dense_adam(tmp_path):
-    # train.sparse_adam=exact under torchrun: every rank replays the union of the rows read and steps the synced
-    # union; with eps 1e-30 (the replay leaves eps out) one process's dense Adam, to float32 rounding
-    cache, eps = tmp_path / "cache", ["train.adam_eps=1e-30", "train.eval_every=6", "train.checkpoint_every=6"]
-    result = single(tiny(cache, tmp_path / "one", 12) + eps)
-    assert result.returncode == 0, result.stderr[-2000:]
-    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + eps + ["train.sparse_adam=exact"])
     assert pair.returncode == 0, ranks_output(pair)
     one, two = (
         load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("one", "two")

@@ -111,16 +111,15 @@ def test_the_tv_estimate_is_the_same_with_a_sparse_gradient(overrides, device):
 
 
 def test_a_training_run_is_the_same_run_with_the_sparse_tv_gradient(tmp_path):
-    """The TV estimate in PyTorch, its gradient as rows or dense (an optimiser reading the touched rows keeps the
-    trainer on this path; otherwise ops.sampled_tv takes it: tests/test_grid_tv.py)."""
+    """The TV estimate's gradient as rows (ops.sampled_tv after the backward: tests/test_grid_tv.py) or dense
+    (autograd's, model.tv_sparse_grad=false): the same training run."""
     from test_distributed import assert_same_model, single, tiny
 
     from training.checkpoint import load_checkpoint
 
     cache = tmp_path / "cache"
     for name, sparse in (("dense", "false"), ("sparse", "true")):
-        masked = ["train.sparse_adam=true", f"model.tv_sparse_grad={sparse}"]
-        result = single(tiny(cache, tmp_path / name, 12) + masked)
+        result = single(tiny(cache, tmp_path / name, 12) + [f"model.tv_sparse_grad={sparse}"])
         assert result.returncode == 0, result.stderr[-2000:]
     runs = [
         load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu") for name in ("dense", "sparse")

@@ -119,7 +119,7 @@ class TrainConfig:
     dssim: float = 0.0  # weight of 1 - SSIM on patch batches (model.upsample > 1)
     lr_pose: float = 6.0e-4  # Adam rate of the pose corrections (model.pose_refinement; nerfacto's)
     pose_penalty: float = 1.0e-2  # weight of their mean squared norm (radians, scene units)
-    sparse_adam: Any = False  # false | true (masked) | exact | occupied | nonzero (config_rules.sparse_adam_mode)
+    sparse_adam: Any = False  # false | occupied | nonzero (config_rules.sparse_adam_mode)
     batch_graph: bool = False  # on CUDA, each batch built by a CUDA graph (data.batch_graph)
     step_graph: bool = False  # on CUDA with model.capped_samples, each step's gradients from a CUDA graph
     tf32: bool = True  # CUDA matmuls (the decoder) on TF32 tensor cores

@@ -49,17 +49,13 @@ def _get(cfg: DictConfig, key: str) -> Any:
 
 
 def sparse_adam_mode(setting) -> str:
-    """``train.sparse_adam`` -> "off" | "masked" (true: untouched voxels keep value and moments) | "exact" (only
-    the touched voxels are stepped, the others replay dense Adam's zero-gradient steps when next read:
-    training.lazy_adam) | "occupied" (dense Adam on the voxels of occupied cells, empty space keeps value and
-    moments: training.optim.OccupiedRows; the fine pool as nonzero's) | "nonzero" (the coarse and fine grids'
-    elements with a non-zero gradient, found by the kernel: ``masked_adam_step``). ValueError naming the key
-    otherwise."""
-    modes = {"false": "off", "true": "masked", "exact": "exact", "occupied": "occupied", "nonzero": "nonzero"}
+    """``train.sparse_adam`` -> "off" (dense Adam) | "occupied" (dense Adam on the voxels of occupied cells, empty
+    space keeps value and moments: training.optim.OccupiedRows; the fine pool as nonzero's) | "nonzero" (the coarse
+    and fine grids' elements with a non-zero gradient, found by the kernel: ``masked_adam_step``). ValueError naming
+    the key otherwise."""
+    modes = {"false": "off", "occupied": "occupied", "nonzero": "nonzero"}
     if str(setting).lower() not in modes:
-        raise ValueError(
-            f"train.sparse_adam: expected false, true (masked), exact, occupied or nonzero, got {setting!r}"
-        )
+        raise ValueError(f"train.sparse_adam: expected false, occupied or nonzero, got {setting!r}")
     return modes[str(setting).lower()]
 
 
@@ -217,19 +213,8 @@ def _check_train(cfg: DictConfig) -> None:
             sparse_adam_mode(sparse)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    eps = _get(cfg, "train.adam_eps")
-    if str(sparse).lower() == "exact" and isinstance(eps, (int, float)) and eps > 1e-12:
-        raise ConfigError(
-            f"train.sparse_adam: exact replays skipped steps without Adam's eps, so it needs train.adam_eps <= 1e-12 "
-            f"(got {eps}; the blender and capture presets use 1e-15)"
-        )
     if str(shard).lower() == "true" and sparse is not _ABSENT and sparse_adam_mode(sparse) != "off":
         raise ConfigError(f"train.shard_optimizer: true shards dense Adam; not with train.sparse_adam={sparse}")
-    capped = _get(cfg, "model.capped_samples")
-    if capped is True and sparse is not _ABSENT and sparse_adam_mode(sparse) in ("masked", "exact"):
-        raise ConfigError(  # their marks of the rows read would take in the padding rows' points
-            f"model.capped_samples: not with train.sparse_adam={sparse} (use occupied, nonzero or false)"
-        )
     for key in (
         "train.batch_rays",
         "train.patch_size",

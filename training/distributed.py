@@ -156,10 +156,6 @@ class Group:
         packed.div_(self.world)
         unpack_rows(grads, rows, packed)
 
-    def union_(self, mask: torch.Tensor) -> None:
-        """OR-reduce a (R,) uint8 mask over the ranks, in place (the rows some rank is about to read)."""
-        _collective("all_reduce", dist.all_reduce, mask, dist.ReduceOp.MAX)
-
     def shard_of(self, rows: int) -> RowShard:
         """This rank's part of a (rows, C) tensor split by rows (training.sharded_adam.ShardedGridAdam)."""
         return RowShard(rows, self.world, self.rank)

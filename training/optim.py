@@ -14,15 +14,104 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch.optim.adam import adam
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cuda_ext.kept_grad import keep_grad
-from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
-from training.lazy_adam import LazyGridAdam, adam_step_dense, adam_step_nonzero, adam_step_rows
 from training.sharded_adam import ShardedGridAdam, shard_optimizer
 
 if TYPE_CHECKING:  # training.trainer imports this module
     from training.trainer import Trainer
+
+
+def _state_of(state: dict, param: torch.Tensor) -> dict:
+    """The ``torch.optim.Adam``-keyed ``state`` of ``param`` (step, exp_avg, exp_avg_sq), created on first use."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU, as torch.optim.Adam's (not fused)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+def _advance(state: dict, param: torch.Tensor) -> int:
+    """``state`` (see :func:`_state_of`) one step further: its count."""
+    _state_of(state, param)["step"] += 1
+    return int(state["step"].item())  # a CPU tensor: no device sync
+
+
+def _as_rows(state: dict, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """param, its gradient and moments as (M, C) views over its last dimension (C = 1 for a 0-d parameter)."""
+    columns = param.shape[-1] if param.dim() > 0 else 1
+    return (param.view(-1, columns), param.grad.reshape(-1, columns).contiguous(),
+            state["exp_avg"].view(-1, columns), state["exp_avg_sq"].view(-1, columns))  # fmt: skip
+
+
+def adam_step_rows(
+    state: dict, param: torch.Tensor, group: dict, step_fn: Callable, rows: torch.Tensor, clear: bool = False
+) -> bool:
+    """One Adam step of ``param`` (seen as rows of its last dimension) through ``step_fn`` (sparse_adam_step) on
+    its (K,) int64 ``rows``, its ``torch.optim.Adam``-keyed ``state`` created on first use. ``clear``: the listed
+    rows of a contiguous ``.grad`` left zero (``clear_grad``); returns whether they were."""
+    step = _advance(state, param)
+    values, grad, exp_avg, exp_avg_sq = _as_rows(state, param)
+    beta1, beta2 = group["betas"]
+    clear = clear and param.grad.is_contiguous()  # else _as_rows steps a copy, which clearing would not reach
+    # the rows are built in range by the optimisers (nonzero() of a mask): no range check, no device sync
+    step_fn(values, grad, exp_avg, exp_avg_sq, rows, step, float(group["lr"]), float(beta1), float(beta2),
+            float(group["eps"]), check_rows=False, clear_grad=clear)  # fmt: skip
+    return clear
+
+
+# param -> (its step count on its device, the count that holds): torch's fused Adam reads and advances the counts on
+# the device, the optimiser's state keeps them on the CPU (as torch.optim.Adam's, in checkpoints)
+_DEVICE_STEPS = WeakIdKeyDictionary()
+
+
+def _device_steps(params: list[torch.Tensor], state: list[dict]) -> list[torch.Tensor]:
+    """The (0-d float32) device copies of ``state``'s CPU step counts, made again where a count moved (a load)."""
+    steps = []
+    for param, entry in zip(params, state):
+        count = int(entry["step"])  # a CPU tensor: no device sync
+        held = _DEVICE_STEPS.get(param)
+        if held is None or held[1] != count:
+            held = (torch.full((), float(count), dtype=torch.float32, device=param.device), count)
+        _DEVICE_STEPS[param] = (held[0], count + 1)  # the fused step advances it
+        steps.append(held[0])
+    return steps
+
+
+def adam_step_dense(states, params: list[torch.Tensor], group: dict, fused: bool | None = None) -> None:
+    """One ``torch.optim.Adam`` step of those ``params`` that have a gradient, through torch's own functional Adam
+    (``fused``, by default on CUDA: two launches for all the group's tensors, where the multi-tensor path took
+    eight: the decoder's step ~0.10 -> 0.05 ms on an H200); ``states``: the optimiser's per-parameter state, keyed as
+    :func:`adam_step_rows`'."""
+    live = [param for param in params if param.grad is not None]
+    if not live:
+        return
+    state = [_state_of(states[param], param) for param in live]
+    beta1, beta2 = group["betas"]
+    fused = live[0].is_cuda if fused is None else fused
+    steps = _device_steps(live, state) if fused else [s["step"] for s in state]
+    adam(live, [param.grad for param in live], [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state], [],
+         steps, fused=fused, amsgrad=False, beta1=float(beta1), beta2=float(beta2), lr=float(group["lr"]),
+         weight_decay=0.0, eps=float(group["eps"]), maximize=False)  # fmt: skip
+    if fused:
+        for entry in state:
+            entry["step"] += 1
+
+
+def adam_step_nonzero(state: dict, param: torch.Tensor, group: dict, masked_fn: Callable) -> bool:
+    """One Adam step of ``param``'s elements whose gradient is non-zero through ``masked_fn`` (masked_adam_step);
+    ``state`` as :func:`adam_step_rows`'s (the step count advances for the whole parameter, as the group's).
+    A contiguous ``.grad`` is left zero (``clear_grad``: the next step's lookups add onto it, cuda_ext.kept_grad);
+    returns whether it was."""
+    step = _advance(state, param)
+    beta1, beta2 = group["betas"]
+    clear = param.grad.is_contiguous()  # else _as_rows steps a copy, which clearing would not reach
+    masked_fn(*_as_rows(state, param), step, float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+              clear_grad=clear)  # fmt: skip
+    return clear
 
 
 class SparseGridAdam(torch.optim.Optimizer):
@@ -167,9 +256,8 @@ class OwnedRows:
 
 def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """The trainer's Adam over its model's param_groups: dense (``torch.optim.Adam``, fused on CUDA), sharded over
-    torchrun's ranks (:class:`ShardedGridAdam`), masked or on the occupied voxels (:class:`SparseGridAdam`), exact
-    on the touched voxels (training.lazy_adam.LazyGridAdam, whose catch-ups the model calls through
-    ``model.touched``)."""
+    torchrun's ranks (:class:`ShardedGridAdam`), or on the occupied voxels / the elements with a gradient
+    (:class:`SparseGridAdam`)."""
     cfg, model, group = trainer.train_cfg, trainer.model, trainer.group
     rates = (cfg.lr, cfg.lr_decoder, cfg.get("lr_pose", 6e-4))
     groups = model.param_groups(*(float(rate) for rate in rates))
@@ -180,26 +268,16 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
     space = getattr(model, "space_split", None)  # train.parallel=space: no gradient exchange but the plane's
     split = space is not None
     sharded = mode == "off" and not split and shard_optimizer(cfg.get("shard_optimizer", "auto"), group)
-    touched_sync = group.active and not sharded and not split and cfg.get("dist_grad_sync", "touched") != "dense"
-    # the model marks the rows its lookups read: for one process's sparse Adam, and under torchrun for the
-    # touched-rows all-reduce (the union of the ranks' marks, training.distributed)
-    model.touched.enabled = (mode in ("masked", "exact") and not group.active) or touched_sync
-    model.touched.reader = model.touched.flusher = model.touched.density_flusher = model.touched.union = None
+    # under torchrun the model marks the rows its lookups read for the touched-rows all-reduce (the union of the
+    # ranks' marks, training.distributed)
+    model.touched.enabled = (
+        group.active and not sharded and not split and cfg.get("dist_grad_sync", "touched") != "dense"
+    )
+    model.touched.flusher = model.touched.density_flusher = None
     if split:  # the ranks' slabs exchanged before every whole-grid read (a refresh's: the density grid's alone,
         # unless rank 0's viewer shows the model: then every refresh brings it every slab's features too)
         model.touched.flusher = space.gather
         model.touched.density_flusher = None if cfg.get("viewer", False) else space.gather_density
-    if mode == "exact" and group.active and not touched_sync:
-        raise ConfigError("train.sparse_adam: exact under torchrun steps the touched rows: dist_grad_sync=touched")
-    if mode == "exact":  # under torchrun: every rank replays the union of the rows read, steps the synced union
-        rows_fn = (lambda: trainer.synced_rows) if group.active else (lambda: model.touched.take(model.grid_shape))
-        step_fn, replay_fn = trainer.ops.sparse_adam_step, trainer.ops.adam_replay_rows
-        optimizer = LazyGridAdam(
-            groups, step_fn, replay_fn, rows_fn, betas=betas, eps=eps, catch_up_stepped=group.active
-        )
-        model.touched.reader, model.touched.flusher = optimizer.catch_up, optimizer.flush
-        model.touched.union = group.union_ if group.active else None
-        return optimizer
     if mode == "nonzero":  # every rank holds the same averaged gradients, so steps the same elements
         ops = trainer.ops
         return SparseGridAdam(groups, ops.sparse_adam_step, betas=betas, eps=eps, masked_fn=ops.masked_adam_step)
@@ -214,12 +292,6 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
             groups, ops.sparse_adam_step, betas=betas, eps=eps, rows_fn=rows_fn,
             masked_fn=ops.masked_adam_step, by_gradient=("fine",), keep_listed=True,
         )  # fmt: skip
-    if mode == "masked":  # under torchrun: the union the sync moved, or (dense sync) a scan of the gradients
-        if not group.active:
-            rows_fn = lambda: model.touched.take(model.grid_shape)  # noqa: E731
-        else:
-            rows_fn = (lambda: trainer.synced_rows) if touched_sync else None
-        return SparseGridAdam(groups, trainer.ops.sparse_adam_step, betas=betas, eps=eps, rows_fn=rows_fn)
     if sharded:  # ZeRO-2 over the ranks
         return ShardedGridAdam(groups, group, betas, eps, fused=trainer.device.type == "cuda")
     return torch.optim.Adam(groups, betas=betas, eps=eps, fused=trainer.device.type == "cuda")
@@ -227,17 +299,13 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
 
 def rebuilt_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.Optimizer:
     """A new optimiser over the model's current parameters (after growth), keeping the moments of parameters that
-    survived; a replaying optimiser hands over every row current."""
+    survived."""
     old = trainer.optimizer
-    if hasattr(old, "flush"):
-        old.flush()
     optimizer = new_optimizer(trainer, betas)
     for entry in optimizer.param_groups:
         for parameter in entry["params"]:
             if parameter in old.state:
                 optimizer.state[parameter] = old.state[parameter]
-    if hasattr(optimizer, "adopt_state"):
-        optimizer.adopt_state()
     return optimizer
 
 
@@ -257,8 +325,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer | ShardedGridAdam, sta
 
 def prepare_for_whole_reads(optimizer: torch.optim.Optimizer | ShardedGridAdam) -> None:
     """Before a checkpoint or an evaluation, on every rank: a sharded optimiser gathers its moments for rank 0's
-    checkpoint, a replaying one brings every voxel up to date."""
+    checkpoint."""
     if isinstance(optimizer, ShardedGridAdam):
         optimizer.gather()
-    if hasattr(optimizer, "flush"):
-        optimizer.flush()

@@ -21,7 +21,6 @@ from training.config import ConfigError, Settings
 from training.distributed import Group
 from training.evaluation import sync
 from training.floors import adam_bytes
-from training.lazy_adam import LazyGridAdam
 from training.losses import step_loss
 from training.optim import SparseGridAdam, new_optimizer, prepare_for_whole_reads, rebuilt_optimizer
 from training.profiler import StepProfiler
@@ -117,7 +116,6 @@ class Trainer:
         self.last_saved_step: int | None = None
         self.step_checkpoints: StepCheckpoints | None = None  # train.keep_checkpoints > 1: built at the first save
         self.checkpoints = RunCheckpoints(self)  # last.pt written behind training; model.pt at the end
-        self.synced_rows: torch.Tensor | None = None  # under torchrun: the grid rows the last gradient sync moved
         self.periodic_eval_seconds = 0.0  # the held-out evaluations during training (train.eval_every)
         self.startup_seconds: float | None = None  # process start to the first step (imports, data, set-up)
         self.pending_writes: list = []  # (path, future) of the render writes in flight
@@ -182,7 +180,7 @@ class Trainer:
                 self.optimizer.step()
                 if self.space is not None:  # the shared planes' gradient kept by one owner alone
                     self.space.clear_upper_planes()
-            if profiler.enabled and not isinstance(self.optimizer, (SparseGridAdam, LazyGridAdam)):  # dense only
+            if profiler.enabled and not isinstance(self.optimizer, SparseGridAdam):  # dense only
                 profiler.count("optimizer", bytes=adam_bytes(p for p in self.model.parameters() if p.grad is not None))
             self.step += 1
             with profiler.section("schedule"):
@@ -255,7 +253,7 @@ class Trainer:
         sync_mode = "sharded" if sharded else self.train_cfg.get("dist_grad_sync", "touched")
         touched = self.group.active and self.model.touched.enabled  # the touched-rows sync reads the marks
         marks = self.model.touched.mask(self.model.grid_shape) if touched else None
-        self.synced_rows = self.group.average_model_gradients(self.model, grids, sync_mode, marks)
+        self.group.average_model_gradients(self.model, grids, sync_mode, marks)
 
     def _training_background(self, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(background, target) for a batch: with ``train.random_background`` and a scene with alpha, a random

@@ -2,9 +2,7 @@
 // per-element math, shared by the CPU kernels (cpu/adam.cpp) and the CUDA kernels (cuda/adam.cu):
 // - sparse_adam_step: torch.optim.Adam's update (no weight decay, no amsgrad) on the listed rows only;
 // - masked_adam_step: the same update on the elements whose gradient is non-zero (a zero leaves the value and both
-//   moments as they were: DirectVoxGO's masked Adam), over the whole parameter, with no list of rows;
-// - adam_replay_rows: the masked rows brought to where dense Adam's zero-gradient steps since each row's last
-//   step would have left them (training/lazy_adam.py derives the closed form).
+//   moments as they were: DirectVoxGO's masked Adam), over the whole parameter, with no list of rows.
 #pragma once
 
 #include <cmath>
@@ -113,60 +111,6 @@ CUDA_EXT_HOST_DEVICE void adam_element(T& p, T g, T& m, T& v, const AdamCoeffici
 template <typename T>
 CUDA_EXT_HOST_DEVICE void masked_adam_element(T& p, T g, T& m, T& v, const AdamCoefficients<T>& k) {
   if (g != T(0)) adam_element<T>(p, g, m, v, k);
-}
-
-// adam_replay_rows' backstop. Values of last are data: the CPU kernel checks them first, the CUDA kernel writes
-// NaN into a row whose stamp lies outside [0, done] (the wrapper's docstring says so).
-inline void check_adam_replay_inputs(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                                     const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay,
-                                     int64_t done, double beta1, double beta2, at::DeviceType device) {
-  const char* op = "adam_replay_rows";
-  check_row_state(param, {{&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"}}, device, op);
-  const int64_t m_rows = param.size(0);
-  TORCH_CHECK(mask.dim() == 1 && mask.size(0) == m_rows, op, ": mask must have shape (M,) = (", m_rows, ",), got ",
-              mask.sizes());
-  TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte, op,
-              ": mask must be bool or uint8, got ", mask.scalar_type());
-  TORCH_CHECK(last.dim() == 1 && last.size(0) == m_rows, op, ": last must have shape (M,) = (", m_rows, ",), got ",
-              last.sizes());
-  TORCH_CHECK(last.scalar_type() == at::kLong, op, ": last must be int64, got ", last.scalar_type());
-  TORCH_CHECK(replay.dim() == 1, op, ": replay must have shape (T,), got ", replay.sizes());
-  TORCH_CHECK(replay.scalar_type() == at::kDouble, op, ": replay must be float64, got ", replay.scalar_type());
-  const std::pair<const at::Tensor*, const char*> indexing[] = {{&mask, "mask"}, {&last, "last"}, {&replay, "replay"}};
-  for (const auto& [tensor, name] : indexing) {
-    TORCH_CHECK(tensor->device() == param.device(), op, ": ", name, " and param must be on the same device, got ",
-                tensor->device(), " and ", param.device());
-    TORCH_CHECK(tensor->is_contiguous(), op, ": ", name, " must be contiguous");
-  }
-  TORCH_CHECK(done >= 0 && done < replay.size(0), op, ": done must be in [0, T) = [0, ", replay.size(0), "), got ",
-              done);
-  TORCH_CHECK(beta1 >= 0 && beta1 < 1, op, ": beta1 must be in [0, 1), got ", beta1);
-  TORCH_CHECK(beta2 > 0 && beta2 < 1, op, ": beta2 must be in (0, 1), got ", beta2);
-}
-
-// One row's replay constants, in the element type: the value's shift sum_s lr_s sqrt(1 - b2^s) / (1 - b1^s)
-// (b1 / sqrt(b2))^(s - t0) over the skipped steps (replay[t0], kept by the optimiser) and the moments' decays
-// b1^k, b2^k over the k = done - t0 skipped steps.
-template <typename T>
-struct ReplayRow {
-  T shift, decay1, decay2;
-
-  CUDA_EXT_HOST_DEVICE static ReplayRow make(int64_t t0, int64_t done, const double* replay, double beta1,
-                                             double beta2) {
-    using std::pow;
-    const T skipped = static_cast<T>(done - t0);
-    return {static_cast<T>(replay[t0]), pow(static_cast<T>(beta1), skipped), pow(static_cast<T>(beta2), skipped)};
-  }
-};
-
-// One element: the value moves by the momentum it carried (none while v is 0: a row never stepped), then both
-// moments decay.
-template <typename T>
-CUDA_EXT_HOST_DEVICE void adam_replay_element(T& p, T& m, T& v, const ReplayRow<T>& row) {
-  using std::sqrt;
-  if (v > T(0)) p = p - row.shift * (m / sqrt(v));
-  m = m * row.decay1;
-  v = v * row.decay2;
 }
 
 }  // namespace cuda_ext

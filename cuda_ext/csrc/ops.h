@@ -94,10 +94,6 @@ void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const
 void masked_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                           const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
                           bool clear_grad);
-// adam_replay_rows: the masked rows of a (M, C) parameter and its moments replayed to step `done`, in place.
-void adam_replay_rows_cpu(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                          const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
-                          double beta1, double beta2);
 
 // distortion_loss: mip-NeRF 360's distortion loss of each ray of packed samples, from their optical depths and
 // (N,) interval ends; its backward gives the optical depths' gradient (distortion.h).
@@ -127,9 +123,6 @@ void sparse_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, cons
 void masked_adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq, int64_t step, double lr, double beta1, double beta2,
                            double eps, bool clear_grad);
-void adam_replay_rows_cuda(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                           const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
-                           double beta1, double beta2);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> volume_render_cuda(const at::Tensor& optical_depth,
                                                                   const at::Tensor& values, const at::Tensor& t,
                                                                   const at::Tensor& ray_offsets, double early_stop);

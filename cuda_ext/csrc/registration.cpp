@@ -73,9 +73,6 @@ TORCH_LIBRARY(cuda_ext, m) {
       "masked_adam_step(Tensor(a!) param, Tensor(d!) grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
       "float lr, float beta1, float beta2, float eps, bool clear_grad=False) -> ()");
   m.def(
-      "adam_replay_rows(Tensor(a!) param, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor mask, Tensor last, "
-      "Tensor replay, int done, float beta1, float beta2) -> ()");
-  m.def(
       "sampled_tv(Tensor(a!) grad, Tensor values, Tensor cells, int[] shape, int[] inside, float outside, "
       "float scale) -> Tensor");
 }
@@ -103,7 +100,6 @@ TORCH_LIBRARY_IMPL(cuda_ext, CPU, m) {
   m.impl("march_rays_capped", &cuda_ext::march_rays_capped_cpu);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cpu);
   m.impl("masked_adam_step", &cuda_ext::masked_adam_step_cpu);
-  m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cpu);
   m.impl("sampled_tv", &cuda_ext::sampled_tv_cpu);
 }
 
@@ -131,7 +127,6 @@ TORCH_LIBRARY_IMPL(cuda_ext, CUDA, m) {
   m.impl("march_rays_capped", &cuda_ext::march_rays_capped_cuda);
   m.impl("sparse_adam_step", &cuda_ext::sparse_adam_step_cuda);
   m.impl("masked_adam_step", &cuda_ext::masked_adam_step_cuda);
-  m.impl("adam_replay_rows", &cuda_ext::adam_replay_rows_cuda);
   m.impl("sampled_tv", &cuda_ext::sampled_tv_cuda);
 }
 #endif

@@ -3,8 +3,7 @@
 // elements updated in place (then, with clear_grad, the row's gradient set to zero); work and memory traffic
 // follow K, the rows listed, never M. masked_adam_step: the
 // M * C elements split across threads, each stepped where its gradient is non-zero (then, with clear_grad, the
-// task's gradient elements set to zero). adam_replay_rows: the
-// stamps of the masked rows checked first, then every row's mask byte read and the masked ones replayed.
+// task's gradient elements set to zero).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -48,46 +47,7 @@ CUDA_EXT_ADAM_CLONES void masked_elements(scalar_t* __restrict p, const scalar_t
   for (int64_t i = begin; i < end; ++i) masked_adam_element<scalar_t>(p[i], g[i], m[i], v[i], k);
 }
 
-// Rows [begin, end) of the (M, channels) arrays: each masked row whose stamp is behind ``done`` replayed in place.
-template <typename scalar_t>
-CUDA_EXT_ADAM_CLONES void replay_rows(scalar_t* __restrict p, scalar_t* __restrict m, scalar_t* __restrict v,
-                                      const uint8_t* __restrict on, const int64_t* __restrict last,
-                                      const double* __restrict replay, int64_t begin, int64_t end, int64_t channels,
-                                      int64_t done, double beta1, double beta2) {
-  for (int64_t r = begin; r < end; ++r) {
-    if (!on[r] || last[r] == done) continue;
-    const auto row = ReplayRow<scalar_t>::make(last[r], done, replay, beta1, beta2);
-    const int64_t base = r * channels;
-#pragma omp simd
-    for (int64_t c = base; c < base + channels; ++c) adam_replay_element<scalar_t>(p[c], m[c], v[c], row);
-  }
-}
-
 }  // namespace
-
-void adam_replay_rows_cpu(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                          const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
-                          double beta1, double beta2) {
-  check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2, at::kCPU);
-  const int64_t m_rows = param.size(0), channels = param.size(1);
-  const auto* on = static_cast<const uint8_t*>(mask.const_data_ptr());  // bool and uint8 are one byte each
-  const int64_t* stamp = last.const_data_ptr<int64_t>();
-  for (int64_t r = 0; r < m_rows; ++r) {
-    TORCH_CHECK(!on[r] || (stamp[r] >= 0 && stamp[r] <= done), "adam_replay_rows: last must lie in [0, done = ", done,
-                "] on the masked rows, got ", stamp[r], " at row ", r);
-  }
-  if (m_rows == 0 || channels == 0) return;
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / channels);
-  const double* sums = replay.const_data_ptr<double>();
-  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "adam_replay_rows_cpu", [&] {
-    scalar_t* p = param.data_ptr<scalar_t>();
-    scalar_t* m = exp_avg.data_ptr<scalar_t>();
-    scalar_t* v = exp_avg_sq.data_ptr<scalar_t>();
-    at::parallel_for(0, m_rows, grain, [&](int64_t begin, int64_t end) {
-      replay_rows<scalar_t>(p, m, v, on, stamp, sums, begin, end, channels, done, beta1, beta2);
-    });
-  });
-}
 
 void sparse_adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                           const at::Tensor& exp_avg_sq, const at::Tensor& rows_in, int64_t step, double lr,

@@ -32,13 +32,6 @@
 #include "ops.h"
 #include "vector_memory.cuh"
 
-// adam_replay_rows. One thread per row (grid-stride): it reads the row's mask byte, and for a masked row behind
-// `done` its stamp, one replay sum, and the row's C elements of param and both moments, which it writes back; a
-// warp's mask bytes and stamps are one coalesced run each, and its masked rows' elements neighbouring runs of
-// C-element rows, in 16-byte packs where C and the pointers allow. Traffic: M bytes of mask plus, per masked row,
-// 8 + 8 + 6 C element sizes; no host sync and no list of rows (the mask is the list), so the caller needs no
-// nonzero(). A stamp outside [0, done] (never written by the optimiser) leaves NaN in the row's parameter.
-
 namespace cuda_ext {
 namespace {
 
@@ -218,73 +211,6 @@ bool packs_fit(const AdamPointers<scalar_t>& ptr, int64_t channels, int vec) {
   return channels % vec == 0 && aligned_to(ptr.param, bytes) && aligned_to(ptr.grad, bytes) &&
          aligned_to(ptr.exp_avg, bytes) && aligned_to(ptr.exp_avg_sq, bytes);
 }
-
-template <typename scalar_t>
-struct ReplayPointers {
-  scalar_t* __restrict__ param;
-  scalar_t* __restrict__ exp_avg;
-  scalar_t* __restrict__ exp_avg_sq;
-  const uint8_t* __restrict__ mask;
-  const int64_t* __restrict__ last;
-  const double* __restrict__ replay;
-};
-
-template <typename scalar_t, int kVec>
-__global__ void __launch_bounds__(kThreads)
-    adam_replay_kernel(ReplayPointers<scalar_t> ptr, int64_t m_rows, int64_t channels, int64_t done, double beta1,
-                       double beta2) {
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t r = int64_t(blockIdx.x) * kThreads + threadIdx.x; r < m_rows; r += stride) {
-    if (!__ldg(ptr.mask + r)) continue;
-    const int64_t t0 = __ldg(ptr.last + r);
-    if (t0 == done) continue;
-    const int64_t base = r * channels;
-    if (t0 < 0 || t0 > done) {
-      for (int64_t c = 0; c < channels; ++c) ptr.param[base + c] = std::numeric_limits<scalar_t>::quiet_NaN();
-      continue;
-    }
-    const auto row = ReplayRow<scalar_t>::make(t0, done, ptr.replay, beta1, beta2);
-    for (int64_t c = 0; c < channels; c += kVec) {
-      Vec<scalar_t, kVec> p = load_plain<scalar_t, kVec>(ptr.param + base + c);
-      Vec<scalar_t, kVec> m = load_plain<scalar_t, kVec>(ptr.exp_avg + base + c);
-      Vec<scalar_t, kVec> v = load_plain<scalar_t, kVec>(ptr.exp_avg_sq + base + c);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) adam_replay_element<scalar_t>(p.v[e], m.v[e], v.v[e], row);
-      store_plain(ptr.param + base + c, p);
-      store_plain(ptr.exp_avg + base + c, m);
-      store_plain(ptr.exp_avg_sq + base + c, v);
-    }
-  }
-}
-
-}  // namespace
-
-void adam_replay_rows_cuda(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                           const at::Tensor& mask, const at::Tensor& last, const at::Tensor& replay, int64_t done,
-                           double beta1, double beta2) {
-  check_adam_replay_inputs(param, exp_avg, exp_avg_sq, mask, last, replay, done, beta1, beta2, at::kCUDA);
-  const c10::cuda::CUDAGuard device_guard(param.device());
-  const int64_t m_rows = param.size(0), channels = param.size(1);
-  if (m_rows == 0 || channels == 0) return;
-  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "adam_replay_rows_cuda", [&] {
-    const ReplayPointers<scalar_t> ptr{
-        param.data_ptr<scalar_t>(),      exp_avg.data_ptr<scalar_t>(),
-        exp_avg_sq.data_ptr<scalar_t>(), static_cast<const uint8_t*>(mask.const_data_ptr()),
-        last.const_data_ptr<int64_t>(),  replay.const_data_ptr<double>()};
-    constexpr int kWide = 16 / sizeof(scalar_t);
-    const int64_t bytes = int64_t(kWide) * sizeof(scalar_t);
-    const bool wide = channels % kWide == 0 && aligned_to(ptr.param, bytes) && aligned_to(ptr.exp_avg, bytes) &&
-                      aligned_to(ptr.exp_avg_sq, bytes);
-    with_vector_width<kWide>(wide, [&](auto vec) {
-      auto kernel = adam_replay_kernel<scalar_t, decltype(vec)::value>;
-      const unsigned int blocks = grid_stride_blocks(kernel, m_rows, kThreads);
-      kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(ptr, m_rows, channels, done, beta1, beta2);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-}
-
-namespace {
 
 // The widest pack (16, 8 or 4 bytes, else one element) that `channels` and the pointers allow: fn(vec), a
 // std::integral_constant (masked_adam_step passes the element count as `channels`: its arrays are flat).
