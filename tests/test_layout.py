@@ -18,7 +18,7 @@ ALLOWED = {
     "data": {"data"},
     "cuda_ext": {"cuda_ext"},
 }
-MAX_LINES = 400
+MAX_LINES = 800  # a smell, not a rule: a cohesive module may be long; cut along subjects, not at a count
 
 
 def project_imports(path: Path) -> set[str]:
@@ -62,7 +62,7 @@ def test_no_source_file_outside_tests_is_long():
         relative = path.relative_to(REPO)
         if (
             path.suffix not in suffixes
-            or relative.parts[0] in {"tests", "build", ".git", ".whl"}
+            or relative.parts[0] in {"tests", "build", ".git", ".whl", "scenes"}
             or any(part.startswith(".") or part.endswith(".egg-info") for part in relative.parts)
         ):
             continue
