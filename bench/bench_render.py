@@ -34,11 +34,10 @@ from bench_timing import device_name, write_report  # noqa: E402
 
 from data.cameras import look_at, orbit_positions  # noqa: E402
 from models.model import VoxelNeRF  # noqa: E402
-from training.export import load_run  # noqa: E402
+from training.finished_run import fast_ops, load_run  # noqa: E402
 from training.inference import inference_chunk, render_view  # noqa: E402
 from training.metrics import psnr_tensor, ssim_tensor  # noqa: E402
 from training.render_path import render_frames  # noqa: E402
-from training.view import fast_ops  # noqa: E402
 
 FLOOR_RAYS_PER_SECOND = 10e6  # issue 32: evaluation and render_path at >= 10 M rays/s on an H100
 

@@ -12,7 +12,7 @@ from data import PatchBatch
 from models import VoxelNeRF, build_ops
 from models.appearance import Appearance
 from models.config import parse_model_config
-from training.export import build_model
+from training.finished_run import build_model
 
 
 def test_none_is_a_no_op(gen):

@@ -271,3 +271,17 @@ def test_unsupported_model_and_missing_folders(tmp_path):
         find_model(tmp_path / "empty")
     with pytest.raises(SceneError, match="no images/ folder"):
         read_colmap_capture(tmp_path)
+
+
+def test_a_colmap_runs_scene_reads_back_for_the_tools_after_training(tmp_path):
+    """training.eval / export / view / render_path read a data=colmap run's splits and frame like a nerfstudio one's."""
+    from training.finished_run import load_split, scene_of, scene_transform
+
+    _colmap_folder(tmp_path, [(64, 48), (48, 64)], ["PINHOLE", "PINHOLE"])
+    data = {"name": "colmap", "root": str(tmp_path), "downscale": 1, "background": [1.0, 1.0, 1.0], "near": None,
+            "far": None, "scene_box": None, "eval_interval": 3, "orient": "up"}  # fmt: skip
+    train, _, _ = load_nerfstudio(tmp_path, colmap=True, eval_interval=3)
+    again = load_split(data, "train")
+    assert again.names == train.names and torch.equal(again.c2w, train.c2w)
+    assert scene_transform(data).scale != 1.0  # data.orient=up scaled the cameras into [-1, 1]^3
+    assert scene_of(data)["far"] > scene_of(data)["near"] >= 0

@@ -26,7 +26,7 @@ from training.compact_model import (
     strict_cells,
     unpack_rows,
 )
-from training.export import build_model, load_run, scene_of
+from training.finished_run import build_model, load_run, scene_of
 from training.inference import render_view
 from training.metrics import psnr
 from training.scenes import load_scenes

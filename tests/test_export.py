@@ -18,7 +18,7 @@ from data.cameras import look_at
 from data.geometry import Box, Cylinder, Ellipsoid, Sphere
 from data.synthetic import SHAPES
 from models.model import VoxelNeRF
-from training import export
+from training import export, finished_run
 
 plyfile = pytest.importorskip("plyfile", reason='plyfile is not installed (pip install -e ".[mesh]")')
 pytest.importorskip("mcubes", reason='PyMCubes is not installed (pip install -e ".[mesh]")')
@@ -130,7 +130,8 @@ def test_a_hand_made_density_meshes_to_its_sphere_in_world_coordinates_and_colou
     """A known density: a ball of radius 0.5 off the centre of a box that is not a cube; the surface, its
     world position (model.bbox), the outward faces and the vertex colours are checked exactly."""
     bbox = torch.tensor([[-1.0, -0.8, -0.6], [1.0, 0.8, 0.6]])
-    model = VoxelNeRF(bbox, 0.5, 5.0, {"resolution_end": 41, "grow_at": [], "feature_dim": 4}, export.reference_ops())
+    config = {"resolution_end": 41, "grow_at": [], "feature_dim": 4}
+    model = VoxelNeRF(bbox, 0.5, 5.0, config, finished_run.reference_ops())
     centre, radius = torch.tensor([0.3, -0.2, 0.1]), 0.5
     axes = [torch.linspace(float(bbox[0, a]), float(bbox[1, a]), n) for a, n in enumerate(model.density.shape)]
     points = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)

@@ -18,7 +18,7 @@ from data.cameras import look_at
 from data.nerfstudio import read_capture, write_nerfstudio
 from data.orientation import rotation_between
 from models.model import VoxelNeRF
-from training import export
+from training import export, finished_run
 from training.checkpoint import save_checkpoint
 
 plyfile = pytest.importorskip("plyfile", reason='plyfile is not installed (pip install -e ".[mesh]")')
@@ -34,7 +34,7 @@ def ball_run(folder: Path, config: dict, centre, radius: float) -> Path:
     config = {**config, "model": model_cfg}
     scene = export.scene_of(config["data"])
     bbox = torch.tensor(scene["bbox"], dtype=torch.float32)
-    model = VoxelNeRF(bbox, scene["near"], scene["far"], model_cfg, export.reference_ops()).eval()
+    model = VoxelNeRF(bbox, scene["near"], scene["far"], model_cfg, finished_run.reference_ops()).eval()
     box = model.bbox
     axes = [torch.linspace(float(box[0, a]), float(box[1, a]), n) for a, n in enumerate(model.density.shape)]
     points = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)

@@ -383,7 +383,7 @@ def test_mesh_export_reads_the_fine_grid_too():
 def test_a_model_file_with_a_fine_grid_renders_as_the_model_did(tmp_path):
     from test_model import make_cfg
 
-    from training.export import build_model
+    from training.finished_run import build_model
 
     model = allocated(std=0.5)
     model.eval()

@@ -1,5 +1,6 @@
 """The project's shape, as a newcomer reads it: imports run top-down (train.py -> training -> models ->
-cuda_ext, with data below models), and no source file outside tests grows past ~400 lines."""
+cuda_ext, with data below models), no module imports itself around a circle, and no source file outside tests grows
+past ~800 lines."""
 
 from __future__ import annotations
 
@@ -70,3 +71,87 @@ def test_no_source_file_outside_tests_is_long():
         if lines > MAX_LINES:
             long_files.append(f"{relative} ({lines} lines)")
     assert not long_files, f"split these (over {MAX_LINES} lines): {long_files}"
+
+
+def module_graph(typing_too: bool = False) -> dict[str, set[str]]:
+    """Each project module -> the project modules it imports at run time (function-level imports included; with
+    ``typing_too`` also those under ``if TYPE_CHECKING:``). ``from pkg import sub`` is an edge to the submodule."""
+    modules = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        hidden = set()
+        if not typing_too:
+            for node in ast.walk(tree):
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                    hidden |= {id(inner) for statement in node.body for inner in ast.walk(statement)}
+        edges = set()
+        for node in ast.walk(tree):
+            if id(node) in hidden:
+                continue
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                edges.update(
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    for alias in node.names
+                )
+        graph[name] = {e for e in edges if e in modules and e != name and not name.startswith(e + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            advanced = False
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    advanced = True
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_itself_around_a_circle():
+    """Run-time imports form no circle (type-only imports under TYPE_CHECKING are not counted here)."""
+    assert cycles(module_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

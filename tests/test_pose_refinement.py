@@ -22,7 +22,7 @@ from models.field import to_unit
 from models.pose_refinement import PoseRefinement, points_with_ray_gradients, rotation_angle, skew, so3_exp
 from training.compact_model import read_model
 from training.config_rules import ConfigError, validate_config
-from training.export import build_model
+from training.finished_run import build_model
 
 
 def random_axis_angles(gen: torch.Generator, count: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from test_train import finished_run, scene_cache  # noqa: F401  (fixtures: a 12-step CPU run of the built-in scene)
 
 from training.checkpoint import save_checkpoint
-from training.export import load_run, reference_ops
+from training.finished_run import load_run, reference_ops
 from training.render_path import main, orbit_path, render_frames
 from training.visualize import to_uint8
 

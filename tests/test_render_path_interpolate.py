@@ -12,7 +12,7 @@ from test_train import finished_run, scene_cache  # noqa: F401  (fixtures: a 12-
 
 from data.cameras import look_at
 from training import export
-from training.eval import load_split
+from training.finished_run import load_split
 from training.render_path import (
     interpolate_path,
     main,

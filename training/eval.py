@@ -33,114 +33,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from data import SceneError, eval_split, load_blender
-from data.blender import list_splits
-from data.nerfstudio import load_nerfstudio_split, nerfstudio_bounds, read_capture
-from data.orientation import Similarity
-from data.scene import Scene
-from training.export import ExportError, checkpoint_path, load_run
-from training.scenes import resolve_device, scene_root
+from data import SceneError
+from training.finished_run import RunReadError, checkpoint_path, load_run, load_split
+from training.scenes import resolve_device
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 
 
-class EvalError(ExportError):
+class EvalError(RunReadError):
     """An evaluation cannot be made; the message is one line naming the option or the file."""
-
-
-# ---------------------------------------------------------------------------------------------- the run's scene
-def _data_config(data_cfg: dict, data_root: str | os.PathLike | None) -> dict:
-    data_cfg = dict(data_cfg)
-    if data_cfg.get("name") == "nerfstudio":
-        data_cfg.setdefault("orient", "none")  # a run from before data.orient used the poses as given
-        data_cfg.setdefault("eval_interval", 8)
-    if data_root is not None:
-        root = Path(data_root).expanduser()
-        if not root.exists():
-            raise EvalError(f"--data-root: {root} does not exist")
-        if data_cfg.get("name") == "synthetic":  # the generated scene is a blender-format folder
-            data_cfg["name"] = "blender"
-        data_cfg["root"] = str(root)
-    return data_cfg
-
-
-def _box(value):
-    return OmegaConf.to_container(value) if OmegaConf.is_list(value) else value
-
-
-def _capture(cfg):
-    return read_capture(Path(cfg.root).expanduser(), int(cfg.eval_interval), str(cfg.get("orient", "up")))
-
-
-def load_split(
-    data_cfg: dict,
-    split: str | None = None,
-    data_root: str | os.PathLike | None = None,
-    multiple: int = 1,
-    foreground: bool = False,
-) -> Scene:
-    """One split of a run's scene (``data_cfg``: the run's data config; ``split`` None: the split the run
-    evaluated on; ``data_root``: the same scene elsewhere), on the CPU, in the frame the run trained in. SceneError
-    (names the file) or EvalError (names the option) when it cannot be read."""
-    cfg = OmegaConf.create(_data_config(data_cfg, data_root))
-    try:
-        if cfg.name == "nerfstudio":
-            capture = _capture(cfg)
-            split = split or capture.eval_split
-            if split not in capture.splits:
-                raise EvalError(
-                    f"--split: the capture {capture.path} has no split {split!r} (it has {', '.join(capture.splits)})"
-                )
-            bounds = nerfstudio_bounds(capture, _box(cfg.scene_box), cfg.near, cfg.far, foreground)
-            return load_nerfstudio_split(
-                capture, split, bounds, cfg.downscale, tuple(cfg.background), multiple=multiple
-            )
-        root = scene_root(cfg)
-        split = split or eval_split(root)
-        if split not in list_splits(root):
-            raise EvalError(f"--split: the scene {root} has no split {split!r} (it has {', '.join(list_splits(root))})")
-        return load_blender(
-            root,
-            split,
-            downscale=cfg.downscale,
-            background=tuple(cfg.background),
-            near=cfg.near,
-            far=cfg.far,
-            scene_box=cfg.scene_box,
-        )
-    except (SceneError, EvalError):
-        raise
-    except (OSError, ValueError, KeyError) as error:
-        raise SceneError(f"cannot load the run's scene ({type(error).__name__}: {error})") from None
-
-
-def scene_transform(data_cfg: dict, data_root: str | os.PathLike | None = None) -> Similarity:
-    """The similarity that took the scene's own world (its transforms file's) to the run's (``data.orient``):
-    identity except for an oriented nerfstudio capture, whose transforms file is read again (the orientation is
-    computed from its cameras, so it is the run's as long as the file is the one the run trained on)."""
-    cfg = OmegaConf.create(_data_config(data_cfg, data_root))
-    if cfg.name != "nerfstudio" or cfg.get("orient", "up") == "none":
-        return Similarity.identity()
-    return _capture(cfg).transform
-
-
-def inverse_points(transform: Similarity, points: np.ndarray) -> np.ndarray:
-    """(..., 3) points of the run's frame -> the scene's own frame (the inverse of ``transform.points``)."""
-    return (np.asarray(points, np.float64) / transform.scale - transform.translation) @ transform.rotation
-
-
-def inverse_poses(transform: Similarity, c2w: np.ndarray) -> np.ndarray:
-    """(V, 4, 4) cameras of the run's frame -> the scene's own frame (the inverse of ``transform.poses``)."""
-    out = np.array(c2w, dtype=np.float64, copy=True)
-    out[:, :3, :3] = transform.rotation.T @ out[:, :3, :3]
-    out[:, :3, 3] = inverse_points(transform, out[:, :3, 3])
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -183,7 +88,7 @@ def evaluate_run(
     """Render and score every view of a split (module doc); returns what was written to the JSON file, plus
     ``path`` (the JSON file) and ``renders`` (the renders' folder, or None)."""
     from training.evaluation import evaluate, summarize  # the end of training's own code
-    from training.view import fast_ops
+    from training.finished_run import fast_ops
 
     run_dir = Path(run_dir)
     source = checkpoint_path(run_dir)
@@ -275,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         result = evaluate_run(
             args.run_dir, args.split, args.data_root, args.out, args.device, args.chunk, not args.no_renders
         )
-    except (ExportError, SceneError) as error:
+    except (RunReadError, SceneError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_USAGE
     where = f" and {result['renders']}/" if result["renders"] is not None else ""
@@ -290,4 +195,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["EvalError", "evaluate_run", "inverse_points", "inverse_poses", "load_split", "main", "scene_transform"]
+__all__ = ["EvalError", "evaluate_run", "main"]

@@ -70,10 +70,19 @@ import torch
 
 from models.field import grid_shape, optical_depth, to_unit
 from models.model import VoxelNeRF
-from models.ops import OP_NAMES, OpSet, build_ops
+from models.ops import OpSet
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from training.compact_model import MODEL_NAME, read_model
-from training.run_dir import model_source
+from training.finished_run import (
+    GRID_KEYS,
+    RunReadError,
+    build_model,
+    checkpoint_path,
+    inverse_points,
+    load_run,
+    load_split,
+    scene_of,
+    scene_transform,
+)
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -85,98 +94,11 @@ DEFAULT_POINTS = 1_000_000
 OUTLIER_NEIGHBOURS, OUTLIER_STD = 16, 2.0
 WEIGHTS_FORMAT = "voxel-field-weights"
 WEIGHTS_VERSION = 1
-GRID_KEYS = ("density.grid", "features.grid")  # the parameters --half stores as float16
 CHUNK = 1 << 18  # points per grid lookup when resampling
 
 
-class ExportError(RuntimeError):
+class ExportError(RunReadError):
     """An export cannot be made; the message is one line naming the file or the option."""
-
-
-# ---------------------------------------------------------------------------------------------- the model
-def reference_ops() -> OpSet:
-    """Every op through cuda_ext.reference (pure PyTorch): exporting needs no compiled extension."""
-    return build_ops({name: "torch" for name in OP_NAMES})
-
-
-def checkpoint_path(run_dir: str | os.PathLike) -> Path:
-    """The file of a run folder's newest model: ``RUN_DIR/model.pt`` or ``RUN_DIR/checkpoints/last.pt``
-    (training.run_dir.model_source), or ExportError when the folder or both files are missing."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ExportError(f"{run_dir}: no such run folder")
-    path = model_source(run_dir)
-    if path is None:
-        raise ExportError(
-            f"{run_dir / 'checkpoints' / 'last.pt'}: checkpoint not found, nor {run_dir / MODEL_NAME} (train the run "
-            "first, or check the folder)"
-        )
-    return path
-
-
-def scene_of(data_cfg: dict, foreground: bool = False) -> dict:
-    """near, far and the scene box ((2, 3) nested list) from a run's data config (both loaders' keys). A nerfstudio
-    capture's derived ones (null in the config) are derived again from its transforms file (data.nerfstudio); the
-    box only starts the model, whose state dict brings its own."""
-    if data_cfg.get("near") is None or data_cfg.get("far") is None or not isinstance(data_cfg.get("scene_box"), float):
-        if data_cfg.get("name") == "nerfstudio":
-            return _capture_scene(data_cfg, foreground)
-    half = float(data_cfg.get("scene_box", 1.5))
-    return {"near": float(data_cfg["near"]), "far": float(data_cfg["far"]), "bbox": [[-half] * 3, [half] * 3]}
-
-
-def _capture_scene(data_cfg: dict, foreground: bool) -> dict:
-    from data import SceneError
-    from data.nerfstudio import nerfstudio_bounds, read_capture
-
-    box = data_cfg.get("scene_box")
-    box = list(box) if isinstance(box, (list, tuple)) or hasattr(box, "__iter__") else box
-    try:
-        capture = read_capture(
-            Path(str(data_cfg["root"])).expanduser(),
-            int(data_cfg.get("eval_interval", 8)),
-            str(data_cfg.get("orient", "none")),
-        )
-        bounds = nerfstudio_bounds(capture, box, data_cfg.get("near"), data_cfg.get("far"), foreground)
-    except (SceneError, OSError, ValueError, KeyError) as error:
-        raise ExportError(
-            f"cannot derive the run's near/far from its capture {data_cfg.get('root')} ({' '.join(str(error).split())})"
-        ) from None
-    return {"near": float(bounds.near), "far": float(bounds.far), "bbox": np.asarray(bounds.box, float).tolist()}
-
-
-def build_model(model_cfg: dict, scene: dict, state_dict: dict, ops: OpSet | None = None) -> VoxelNeRF:
-    """A :class:`VoxelNeRF` built from its config and scene, with ``state_dict`` loaded (grids as float32), in eval
-    mode on the CPU. The grids take the state dict's shape and box (grown, shrunk or tight)."""
-    bbox = torch.tensor(scene["bbox"], dtype=torch.float32)
-    model = VoxelNeRF(bbox, scene["near"], scene["far"], dict(model_cfg), ops or reference_ops())
-    state_dict = {k: v.float() if k in GRID_KEYS else v for k, v in state_dict.items()}
-    model.load_state_dict(state_dict)
-    return model.eval()
-
-
-def load_run(run_dir: str | os.PathLike, ops: OpSet | None = None) -> tuple[VoxelNeRF, dict]:
-    """(model, state) of a run folder's newest model file (:func:`checkpoint_path`): the state holds ``config``,
-    ``step`` and ``history`` (and, from a checkpoint, the optimiser and RNG states)."""
-    path = checkpoint_path(run_dir)
-    try:
-        if path.name == MODEL_NAME:
-            weights, run = read_model(path)
-            state = {**run, "model": weights}
-        else:
-            state = load_checkpoint(path, map_location="cpu")
-    except CheckpointError as error:
-        raise ExportError(str(error)) from None
-    config = state.get("config") or {}
-    if "model" not in state or "model" not in config or "data" not in config:
-        raise ExportError(f"{path}: not a training checkpoint of this project (no model weights or config)")
-    try:
-        foreground = str(config["model"].get("contraction", "none")) != "none"
-        model = build_model(config["model"], scene_of(config["data"], foreground), state["model"], ops)
-    except (RuntimeError, KeyError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ExportError(f"{path}: cannot rebuild the model ({first})") from None
-    return model, state
 
 
 # ---------------------------------------------------------------------------------------------- mesh
@@ -314,9 +236,8 @@ def to_frame(points: np.ndarray, state: dict, frame: str) -> np.ndarray:
 
 
 def run_transform(state: dict):
-    """The run's data.orient similarity (training.eval.scene_transform), or ExportError saying why not."""
+    """The run's data.orient similarity (training.finished_run.scene_transform), or ExportError saying why not."""
     from data import SceneError
-    from training.eval import scene_transform
 
     try:
         return scene_transform(dict(state["config"]["data"]))
@@ -325,12 +246,6 @@ def run_transform(state: dict):
             f"--frame original: cannot read the capture to undo data.orient ({' '.join(str(error).split())}); "
             "use --frame model, or put the capture back where the run found it"
         ) from None
-
-
-def inverse_points(transform, points: np.ndarray) -> np.ndarray:
-    from training.eval import inverse_points as inverse
-
-    return inverse(transform, points)
 
 
 def export_mesh(
@@ -367,9 +282,8 @@ def export_mesh(
 
 # ---------------------------------------------------------------------------------------------- point cloud
 def _run_scene(state: dict, split: str | None, model: VoxelNeRF):
-    """One split of the run's scene (training.eval.load_split), as an ExportError when it cannot be read."""
+    """One split of the run's scene (training.finished_run.load_split), as an ExportError when it cannot be read."""
     from data import SceneError
-    from training.eval import load_split
 
     config = state["config"]
     try:
@@ -473,8 +387,8 @@ def export_pointcloud(
     progress: bool = True,
 ) -> dict[str, Any]:
     """The run's coloured point cloud (module doc) into ``out`` (default ``RUN_DIR/pointcloud.ply``)."""
+    from training.finished_run import fast_ops
     from training.scenes import resolve_device
-    from training.view import fast_ops
 
     _require("plyfile", "plyfile", "point cloud")
     if frame not in FRAMES:
@@ -502,7 +416,7 @@ def export_pointcloud(
 def camera_frames(scene, transform, downscale: int) -> list[dict]:
     """nerfstudio transforms-file frames of a split: its poses in the frame of ``transform`` (None: the run's), the
     intrinsics and size at the images' own scale (the run's times ``downscale``)."""
-    from training.eval import inverse_poses
+    from training.finished_run import inverse_poses
 
     c2w = scene.c2w.double().cpu().numpy()
     if transform is not None:
@@ -679,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"wrote {result['path']}: {result['bytes'] / 2**20:.1f} MiB, step {result['step']} "
                 f"({result['grids_dtype']} grids)"
             )
-    except ExportError as error:
+    except RunReadError as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK

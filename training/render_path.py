@@ -50,11 +50,9 @@ from tqdm import tqdm
 from data.bounds import focus_point
 from data.cameras import look_at, orbit_positions
 from training import inference
-from training.eval import load_split, scene_transform
 from training.evaluation import rgb_depth_frame
-from training.export import ExportError, load_run
+from training.finished_run import RunReadError, fast_ops, load_run, load_split, scene_transform
 from training.scenes import load_scenes, resolve_device
-from training.view import fast_ops
 from training.visualize import write_turntable
 
 EXIT_OK = 0
@@ -293,7 +291,7 @@ def training_path(state: dict, model, kind: str, frames: int, size: int | None, 
 
     try:
         scene = load_split(dict(state["config"]["data"]), "train", multiple=model.upsample)
-    except (SceneError, ExportError) as error:
+    except (SceneError, RunReadError) as error:
         raise PathError(
             f"--path {kind}: cannot load the run's training cameras ({' '.join(str(error).split())})"
         ) from None
@@ -314,7 +312,7 @@ def training_path(state: dict, model, kind: str, frames: int, size: int | None, 
 def eval_path(data_cfg: dict, size: int):
     """The run's evaluation cameras, intrinsics (scaled so the longer side is ``size``) and lens (distortion is
     scale-free), as the run saw them."""
-    if data_cfg.get("name") == "nerfstudio":
+    if data_cfg.get("name") == "nerfstudio":  # colmap runs are newer than data.orient
         data_cfg.setdefault("orient", "none")  # a run from before data.orient used the poses as given
     try:
         _, scene = load_scenes(OmegaConf.create(data_cfg), torch.device("cpu"))
@@ -394,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         cameras = {"camera_angle_x": fov_x, "w": shape[1], "h": shape[0]}
         cameras["frames"] = [{"transform_matrix": c.tolist()} for c in c2w.astype(float)]
         (out / "cameras.json").write_text(json.dumps(cameras, indent=1))
-    except (ExportError, PathError) as error:
+    except (RunReadError, PathError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     print(f"wrote {video} ({len(frames)} frames, {shape[1]}x{shape[0]} RGB | depth) and {out / 'cameras.json'}")

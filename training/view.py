@@ -17,8 +17,7 @@ import torch
 
 from data import SceneError
 from models.model import VoxelNeRF
-from models.ops import OP_NAMES, build_ops
-from training.export import ExportError, load_run, reference_ops
+from training.finished_run import RunReadError, fast_ops, load_run, load_split
 from training.scenes import resolve_device
 from training.viewer import TrainCameras, Viewer, ViewerError, import_viser
 
@@ -26,23 +25,11 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 
 
-def fast_ops():
-    """Our compiled ops when the extension loads, else the PyTorch references (same results, slower)."""
-    try:
-        import cuda_ext  # noqa: F401  (the compiled extension: an ImportError when it was never built)
-
-        return build_ops({name: "custom" for name in OP_NAMES})
-    except (ImportError, OSError, ValueError):
-        return reference_ops()
-
-
 def training_cameras(data_cfg: dict) -> TrainCameras | None:
     """The run's training views (None, with a note, when the scene cannot be read)."""
     try:
-        from training.eval import load_split  # a blender, generated or nerfstudio scene, in the run's frame
-
-        scene = load_split(dict(data_cfg), "train")
-    except (SceneError, ExportError, ValueError, OSError, KeyError) as error:
+        scene = load_split(dict(data_cfg), "train")  # a blender, generated or capture scene, in the run's frame
+    except (SceneError, RunReadError, ValueError, OSError, KeyError) as error:
         print(f"note: training cameras not shown ({' '.join(str(error).split())})", file=sys.stderr)
         return None
     return TrainCameras.of_scene(scene)
@@ -82,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             port_key="--port",
             path_dir=Path(args.run_dir) / "camera_paths",
         )
-    except (ExportError, ViewerError) as error:
+    except (RunReadError, ViewerError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return EXIT_USAGE
     history = state.get("history") or {}
