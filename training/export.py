@@ -333,9 +333,9 @@ def extract_pointcloud(
     if downscale < 1:
         raise ExportError(f"--downscale: must be >= 1, got {downscale}")
     block = downscale * model.upsample
-    height, width = scene.height // block * model.upsample, scene.width // block * model.upsample
-    if height < model.upsample or width < model.upsample:
-        raise ExportError(f"--downscale: {downscale} leaves no pixel of the {scene.width}x{scene.height} views")
+    smallest = min(min(scene.view_size(view)) for view in range(scene.num_views))
+    if smallest // block < 1:
+        raise ExportError(f"--downscale: {downscale} leaves no pixel of the {scene.describe_sizes()} views")
     generator = np.random.default_rng(seed)
     per_view = max(1, math.ceil(2 * num_points / scene.num_views))  # candidates kept a view (the cloud's 2x)
     device = model.bbox.device
@@ -345,8 +345,10 @@ def extract_pointcloud(
         box = np.stack([centre - 2 * half, centre + 2 * half])
     points, colours = [], []
     for view in tqdm(range(scene.num_views), desc="point cloud", unit="view", disable=not progress):
+        full_height, full_width = scene.view_size(view)  # its own size (frames may mix portrait and landscape)
+        height, width = full_height // block * model.upsample, full_width // block * model.upsample
         c2w = scene.c2w[view].to(device)
-        intrinsics = (scene.intrinsics[view].double() * (width / scene.width)).to(device)
+        intrinsics = (scene.intrinsics[view].double() * (width / full_width)).to(device)
         lens = None if scene.lens is None else scene.lens.take(torch.tensor(view)).to(device)
         out = render_view(model, c2w, height, width, intrinsics, chunk, lens)
         opacity = out["opacity"].reshape(-1)
