@@ -4,7 +4,7 @@ Split by space, a rank's step is cut by four collectives: the optical depth in f
 no-grad lookups), the sample counts (after the visible pass), the composite (after the forward), the gradients' sum
 (after the backward); Adam and the next step's march run before the next one. Each is a barrier: every rank waits
 for the slowest rank's phase before it. So S ranks step in the sum over the phases of the slowest rank's phase,
-not in the slowest rank's whole step, and a cut that balances the step's total (``train.space_planes=work``) can
+not in the slowest rank's whole step, and a cut that balances the step's total (the split's work cut) can
 still leave each phase unbalanced, one rank slower before one exchange and another before the next.
 
 How: bench/rank_alone.py launches a marker kernel (``torch.cuda._sleep``'s ``spin_kernel``, which nothing else in a

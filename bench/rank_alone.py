@@ -6,10 +6,10 @@ Runs train.py in this process up to step ``--at`` (add ``model.capped_samples=tr
 path ``train.parallel=auto`` gives every rank). Then the model as it stands is frozen (learning rates 0: Adam's
 kernels run, nothing moves) and one training batch is fixed, and ``--steps`` steps are timed:
 - one GPU's step, as the run took it;
-- for each S of ``--ranks`` and each cut (even planes; the planes ``train.space_planes=samples`` would cut from the
-  shaded samples of ``--batches`` training batches, and ``work`` from those and the rows Adam steps), each rank r as
-  the split runs it: the march of its slab, its lookups, shading, backward, Adam on its slab's occupied rows, its
-  step graph.
+- for each S of ``--ranks`` and each cut (even planes; the planes a cut by the samples alone makes from the
+  shaded samples of ``--batches`` training batches, and ``work``, the split's, from those and the rows Adam
+  steps), each rank r as the split runs it: the march of its slab, its lookups, shading, backward, Adam on its
+  slab's occupied rows, its step graph.
 The split's collectives are emulated in this process (:class:`Exchanges`): a rank's own part is copied into place, the
 other ranks' optical depth in front comes from their slabs' own march of the same rays (so each rank keeps and shades
 exactly the samples it would), their composited values are zeros (which moves the gradients' values, not the work),

@@ -9,7 +9,7 @@ after early termination, and those shaded (the weight threshold's). A rank of ``
 keeps and shades exactly those of its slab (models/space_split.py), so each kind's share per slab follows from the
 histograms for any planes. For 2 and 4 ranks the JSON gives each kind's largest slab share (what the slowest rank
 carries; 1 / ranks is even) for the planes cut evenly, at the occupancy's surface cells (session 40's rule) and at
-the shaded samples' own quantiles (``train.space_planes=samples``: the best a cut of this axis can do for them).
+the shaded samples' own quantiles (the cut by the samples alone: the best a cut of this axis can do for them).
 
 Run it without ``model.capped_samples`` (the capped march files padding rows under the grid's centre). The batches
 it marches are drawn from the training sampler, so the run trains on other batches after it.
@@ -73,7 +73,7 @@ class LayerCounts:
 
 def surface_layers(occupied: torch.Tensor) -> torch.Tensor:
     """(R0 - 1,) count of the surface cells (occupied, with an empty neighbour of 26) in each first-axis cell layer of
-    an (R0-1, R1-1, R2-1) occupancy mask: session 40's ``train.space_planes=surface`` cut the slabs where these split
+    an (R0-1, R1-1, R2-1) occupancy mask: session 40's surface cut the slabs where these split
     evenly (the shaded samples lie near surfaces); lego shaded 57-58% on one slab there, so it went."""
     empty_near = torch.nn.functional.max_pool3d((~occupied).float()[None, None], 3, 1, 1)[0, 0] > 0
     return (occupied & empty_near).sum((1, 2))

@@ -214,8 +214,8 @@ class SlabPass:
     layers: torch.Tensor | None = None
 
     def count_shaded(self, points: torch.Tensor) -> None:
-        """Add one step's (N, 3) shaded points (in [-1, 1]; no padding) to :attr:`layers`, if kept
-        (``train.space_planes`` samples or work); no sync."""
+        """Add one step's (N, 3) shaded points (in [-1, 1]; no padding) to :attr:`layers`, if kept (the slabs' cut,
+        training.space_parallel.SpaceParallel.balance); no sync."""
         if self.layers is not None:
             counts = self.layers[:-1]
             layer = cell_index(points[:, 0].detach(), counts.numel() + 1)

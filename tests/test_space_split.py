@@ -192,7 +192,7 @@ def space_split_of(model, rank: int, ranks: int = 2) -> SpaceParallel:
     first step whose shaded samples a cut counts) or a process group (its TV draws need neither)."""
     split = SpaceParallel.__new__(SpaceParallel)
     split.model, split.group = model, SimpleNamespace(rank=rank, world=ranks)
-    split.balance_by, split._planes, split._layers = "samples", None, None
+    split._planes, split._layers = None, None
     split.trainer, split.cuts = SimpleNamespace(step=model.config.occupancy.warmup), []  # also the step a cut lists
     return split
 
@@ -294,13 +294,11 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
     close = {"rtol": 1e-3, "atol": 1e-4}
     cases = (("dense", "false", "false", 2), ("occupied", "occupied", "false", 2), ("capped", "occupied", "true", 2))
     cases += (("three", "occupied", "false", 3),)  # three slabs: two planes, a middle rank that owns both
-    cases += (("samples", "occupied", "false", 2),)  # the planes cut again at the growth, by the shaded samples
-    cases += (("work", "occupied", "false", 2),)  # and by those and the rows Adam steps
+    cases += (("work", "occupied", "false", 2),)  # the planes cut again at the growth, by the samples and Adam's rows
     cases += (("observe", "occupied", "true", 2),)  # capped, the refreshes at 8 and 12 resized from their counts
     for name, adam, capped, count in cases:  # capped: every rank's march in fixed sample capacities
         extra = [f"train.sparse_adam={adam}", "train.checkpoint_every=6", f"model.capped_samples={capped}"]
         extra += [f"model.capped_refresh={'observe' if name == 'observe' else 'measure'}"]
-        extra += [f"train.space_planes={name if name in ('samples', 'work') else 'even'}"]
         extra += ["model.tv_density=0", "model.tv_features=0"]  # the split's TV is stratified: a test of its own
         extra += ["model.grow_at=[0.5]"]  # the growth at step 6, after the warmup's (4): the cut counts from there
         result = single(tiny(cache, tmp_path / f"one_{name}", 12) + extra)
@@ -308,7 +306,7 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         pair = torchrun(count, tiny(cache, tmp_path / f"two_{name}", 12) + extra + ["train.parallel=space"])
         assert pair.returncode == 0, ranks_output(pair)
         assert pair.stdout.count("eval on") == 1, f"{name}: {ranks_output(pair)}"
-        assert (name in ("samples", "work")) == ("space split: slabs cut at vertex planes" in pair.stdout)
+        assert "space split: slabs cut at vertex planes" in pair.stdout  # at the growth, by the counted work
         metrics = json.loads((tmp_path / f"two_{name}" / "metrics.json").read_text())
         ranks = metrics["sample_capacity_ranks"]
         assert (ranks is None) == (capped == "false") and (ranks is None or len(ranks) == count)
@@ -319,7 +317,7 @@ def test_gloo_ranks_split_by_space_train_what_one_process_trains(tmp_path):
         assert metrics["step_graph_ranks"] is None and metrics["parallel"]["split"] == "space"
         assert metrics["parallel"]["ranks"] == count
         cuts = metrics["parallel"]["cuts"]  # the planes each growth cut, by the counted samples (or work)
-        assert bool(cuts) == (name in ("samples", "work")) and all(len(cut["planes"]) == count - 1 for cut in cuts)
+        assert cuts and all(len(cut["planes"]) == count - 1 for cut in cuts)
         one = load_checkpoint(tmp_path / f"one_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         two = load_checkpoint(tmp_path / f"two_{name}" / "checkpoints" / "last.pt", map_location="cpu")
         assert one["step"] == two["step"] == 12

@@ -126,7 +126,6 @@ class TrainConfig:
     tensorboard: Any = "auto"  # auto (on when the package is installed) | true | false
     dist_timeout: float = 300.0
     parallel: str = "auto"  # under torchrun: auto | data | space (training.space_parallel.split_for)
-    space_planes: str = "work"  # train.parallel=space: where the slabs are cut: work | samples | even
     dist_grad_sync: str = "touched"  # touched | dense (training.distributed)
     shard_optimizer: Any = "auto"  # auto | true | false: the grids' Adam sharded over the ranks (training.sharded_adam)
     random_background: bool = False

@@ -203,7 +203,6 @@ def _check_train(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.dist_timeout")
     _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
     _check_choice(cfg, "train.parallel", ("auto", "data", "space"), "parallel split")
-    _check_choice(cfg, "train.space_planes", ("samples", "work", "even"), "cut of the slabs")
     shard = _get(cfg, "train.shard_optimizer")
     if shard is not _ABSENT and str(shard).lower() not in ("auto", "true", "false"):
         raise ConfigError(f"train.shard_optimizer: expected auto, true or false, got {shard!r}")

@@ -33,8 +33,6 @@ from training.config import ConfigError
 from training.config_rules import sparse_adam_mode
 from training.distributed import check_shards
 
-COUNTED = ("samples", "work")  # the cuts that count the shaded samples
-
 
 class SpaceParallel:
     """The split of one torchrun job, a slab a rank; set on the model (``model.space_split``) and the trainer."""
@@ -43,9 +41,8 @@ class SpaceParallel:
         refusal = SpaceParallel.refusal(trainer)
         if refusal is not None:
             raise ConfigError(f"train.parallel: space {refusal}")
-        group, model, cfg = trainer.group, trainer.model, trainer.train_cfg
+        group, model = trainer.group, trainer.model
         self.trainer, self.model, self.group = trainer, model, group
-        self.balance_by = str(cfg.get("space_planes", "work"))  # work | samples | even
         self._planes: tuple | None = None  # (grid shape, planes) set by balance() for grids of that shape
         self._layers: tuple | None = None  # (counts, their first-axis span): the shaded samples since the last cut,
         # per cell layer, then the steps counted
@@ -91,18 +88,17 @@ class SpaceParallel:
 
     @torch.no_grad()
     def balance(self) -> None:
-        """``train.space_planes`` samples or work: the planes cut where the shaded samples a step counted since the
-        last cut (every rank its slab's, summed over the ranks; mapped onto the grids as they are now) split evenly,
-        with ``work`` each grid row that Adam steps added as :data:`models.space_split.ROW_WORK` of a sample
-        (:func:`models.space_split.work_layers`): the decoder's work, ~2/3 of a step's kernels, and Adam's then fall
-        evenly on the ranks. Even planes where nothing was counted (the start, a resume). Only when every rank
-        holds the same whole grids with no Adam history that the new owner of a row would lack: right after a growth
+        """The planes cut where the work since the last cut splits evenly: the shaded samples a step counted (every
+        rank its slab's, summed over the ranks; mapped onto the grids as they are now), each grid row that Adam steps
+        added as :data:`models.space_split.ROW_WORK` of a sample (:func:`models.space_split.work_layers`): the
+        decoder's work, ~2/3 of a step's kernels, and Adam's then fall evenly on the ranks. Even planes where nothing
+        was counted (the start, a resume). Only when every rank holds the same whole grids with no Adam history that
+        the new owner of a row would lack: right after a growth
         (new parameters, new moments) or a resume (the moments were gathered for the checkpoint). A collective: every
         rank calls it at the same step. Lego 400, one H200 (bench/slab_balance.py, 2026-11-29): at even planes the
         larger slab shaded 56% of the samples over the run, at the samples' own cut 50.5%; the occupancy's surface
-        cells (session 40's rule) gave 57-58%."""
-        if self.balance_by not in COUNTED:
-            return
+        cells (session 40's rule) gave 57-58%; the work's cut trained two ranks 1.705x one GPU against 1.678x for the
+        samples alone (docs/decisions.md)."""
         shape, counted = self.model.grid_shape, self._layers
         span = self._span()
         self._layers = None  # counted afresh on the grids as they are now
@@ -114,7 +110,7 @@ class SpaceParallel:
         steps = max(float(counts[-1]) / self.group.world, 1.0)  # a host sync, at a cut only
         layers = regrid_layers(counts[:-1] / steps, counted_span, span, shape[0] - 1)
         mask = self.model.occupancy.mask
-        if self.balance_by == "work" and mask.shape[0] == layers.numel():  # else a growth before the first refresh
+        if mask.shape[0] == layers.numel():  # else a growth before the first refresh
             layers = work_layers(layers, mask)
         planes = Slabs.balanced(layers, self.group.world, self.group.rank).planes
         self._planes = (shape, planes)
@@ -129,15 +125,15 @@ class SpaceParallel:
         return low, high
 
     def _counting(self) -> torch.Tensor | None:
-        """The (R0,) counts the march adds this slab's shaded samples to, per cell layer, and its steps (samples or
-        work; from the occupancy's warmup on), None otherwise and inside a captured step (training.step_graph: its
+        """The (R0,) counts the march adds this slab's shaded samples to, per cell layer, and its steps (from the
+        occupancy's warmup on), None before it and inside a captured step (training.step_graph: its
         samples have padding rows, so it counts none; the counts must not be made there either, or every replay would
         zero them)."""
         capturing = self.model.bbox.is_cuda and torch.cuda.is_current_stream_capturing()
         # before the occupancy's warmup every ray is marched through the whole box: those steps' samples say little
         # of where a later step's fall, and there are many of them (every step measures there)
         warming = self.trainer.step < self.model.config.occupancy.warmup
-        if self.balance_by not in COUNTED or capturing or warming:
+        if capturing or warming:
             return None
         cells = self.model.grid_shape[0] - 1
         if self._layers is None or self._layers[0].numel() != cells + 1:
