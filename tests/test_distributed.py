@@ -87,18 +87,16 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
     mid_run = ["train.checkpoint_every=6", "train.keep_checkpoints=2"]  # keeps step 6's, resumed below
     result = single(tiny(cache, tmp_path / "one", 12) + mid_run)
     assert result.returncode == 0, result.stderr[-2000:]
-    # the grids' Adam sharded over the ranks (train.shard_optimizer=auto), and the touched-rows all-reduce
-    for name, shard in (("two", "auto"), ("touched", "false")):
-        pair = torchrun(2, tiny(cache, tmp_path / name, 12) + mid_run + [f"train.shard_optimizer={shard}"])
-        assert pair.returncode == 0, ranks_output(pair)
-        # rank 0 alone wrote the outputs and the log; train.parallel=auto took data parallel on CPUs
-        assert (tmp_path / name / "metrics.json").is_file() and pair.stdout.count("eval on") == 1
-        assert pair.stdout.count("train.parallel=auto: data parallel over 2 ranks (the space split runs on CUDA") == 1
-        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
-        assert metrics["parallel"] == {"ranks": 2, "split": "data"}
+    # dense Adam under data parallel: the grids' Adam sharded over the ranks (training.sharded_adam)
+    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + mid_run)
+    assert pair.returncode == 0, ranks_output(pair)
+    # rank 0 alone wrote the outputs and the log; train.parallel=auto took data parallel on CPUs
+    assert (tmp_path / "two" / "metrics.json").is_file() and pair.stdout.count("eval on") == 1
+    assert pair.stdout.count("train.parallel=auto: data parallel over 2 ranks (the space split runs on CUDA") == 1
+    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert metrics["parallel"] == {"ranks": 2, "split": "data"}
     one = load_checkpoint(tmp_path / "one" / "checkpoints" / "last.pt", map_location="cpu")
-    for name in ("two", "touched"):
-        assert_same_model(one, load_checkpoint(tmp_path / name / "checkpoints" / "last.pt", map_location="cpu"))
+    assert_same_model(one, load_checkpoint(tmp_path / "two" / "checkpoints" / "last.pt", map_location="cpu"))
     # checkpoints cross over: the sharded job's step-6 checkpoint (moments gathered to rank 0) continues in one
     # process, one process's continues in the sharded job, both to one process's step 12
     for source, target, launch in (("two", "resume_one", single), ("one", "resume_two", lambda a: torchrun(2, a))):
@@ -111,13 +109,13 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
         assert_same_model(one, load_checkpoint(folder / "last.pt", map_location="cpu"))
 
 
-def test_touched_rows_sync_on_two_gloo_ranks_trains_what_one_process_trains(tmp_path):
-    # dense Adam under torchrun with the touched-rows sync (shard_optimizer off): the rows averaged are the union of
-    # the ranks' marks, the only rows with a gradient, so the two train the same model
-    cache, sparse = tmp_path / "cache", ["train.shard_optimizer=false"]
-    result = single(tiny(cache, tmp_path / "one", 12) + sparse)
+def test_profiled_gloo_ranks_each_write_their_profile(tmp_path):
+    # the touched-rows sync (the sparse Adams under torchrun) is covered below; here the profiled steps, which must
+    # train the same model as one process does unprofiled
+    cache = tmp_path / "cache"
+    result = single(tiny(cache, tmp_path / "one", 12))
     assert result.returncode == 0, result.stderr[-2000:]
-    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + sparse + ["train.profile=true"])  # the same math, timed
+    pair = torchrun(2, tiny(cache, tmp_path / "two", 12) + ["train.profile=true"])  # the same math, timed
     assert pair.returncode == 0, ranks_output(pair)
     # each rank writes its own step profile, with the time the gradients' average took
     for name in ("profile.json", "profile_rank1.json"):

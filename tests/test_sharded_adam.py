@@ -1,5 +1,5 @@
 """training.sharded_adam: ShardedGridAdam on two gloo ranks is one process's torch.optim.Adam (each rank steps its slice
-of the grid rows) and checkpoints the whole state, which resumes in one process; the train.shard_optimizer setting."""
+of the grid rows) and checkpoints the whole state, which resumes in one process."""
 
 from __future__ import annotations
 
@@ -101,11 +101,3 @@ def test_sharded_adam_on_two_ranks_is_one_process_adam_and_checkpoints_whole(tmp
     for index, entry in expected["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(saved["state"][index][key], entry[key], rtol=1e-5, atol=1e-7, msg=key)
-
-
-def test_shard_optimizer_setting():
-    from training.sharded_adam import shard_optimizer
-
-    two = Group(0, 2, 0)
-    assert shard_optimizer("auto", two) and not shard_optimizer("auto", Group())
-    assert shard_optimizer(True, two) and not shard_optimizer(False, two) and not shard_optimizer("false", two)

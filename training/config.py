@@ -127,7 +127,6 @@ class TrainConfig:
     dist_timeout: float = 300.0
     parallel: str = "auto"  # under torchrun: auto | data | space (training.space_parallel.split_for)
     dist_grad_sync: str = "touched"  # touched | dense (training.distributed)
-    shard_optimizer: Any = "auto"  # auto | true | false: the grids' Adam sharded over the ranks (training.sharded_adam)
     random_background: bool = False
     pixel_jitter: bool = False  # training rays through a random point of their pixel, not its centre
     overwrite: bool = False

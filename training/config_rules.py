@@ -203,17 +203,12 @@ def _check_train(cfg: DictConfig) -> None:
     _check_nonnegative_number(cfg, "train.dist_timeout")
     _check_choice(cfg, "train.dist_grad_sync", ("touched", "dense"), "gradient sync")
     _check_choice(cfg, "train.parallel", ("auto", "data", "space"), "parallel split")
-    shard = _get(cfg, "train.shard_optimizer")
-    if shard is not _ABSENT and str(shard).lower() not in ("auto", "true", "false"):
-        raise ConfigError(f"train.shard_optimizer: expected auto, true or false, got {shard!r}")
     sparse = _get(cfg, "train.sparse_adam")
     if sparse is not _ABSENT:
         try:
             sparse_adam_mode(sparse)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    if str(shard).lower() == "true" and sparse is not _ABSENT and sparse_adam_mode(sparse) != "off":
-        raise ConfigError(f"train.shard_optimizer: true shards dense Adam; not with train.sparse_adam={sparse}")
     for key in (
         "train.batch_rays",
         "train.patch_size",

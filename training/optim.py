@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from cuda_ext.kept_grad import keep_grad
 from training.config_rules import sparse_adam_mode
-from training.sharded_adam import ShardedGridAdam, shard_optimizer
+from training.sharded_adam import ShardedGridAdam
 
 if TYPE_CHECKING:  # training.trainer imports this module
     from training.trainer import Trainer
@@ -267,7 +267,7 @@ def new_optimizer(trainer: Trainer, betas: tuple[float, float]) -> torch.optim.O
     mode = sparse_adam_mode(cfg.get("sparse_adam", False))
     space = getattr(model, "space_split", None)  # train.parallel=space: no gradient exchange but the plane's
     split = space is not None
-    sharded = mode == "off" and not split and shard_optimizer(cfg.get("shard_optimizer", "auto"), group)
+    sharded = mode == "off" and not split and group.active  # dense Adam under data parallel: ZeRO-2
     # under torchrun the model marks the rows its lookups read for the touched-rows all-reduce (the union of the
     # ranks' marks, training.distributed)
     model.touched.enabled = (

@@ -1,16 +1,11 @@
 """Adam for data-parallel training with the grids' optimiser state and update sharded over the ranks (ZeRO
-stage 2; ``train.shard_optimizer``), in checkpoints the state of ``torch.optim.Adam`` over whole parameters."""
+stage 2; dense Adam under data parallel), in checkpoints the state of ``torch.optim.Adam`` over whole parameters."""
 
 from __future__ import annotations
 
 import torch
 
 from training.distributed import Group, RowShard
-
-
-def shard_optimizer(setting, group: Group) -> bool:
-    """``train.shard_optimizer`` (auto | true | false) for this job: auto shards when it runs on several ranks."""
-    return group.active if str(setting).lower() == "auto" else bool(setting) and str(setting).lower() != "false"
 
 
 class ShardedGridAdam:

@@ -149,7 +149,7 @@ class Trainer:
             raise ConfigError(f"train.patch_size: {error}") from None
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        """Adam over the grids and the decoder as ``train.sparse_adam`` / ``shard_optimizer`` ask (training.optim)."""
+        """Adam over the grids and the decoder as ``train.sparse_adam`` asks (training.optim)."""
         return new_optimizer(self, ADAM_BETAS)
 
     def _rebuild_optimizer(self) -> None:
