@@ -185,6 +185,8 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(tmp_path, photos, posed):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.mp4", "empty", "noise", "notes.txt"]
     with pytest.raises(ProcessError, match="--frames must be an integer >= 3"):
         process(photos[0], tmp_path / "out", frames=1, log=lambda line: None)
+    with pytest.raises(ProcessError, match="--camera-model must be one of"):
+        process(photos[0], tmp_path / "out", camera_model="FULL_OPENCV", log=lambda line: None)
 
 
 def test_the_command_line(tmp_path, photos):

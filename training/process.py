@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from data.colmap import read_model, transforms_from_model, write_points_ply
+from data.colmap import NERFSTUDIO_KEYS, read_model, transforms_from_model, write_points_ply
 
 INSTALL = 'python3 -m pip install --no-build-isolation -e ".[process]"'
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png"}
@@ -309,6 +309,8 @@ def process(
         raise ProcessError(f"--matcher must be auto, exhaustive or sequential, got {matcher!r}")
     if mapper not in ("incremental", "global"):
         raise ProcessError(f"--mapper must be incremental or global, got {mapper!r}")
+    if camera_model not in NERFSTUDIO_KEYS:  # the models the loader turns into rays; checked before any work
+        raise ProcessError(f"--camera-model must be one of {', '.join(NERFSTUDIO_KEYS)}, got {camera_model!r}")
     if not 0.0 <= min_registered <= 1.0:
         raise ProcessError(f"--min-registered must be a fraction in [0, 1], got {min_registered!r}")
     if any(isinstance(f, bool) or not isinstance(f, int) or f < 2 for f in downscales):
@@ -398,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         default="shared",
         help="shared: one camera for the images of each size (one phone); per-image: one camera per image",
     )
-    parser.add_argument("--camera-model", default="OPENCV", help="COLMAP camera model (default OPENCV)")
+    parser.add_argument(
+        "--camera-model", default="OPENCV", choices=tuple(NERFSTUDIO_KEYS), help="COLMAP camera model (default OPENCV)"
+    )
     parser.add_argument("--max-image-size", type=int, default=1600, help="SIFT on images reduced to this side")
     parser.add_argument("--downscales", type=int, nargs="*", default=[], help="also write images_F/ copies (e.g. 2 4)")
     parser.add_argument(
