@@ -254,6 +254,11 @@ def rotation_matrix(qvec: np.ndarray) -> np.ndarray:
     )
 
 
+def turned_points(points: np.ndarray) -> np.ndarray:
+    """(N, 3) points of COLMAP's world in the poses' (nerfstudio's turned) world, as sparse_pc.ply holds them."""
+    return points @ APPLIED_TRANSFORM[:, :3].T + APPLIED_TRANSFORM[:, 3]
+
+
 def camera_to_world(image: Image) -> np.ndarray:
     """(4, 4) camera-to-world in the OpenGL convention, in nerfstudio's turned world (``APPLIED_TRANSFORM``)."""
     w2c = np.eye(4)

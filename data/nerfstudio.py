@@ -39,7 +39,7 @@ from data.blender import _check_rotation, _frame_matrix, _read_json, _worker_cou
 from data.bounds import Bounds, capture_bounds
 from data.camera_models import Lens
 from data.capture_cameras import check_lenses, frame_camera, is_fisheye, number
-from data.colmap import find_model, image_folder, read_model, transforms_from_model
+from data.colmap import find_model, image_folder, read_model, transforms_from_model, turned_points
 from data.errors import SceneError
 from data.images import image_size, load_composited, write_png
 from data.orientation import Similarity, orientation
@@ -385,10 +385,7 @@ def read_colmap_capture(root: str | os.PathLike, eval_interval: int = 8, orient:
     model = read_model(folder)
     images = image_folder(root, folder)
     meta = transforms_from_model(model, images.relative_to(root).as_posix())
-    applied = np.asarray(meta["applied_transform"])  # COLMAP's world -> the poses', as for sparse_pc.ply
-    return parse_capture(
-        folder, root, meta, eval_interval, orient, points=model.points @ applied[:, :3].T + applied[:, 3]
-    )
+    return parse_capture(folder, root, meta, eval_interval, orient, points=turned_points(model.points))
 
 
 def write_nerfstudio(

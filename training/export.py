@@ -80,8 +80,8 @@ from training.finished_run import (
     inverse_points,
     load_run,
     load_split,
+    run_transform,
     scene_of,
-    scene_transform,
 )
 
 EXIT_OK = 0
@@ -232,20 +232,16 @@ def to_frame(points: np.ndarray, state: dict, frame: str) -> np.ndarray:
         raise ExportError(f"--frame: must be one of {', '.join(FRAMES)}, got {frame!r}")
     if frame == "model":
         return np.asarray(points, np.float64)
-    return inverse_points(run_transform(state), points)
+    return inverse_points(original_frame(state), points)
 
 
-def run_transform(state: dict):
-    """The run's data.orient similarity (training.finished_run.scene_transform), or ExportError saying why not."""
-    from data import SceneError
-
-    try:
-        return scene_transform(dict(state["config"]["data"]))
-    except (SceneError, OSError, ValueError) as error:
-        raise ExportError(
-            f"--frame original: cannot read the capture to undo data.orient ({' '.join(str(error).split())}); "
-            "use --frame model, or put the capture back where the run found it"
-        ) from None
+def original_frame(state: dict):
+    """The run's data.orient similarity, to undo it (training.finished_run.run_transform)."""
+    return run_transform(
+        state,
+        "--frame original: cannot read the capture to undo data.orient; use --frame model, or put the capture "
+        "back where the run found it",
+    )
 
 
 def export_mesh(
@@ -397,7 +393,7 @@ def export_pointcloud(
         raise ExportError(f"--frame: must be one of {', '.join(FRAMES)}, got {frame!r}")
     model, state = load_run(run_dir, fast_ops())
     model = model.to(resolve_device(device)).eval()
-    transform = run_transform(state) if frame == "original" else None  # before rendering: fail early
+    transform = original_frame(state) if frame == "original" else None  # before rendering: fail early
     scene = _run_scene(state, "train", model)
     points, colours = extract_pointcloud(model, scene, num_points, min_opacity, downscale, chunk, progress=progress)
     if transform is not None:
@@ -442,7 +438,7 @@ def export_cameras(run_dir: str | os.PathLike, out: str | os.PathLike | None = N
     if frame not in FRAMES:
         raise ExportError(f"--frame: must be one of {', '.join(FRAMES)}, got {frame!r}")
     model, state = load_run(run_dir)
-    transform = run_transform(state) if frame == "original" else None
+    transform = original_frame(state) if frame == "original" else None
     train = _run_scene(state, "train", model)
     evaluation = _run_scene(state, None, model)
     downscale = int(state["config"]["data"].get("downscale", 1) or 1)

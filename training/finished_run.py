@@ -199,6 +199,15 @@ def scene_transform(data_cfg: dict, data_root: str | os.PathLike | None = None) 
     return _capture(cfg).transform
 
 
+def run_transform(state: dict, purpose: str) -> Similarity:
+    """:func:`scene_transform` of a loaded run's ``state``, or RunReadError starting with ``purpose`` (what needed it
+    and what to do instead) when its capture cannot be read."""
+    try:
+        return scene_transform(dict(state["config"]["data"]))
+    except (SceneError, OSError, ValueError) as error:
+        raise RunReadError(f"{purpose} ({' '.join(str(error).split())})") from None
+
+
 def inverse_points(transform: Similarity, points: np.ndarray) -> np.ndarray:
     """(..., 3) points of the run's frame -> the scene's own frame (the inverse of ``transform.points``)."""
     return (np.asarray(points, np.float64) / transform.scale - transform.translation) @ transform.rotation

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from data.colmap import NERFSTUDIO_KEYS, read_model, transforms_from_model, write_points_ply
+from data.colmap import NERFSTUDIO_KEYS, read_model, transforms_from_model, turned_points, write_points_ply
 
 INSTALL = 'python3 -m pip install --no-build-isolation -e ".[process]"'
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png"}
@@ -257,8 +257,7 @@ def write_capture(root: Path, reconstruction) -> dict:
     reconstruction.write(sparse)
     model = read_model(sparse)
     meta = transforms_from_model(model, "images")
-    applied = np.asarray(meta["applied_transform"])  # the points in the poses' world, as ns-process-data writes them
-    write_points_ply(root / "sparse_pc.ply", model.points @ applied[:, :3].T + applied[:, 3], model.colors)
+    write_points_ply(root / "sparse_pc.ply", turned_points(model.points), model.colors)
     meta["ply_file_path"] = "sparse_pc.ply"
     (root / "transforms.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return meta

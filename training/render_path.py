@@ -51,7 +51,7 @@ from data.bounds import focus_point
 from data.cameras import look_at, orbit_positions
 from training import inference
 from training.evaluation import rgb_depth_frame
-from training.finished_run import RunReadError, fast_ops, load_run, load_split, scene_transform
+from training.finished_run import RunReadError, fast_ops, load_run, load_split, run_transform
 from training.scenes import load_scenes, resolve_device
 from training.visualize import write_turntable
 
@@ -272,19 +272,6 @@ def spiral_path(
     return look_at(positions, target=tuple(target.tolist()), up=tuple(up.tolist()))
 
 
-def run_transform(state: dict):
-    """The run's data.orient similarity (a camera file in the capture's own frame), or PathError."""
-    from data import SceneError
-
-    try:
-        return scene_transform(dict(state["config"]["data"]))
-    except (SceneError, OSError, ValueError) as error:
-        raise PathError(
-            f"--path: the file's cameras are in the capture's own frame, but the capture cannot be read to map them "
-            f"into the run's ({' '.join(str(error).split())})"
-        ) from None
-
-
 def training_path(state: dict, model, kind: str, frames: int, size: int | None, args) -> tuple:
     """``interpolate`` or ``spiral`` through the run's training cameras: (c2w, intrinsics, (H, W))."""
     from data import SceneError
@@ -377,7 +364,19 @@ def main(argv: list[str] | None = None) -> int:
         elif args.path == "eval":
             path = eval_path(dict(state["config"]["data"]), args.size or 400)
         else:
-            path = (*file_path(Path(args.path), args.size, partial(run_transform, state)), None)
+            path = (
+                *file_path(
+                    Path(args.path),
+                    args.size,
+                    partial(
+                        run_transform,
+                        state,
+                        "--path: the file's cameras are in the capture's own frame, but the capture cannot be read to map "
+                        "them into the run's",
+                    ),
+                ),
+                None,
+            )
         out = Path(args.out) if args.out else Path(args.run_dir) / "renders" / f"path_{name}"
         if out.exists() and any(out.iterdir()):
             raise PathError(f"--out: {out} is not empty (choose another folder; nothing is overwritten)")
