@@ -364,19 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.path == "eval":
             path = eval_path(dict(state["config"]["data"]), args.size or 400)
         else:
-            path = (
-                *file_path(
-                    Path(args.path),
-                    args.size,
-                    partial(
-                        run_transform,
-                        state,
-                        "--path: the file's cameras are in the capture's own frame, but the capture cannot be read to map "
-                        "them into the run's",
-                    ),
-                ),
-                None,
-            )
+            why = "--path: the file's cameras are in the capture's own frame, but the capture cannot be read"
+            path = (*file_path(Path(args.path), args.size, partial(run_transform, state, why)), None)
         out = Path(args.out) if args.out else Path(args.run_dir) / "renders" / f"path_{name}"
         if out.exists() and any(out.iterdir()):
             raise PathError(f"--out: {out} is not empty (choose another folder; nothing is overwritten)")
